@@ -1,0 +1,271 @@
+"""The configuration tree: one pydantic v2 model per component, loaded from YAML or TOML.
+
+Precedence is defaults < file < ``--set a.b=value`` overrides. Every model forbids unknown
+keys so a typo fails loudly, and every field carries a description: the README's config
+reference is generated from these descriptions (``tests/unit/test_readme.py`` keeps it in
+sync). Each component receives only its own sub-config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from diloco_p2p.errors import UserError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    preset: Literal["tiny", "150m", "1b"] = Field(
+        "tiny", description="Llama-architecture size preset; the fields below override it."
+    )
+    pretrained_path: str | None = Field(
+        None, description="Local directory with a transformers model (`from_pretrained`); replaces the preset."
+    )
+    tokenizer_path: str | None = Field(
+        None, description="Local tokenizer directory; unset = the built-in byte-level tokenizer (no download)."
+    )
+    hidden_size: int | None = Field(None, gt=0, description="Override the preset's hidden size.")
+    intermediate_size: int | None = Field(None, gt=0, description="Override the preset's MLP width.")
+    num_hidden_layers: int | None = Field(None, gt=0, description="Override the preset's number of blocks.")
+    num_attention_heads: int | None = Field(None, gt=0, description="Override the preset's attention heads.")
+    num_key_value_heads: int | None = Field(None, gt=0, description="Override the preset's key/value heads.")
+    max_position_embeddings: int | None = Field(None, gt=0, description="Override the preset's context size.")
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Any other `LlamaConfig` fields, passed through as given."
+    )
+
+
+class DataConfig(_Section):
+    path: str | None = Field(
+        None,
+        description="A text file, a directory of text files, or a JSONL file with a `text` field; "
+        "unset = the embedded default corpus (the Python standard library's sources).",
+    )
+    eval_fraction: float = Field(
+        0.02, gt=0, lt=0.5, description="Share of the corpus held out for evaluation; the same split on every node."
+    )
+    order_key: str | None = Field(
+        None,
+        description="Key that fixes this node's training order; unset = the node's identity, so nodes see "
+        "different data without coordinating.",
+    )
+    max_bytes: int | None = Field(
+        None, gt=0, description="Read at most this many bytes of the corpus (quick experiments)."
+    )
+
+
+class InnerConfig(_Section):
+    lr: float = Field(4e-4, gt=0, description="Peak AdamW learning rate of the inner steps.")
+    batch_size: int = Field(8, gt=0, description="Sequences per micro-batch.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated into one inner step.")
+    seq_len: int = Field(128, gt=1, description="Tokens per training sequence.")
+    warmup_steps: int = Field(100, ge=0, description="Linear warmup steps before the cosine decay.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of `inner.lr`.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value (0 = off).")
+
+
+class OuterConfig(_Section):
+    inner_steps: int = Field(500, gt=0, description="H: inner steps between two outer steps.")
+    lr: float = Field(0.7, ge=0, description="Outer SGD learning rate (1.0 with momentum 0 = plain averaging).")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer SGD momentum.")
+    nesterov: bool = Field(True, description="Use Nesterov momentum in the outer step.")
+
+
+class TrainConfig(_Section):
+    max_rounds: int = Field(10, gt=0, description="Stop after this many outer rounds.")
+    eval_batches: int = Field(8, ge=0, description="Held-out batches scored after each round (0 = no eval).")
+    eval_every: int = Field(1, gt=0, description="Evaluate every this many rounds (and after the last).")
+    checkpoint_every: int = Field(1, gt=0, description="Write a local checkpoint every this many rounds.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto` uses CUDA when present.")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="`auto` = bf16 autocast on CUDA, fp32 on CPU."
+    )
+    num_threads: int | None = Field(None, gt=0, description="torch CPU threads; unset = torch's default.")
+
+
+class SyncConfig(_Section):
+    compression: Literal["fp32", "fp16", "int8"] = Field(
+        "fp16", description="Wire format of pseudo-gradients in the all-reduce (accumulation is fp32)."
+    )
+    min_group_size: int = Field(2, ge=1, description="Fewest peers that make a group; fewer = the round ends alone.")
+    target_group_size: int = Field(16, ge=1, description="A group closes as soon as it has this many peers.")
+    matchmaking_timeout: float = Field(
+        15.0, gt=0, description="Seconds a round waits for peers to form a group before closing it."
+    )
+    allreduce_timeout: float = Field(
+        60.0, gt=0, description="Seconds the all-reduce may take; peers silent past it are left out."
+    )
+    max_weight_ratio: float = Field(
+        64.0, gt=1, description="Reject a peer whose token weight is above this multiple of our own."
+    )
+    alone_policy: Literal["apply", "skip"] = Field(
+        "apply",
+        description="A round with no group: `apply` our own pseudo-gradient (M=1 DiLoCo), `skip` drops it.",
+    )
+
+    @model_validator(mode="after")
+    def _group_bounds(self) -> SyncConfig:
+        if self.target_group_size < self.min_group_size:
+            raise ValueError("sync.target_group_size must be >= sync.min_group_size")
+        return self
+
+
+class P2PConfig(_Section):
+    initial_peers: list[str] = Field(
+        default_factory=list, description="Multiaddrs of DHT peers to join (e.g. a seed); empty = train solo."
+    )
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="Multiaddrs this node listens on."
+    )
+    announce_maddrs: list[str] = Field(
+        default_factory=list, description="Multiaddrs other peers should dial (public address behind NAT)."
+    )
+    identity_path: str | None = Field(
+        None, description="Private key file fixing the peer id; unset = `<run-dir>/identity.key`."
+    )
+    connect_timeout: float = Field(
+        20.0, gt=0, description="Seconds to wait for the initial peers before giving up with an error."
+    )
+
+
+class MetricsConfig(_Section):
+    host: str = Field("127.0.0.1", description="Address the Prometheus endpoint binds to.")
+    port: int = Field(0, ge=0, lt=65536, description="Prometheus endpoint port (0 = off).")
+
+
+class LogConfig(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    json_format: bool = Field(False, description="One JSON object per log line, for log shippers.")
+
+
+class Config(_Section):
+    run_id: str = Field(
+        "diloco", min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="Names the run; namespaces every DHT key."
+    )
+    seed: int = Field(0, description="Fixes the initial parameters; must be equal on every node of a run.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The language model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="The training corpus.")
+    inner: InnerConfig = Field(default_factory=InnerConfig, description="The inner AdamW steps.")
+    outer: OuterConfig = Field(default_factory=OuterConfig, description="The DiLoCo outer step.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The training loop.")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="Averaging with the swarm.")
+    p2p: P2PConfig = Field(default_factory=P2PConfig, description="The DHT and libp2p transport.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="The Prometheus endpoint.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
+
+    # Fields that must be equal on every node of a swarm: they fix the parameters' shapes and
+    # values, the outer trajectory and the wire format. Everything else (batch size, data path,
+    # ports) may differ between volunteers.
+    SWARM_FIELDS: ClassVar[tuple[str, ...]] = ("run_id", "seed", "model", "outer", "sync.compression", "inner.seq_len")
+
+    def swarm_view(self) -> dict[str, Any]:
+        """The flattened fields that must agree across the swarm, by dotted path."""
+        flat = _flatten(self.model_dump(mode="json"))
+        return {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in self.SWARM_FIELDS)}
+
+    def swarm_hash(self) -> str:
+        """sha256 over `swarm_view()`; peers with a different hash are refused."""
+        blob = json.dumps(self.swarm_view(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def diff_swarm_fields(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Dotted paths whose values differ between two `swarm_view()` dicts, as 'path: ours != theirs'."""
+    keys = sorted(set(ours) | set(theirs))
+    return [f"{k}: {ours.get(k)!r} != {theirs.get(k)!r}" for k in keys if ours.get(k) != theirs.get(k)]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value and key != "extra":
+            out.update(_flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist; pass an existing YAML or TOML file to --config")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        raise UserError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {_one_line(e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must hold a mapping of sections, not {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Parse one ``a.b=value``; the value is read as YAML so numbers, booleans and lists work."""
+    if "=" not in item:
+        raise UserError(f"--set {item!r} has no '='; write it as --set section.field=value")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise UserError(f"--set {item!r} has an empty field name; write it as --set section.field=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"--set {'.'.join(path)}: {part} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build the config from defaults, then the file (if any), then ``--set`` overrides."""
+    tree: dict[str, Any] = _read_file(Path(path)) if path else {}
+    for item in overrides:
+        apply_override(tree, *parse_override(item))
+    return validate_config(tree, source=str(path) if path else "--set")
+
+
+def validate_config(tree: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            raise UserError(
+                f"{source}: unknown field {where!r}; check the spelling against the config reference in README.md"
+            ) from None
+        raise UserError(f"{source}: field {where!r}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def save_config(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
