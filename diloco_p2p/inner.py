@@ -1,0 +1,105 @@
+"""The inner optimizer: AdamW steps on this node's own data.
+
+Warmup + cosine schedule over the whole run, global-norm clipping, gradient accumulation,
+bf16 autocast on CUDA and fp32 on CPU. The AdamW state is local to the node and persists
+across rounds (DiLoCo resets only the parameters to θ at the start of a round).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from diloco_p2p.config import InnerConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from diloco_p2p.errors import UserError
+
+        raise UserError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    return torch.device(name)
+
+
+def warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+@dataclass
+class StepStats:
+    loss: float
+    tokens: int
+
+
+class InnerTrainer:
+    def __init__(self, model: torch.nn.Module, cfg: InnerConfig, total_steps: int, device: torch.device,
+                 precision: str = "auto"):
+        self.model, self.cfg, self.device = model, cfg, device
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+        )
+        use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+        self._autocast = (
+            (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
+        )
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.to(self.device, non_blocking=True)
+        with self._autocast():
+            logits = self.model(input_ids=batch[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+    def step(self, next_batch: Callable[[], torch.Tensor]) -> StepStats:
+        """One optimizer step over `grad_accum` micro-batches."""
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        tokens = 0
+        for _ in range(self.cfg.grad_accum):
+            batch = next_batch()
+            loss = self._loss(batch) / self.cfg.grad_accum
+            loss.backward()
+            total += loss.detach()
+            tokens += batch[:, 1:].numel()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(loss=float(total), tokens=tokens)  # float() is a device sync point, once per step
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[torch.Tensor]) -> float | None:
+        if not batches:
+            return None
+        self.model.eval()
+        losses = [float(self._loss(b)) for b in batches]
+        return sum(losses) / len(losses)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

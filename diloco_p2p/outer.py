@@ -1,0 +1,88 @@
+"""The DiLoCo outer step: a small object of tensors, with no networking inside.
+
+DiLoCo (Douillard et al., 2023; see ``shared/papers/diloco-reference-page.txt``) keeps global
+parameters θ and runs H inner AdamW steps from them on each worker. The *pseudo-gradient*
+is old minus new, Δ = θ − θ_local (the sign matters: the flipped sign walks away from the
+workers and diverges). The workers' Δ are averaged, and an outer SGD step with Nesterov
+momentum is applied to θ, exactly as ``torch.optim.SGD(nesterov=True, dampening=0)`` would
+with Δ̄ as the gradient:
+
+    m ← β·m + Δ̄
+    θ ← θ − η·(Δ̄ + β·m)          (without Nesterov: θ ← θ − η·m)
+
+θ and m live in fp32 on the host (never on the GPU: they are touched once per round), as one
+flat buffer each so the network layer can hand an averaged flat vector straight back. Every
+peer that applies the same Δ̄ to the same (θ, m) ends with bit-identical θ, which
+`params_sha256` makes checkable. With η = 1 and β = 0 the step is plain parameter averaging.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from diloco_p2p.config import OuterConfig
+
+
+def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Concatenate tensors (any device or dtype) into one flat fp32 CPU vector."""
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
+def tensor_sha256(flat: torch.Tensor) -> str:
+    return hashlib.sha256(flat.contiguous().numpy().tobytes()).hexdigest()
+
+
+class OuterOptimizer:
+    """Global parameters θ, Nesterov momentum m, and the outer SGD step on them."""
+
+    def __init__(self, params: Sequence[torch.Tensor], cfg: OuterConfig):
+        self.cfg = cfg
+        self.shapes = [tuple(p.shape) for p in params]
+        self.numels = [p.numel() for p in params]
+        self.theta = flatten(params)
+        self.momentum = torch.zeros_like(self.theta)
+
+    @property
+    def numel(self) -> int:
+        return self.theta.numel()
+
+    def pseudo_gradient(self, local_params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Δ = θ − θ_local, as a flat fp32 vector."""
+        return self.theta - flatten(local_params)
+
+    def step(self, avg_delta: torch.Tensor) -> None:
+        """Apply one outer SGD(+Nesterov) step with the averaged pseudo-gradient Δ̄."""
+        if avg_delta.shape != self.theta.shape:
+            raise ValueError(f"averaged pseudo-gradient has shape {tuple(avg_delta.shape)}, expected {self.theta.shape}")
+        if not torch.isfinite(avg_delta).all():
+            # The network layer rejects non-finite contributions; this is the last line of defence.
+            raise ValueError("averaged pseudo-gradient is not finite; refusing to apply it to the global parameters")
+        delta = avg_delta.to(torch.float32)
+        beta, lr = self.cfg.momentum, self.cfg.lr
+        self.momentum.mul_(beta).add_(delta)
+        update = delta.add(self.momentum, alpha=beta) if self.cfg.nesterov else self.momentum
+        self.theta.sub_(update, alpha=lr)
+
+    def copy_into(self, params: Sequence[torch.Tensor]) -> None:
+        """Load θ into the model's (local) parameters, whatever their device and dtype."""
+        with torch.no_grad():
+            for p, chunk in zip(params, self.theta.split(self.numels), strict=True):
+                p.copy_(chunk.view(p.shape))
+
+    def params_sha256(self) -> str:
+        return tensor_sha256(self.theta)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"outer.theta": self.theta, "outer.momentum": self.momentum}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        theta, momentum = tensors["outer.theta"], tensors["outer.momentum"]
+        if theta.shape != self.theta.shape or momentum.shape != self.momentum.shape:
+            raise ValueError(
+                f"outer state has {theta.numel()} parameters, this model has {self.theta.numel()}"
+            )
+        self.theta = theta.to(torch.float32).clone()
+        self.momentum = momentum.to(torch.float32).clone()
