@@ -70,6 +70,9 @@ class InnerConfig(_Section):
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated into one inner step.")
     seq_len: int = Field(128, gt=1, description="Tokens per training sequence.")
     warmup_steps: int = Field(100, ge=0, description="Linear warmup steps before the cosine decay.")
+    total_steps: int | None = Field(
+        None, gt=0, description="Length of the cosine schedule in inner steps; unset = train.max_rounds * outer.inner_steps."
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of `inner.lr`.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
@@ -269,3 +272,21 @@ def save_config(config: Config, path: Path) -> None:
 
 def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
+
+
+def config_reference() -> str:
+    """The README's config reference, generated from the models so it cannot drift."""
+    lines = ["| field | default | description |", "| --- | --- | --- |"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            ann = info.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = info.default_factory() if info.default_factory else info.default
+            shown = json.dumps(default) if default is not None else "unset"
+            lines.append(f"| `{prefix}{name}` | `{shown}` | {info.description} |")
+
+    walk(Config, "")
+    return "\n".join(lines)

@@ -118,7 +118,7 @@ class Node:
         self.params = [p for p in self.model.parameters()]
         self.data = build_dataset(config.data, tokenizer, config.inner.seq_len, order_key=self.sync.peer_id)
         self.eval_set = self.data.eval_batches(config.inner.batch_size, config.train.eval_batches)
-        total_steps = config.train.max_rounds * config.outer.inner_steps
+        total_steps = config.inner.total_steps or config.train.max_rounds * config.outer.inner_steps
         self.trainer = InnerTrainer(self.model, config.inner, total_steps, self.device, config.train.precision)
         self.outer = OuterOptimizer(self.params, config.outer)
         self.round = self.step = self.tokens = 0

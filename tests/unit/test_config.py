@@ -1,0 +1,68 @@
+import pytest
+
+from diloco_p2p.config import Config, diff_swarm_fields, load_config, parse_override
+from diloco_p2p.errors import UserError
+
+
+def test_precedence_defaults_file_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("outer:\n  lr: 0.5\n  inner_steps: 7\ninner:\n  batch_size: 3\n")
+    cfg = load_config(f, ["outer.lr=0.25"])
+    assert cfg.outer.lr == 0.25  # override beats file
+    assert cfg.outer.inner_steps == 7  # file beats default
+    assert cfg.outer.momentum == Config().outer.momentum  # default kept
+
+
+def test_toml_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('run_id = "x"\n[sync]\ncompression = "int8"\n')
+    cfg = load_config(f)
+    assert (cfg.run_id, cfg.sync.compression) == ("x", "int8")
+
+
+def test_override_values_are_typed():
+    assert parse_override("p2p.initial_peers=['/ip4/1.2.3.4/tcp/1']") == (
+        ["p2p", "initial_peers"], ["/ip4/1.2.3.4/tcp/1"])
+    assert parse_override("outer.nesterov=false")[1] is False
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["outer.lrr=1"], "unknown field 'outer.lrr'"),
+        (["inner.batch_size=many"], "inner.batch_size"),
+        (["sync.compression=bf8"], "sync.compression"),
+        (["outer.lr"], "has no '='"),
+        (["sync.min_group_size=5", "sync.target_group_size=2"], "target_group_size"),
+    ],
+)
+def test_bad_config_is_one_clear_line(overrides, needle):
+    with pytest.raises(UserError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("outer: [1, 2\n")
+    with pytest.raises(UserError, match="not valid"):
+        load_config(bad)
+
+
+def test_swarm_hash_covers_only_swarm_fields():
+    base = Config()
+    assert base.swarm_hash() == load_config(None, ["inner.batch_size=3", "p2p.connect_timeout=1"]).swarm_hash()
+    other = load_config(None, ["outer.lr=0.5"])
+    assert other.swarm_hash() != base.swarm_hash()
+    assert diff_swarm_fields(base.swarm_view(), other.swarm_view()) == ["outer.lr: 0.7 != 0.5"]
+
+
+def test_every_config_file_in_repo_loads():
+    from pathlib import Path
+
+    files = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml"))
+    assert {f.stem for f in files} >= {"tiny-cpu", "150m", "1b"}
+    for f in files:
+        load_config(f)

@@ -1,0 +1,103 @@
+import torch
+
+from diloco_p2p.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from diloco_p2p.config import OuterConfig
+from diloco_p2p.outer import OuterOptimizer, flatten
+
+
+def _workers(theta: torch.Tensor, n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [theta + torch.randn(theta.shape, generator=g) for _ in range(n)]
+
+
+def _round(outer: OuterOptimizer, locals_: list[torch.Tensor], sign: float = 1.0) -> None:
+    deltas = [sign * outer.pseudo_gradient([w]) for w in locals_]
+    outer.step(torch.stack(deltas).mean(0))
+
+
+def test_lr1_momentum0_is_parameter_averaging():
+    theta = torch.randn(50)
+    outer = OuterOptimizer([theta], OuterConfig(lr=1.0, momentum=0.0, nesterov=True))
+    workers = _workers(theta, 4)
+    _round(outer, workers)
+    torch.testing.assert_close(outer.theta, torch.stack(workers).mean(0), rtol=0, atol=1e-6)
+
+
+def test_lr0_is_a_noop():
+    theta = torch.randn(50)
+    outer = OuterOptimizer([theta], OuterConfig(lr=0.0, momentum=0.9))
+    _round(outer, _workers(theta, 3))
+    assert torch.equal(outer.theta, theta)
+
+
+def test_matches_torch_sgd_nesterov_applied_by_hand():
+    shapes = [(4, 3), (7,)]
+    params = [torch.randn(s) for s in shapes]
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=True)
+    outer = OuterOptimizer(params, cfg)
+    reference = [torch.nn.Parameter(p.clone()) for p in params]
+    sgd = torch.optim.SGD(reference, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        local = [p + 0.1 * torch.randn(p.shape, generator=g) for p in reference]
+        delta = outer.pseudo_gradient(local)
+        for p, d in zip(reference, delta.split([p.numel() for p in reference]), strict=True):
+            p.grad = d.view(p.shape).clone()  # pseudo-gradient as the gradient
+        sgd.step()
+        outer.step(delta)
+        torch.testing.assert_close(outer.theta, flatten(reference), rtol=0, atol=1e-6)
+
+
+def test_plain_momentum_without_nesterov_matches_torch():
+    p = torch.randn(10)
+    outer = OuterOptimizer([p], OuterConfig(lr=0.5, momentum=0.8, nesterov=False))
+    ref = torch.nn.Parameter(p.clone())
+    sgd = torch.optim.SGD([ref], lr=0.5, momentum=0.8, nesterov=False)
+    for k in range(3):
+        local = ref.detach() + torch.full_like(p, 0.1 * (k + 1))
+        delta = outer.pseudo_gradient([local])
+        ref.grad = delta.clone()
+        sgd.step()
+        outer.step(delta)
+    torch.testing.assert_close(outer.theta, ref.detach(), rtol=0, atol=1e-6)
+
+
+def test_flipped_sign_moves_away_from_workers_mean():
+    theta = torch.zeros(100)
+    workers = _workers(theta, 4, seed=3)
+    mean = torch.stack(workers).mean(0)
+    right = OuterOptimizer([theta], OuterConfig(lr=0.7, momentum=0.9))
+    wrong = OuterOptimizer([theta], OuterConfig(lr=0.7, momentum=0.9))
+    _round(right, workers)
+    _round(wrong, workers, sign=-1.0)
+    start = (theta - mean).norm()
+    assert (right.theta - mean).norm() < start
+    assert (wrong.theta - mean).norm() > start
+
+
+def test_non_finite_average_is_refused():
+    outer = OuterOptimizer([torch.zeros(3)], OuterConfig())
+    bad = torch.tensor([0.0, float("nan"), 1.0])
+    try:
+        outer.step(bad)
+    except ValueError as e:
+        assert "not finite" in str(e)
+    else:
+        raise AssertionError("a NaN average reached the outer step")
+    assert torch.isfinite(outer.theta).all()
+
+
+def test_momentum_survives_save_and_load(tmp_path):
+    p = torch.randn(20)
+    cfg = OuterConfig(lr=0.7, momentum=0.9)
+    a = OuterOptimizer([p], cfg)
+    workers = _workers(p, 2)
+    _round(a, workers)
+    save_checkpoint(tmp_path, Checkpoint(round=1, step=0, tokens=0, tensors=a.state_tensors()))
+    b = OuterOptimizer([torch.zeros(20)], cfg)
+    b.load_state_tensors(load_checkpoint(tmp_path).tensors)
+    assert torch.equal(a.momentum, b.momentum) and a.momentum.abs().sum() > 0
+    more = _workers(a.theta, 2, seed=9)
+    _round(a, more)
+    _round(b, more)
+    assert torch.equal(a.theta, b.theta)

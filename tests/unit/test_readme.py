@@ -1,0 +1,36 @@
+"""The README's commands and config reference must match the code."""
+
+import re
+from pathlib import Path
+
+from diloco_p2p.config import config_reference
+
+README = (Path(__file__).parents[2] / "README.md").read_text()
+
+
+def _block_after(marker: str) -> str:
+    m = re.search(re.escape(marker) + r"\n```\n(.*?)\n```", README, re.S)
+    assert m, f"README has no code block after {marker}"
+    return m.group(1)
+
+
+def test_config_reference_is_generated_from_the_models():
+    m = re.search(r"<!-- config-reference:start -->\n(.*?)\n<!-- config-reference:end -->", README, re.S)
+    assert m and m.group(1).strip() == config_reference().strip(), (
+        "README config reference is stale: regenerate it from diloco_p2p.config.config_reference()"
+    )
+
+
+def test_exactly_two_one_line_commands_near_the_top():
+    main, test = _block_after("<!-- main-command -->"), _block_after("<!-- test-command -->")
+    assert "\n" not in main and "\n" not in test
+    assert "diloco-p2p" in main and "pytest" in test
+    assert README.index("<!-- test-command -->") < README.index("## Quick start")
+
+
+def test_every_issue_field_is_documented():
+    for field in ["run_id", "seed", "model.preset", "data.path", "data.eval_fraction", "inner.lr",
+                  "inner.batch_size", "inner.seq_len", "inner.warmup_steps", "inner.weight_decay",
+                  "inner.grad_clip", "outer.inner_steps", "outer.lr", "outer.momentum", "outer.nesterov",
+                  "train.max_rounds", "train.eval_batches"]:
+        assert f"`{field}`" in README
