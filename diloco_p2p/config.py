@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
