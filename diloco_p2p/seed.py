@@ -1,0 +1,184 @@
+"""`diloco-p2p seed`: a DHT bootstrap node that trains nothing.
+
+A seed is how volunteers find each other: it has a persistent identity (so its multiaddr does
+not change across restarts), listens on a fixed, documented port, and prints the multiaddrs
+others pass as ``--initial-peers``. It stores DHT records for any run id, like every other DHT
+node; it does not need to know the runs. Operators' notes (ports, NAT, announce addresses,
+identity backup, systemd) are in ``bootstrap/README.md``.
+
+It runs until SIGTERM or SIGINT, then shuts the DHT (and its p2pd) down and returns 0. If the
+DHT process dies under it, it returns 1 so a supervisor (systemd ``Restart=on-failure``)
+restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from diloco_p2p.config import P2PConfig
+from diloco_p2p.errors import UserError
+from diloco_p2p.swarm.dht import dht_peer_count, start_dht, visible_maddrs
+
+logger = logging.getLogger(__name__)
+
+# The seed's TCP port unless --host-maddrs says otherwise: fixed so that the address in
+# volunteers' configs stays valid. 31337 is hivemind's customary example port.
+DEFAULT_SEED_PORT = 31337
+DEFAULT_HOST_MADDRS = (f"/ip4/0.0.0.0/tcp/{DEFAULT_SEED_PORT}",)
+# How often the seed checks that its DHT process is alive and logs what it sees.
+HEARTBEAT_SECONDS = 5.0
+LOG_EVERY_HEARTBEATS = 60
+
+
+def run_seed(
+    host_maddrs: Sequence[str] | None = None,
+    announce_maddrs: Sequence[str] = (),
+    identity_path: Path | str | None = None,
+    maddrs_file: Path | str | None = None,
+    metrics_host: str = "127.0.0.1",
+    metrics_port: int = 0,
+    *,
+    initial_peers: Sequence[str] = (),
+    stop_event: threading.Event | None = None,
+) -> int:
+    """Serve the DHT until SIGTERM/SIGINT (or `stop_event`), then shut down; returns the exit code.
+
+    `initial_peers` lets a second seed join the first (several seeds make one DHT). Raises
+    `UserError` for bad addresses, an unusable identity or a busy port.
+    """
+    hosts = list(host_maddrs) if host_maddrs else list(DEFAULT_HOST_MADDRS)
+    if identity_path is None:
+        logger.warning("no --identity: this seed's peer id and address change on every restart")
+    cfg = P2PConfig(
+        host_maddrs=hosts, announce_maddrs=list(announce_maddrs), initial_peers=list(initial_peers)
+    )
+    # The DHT forks: start it before any thread of ours (metrics server) and before our signal
+    # handlers, which the forked DHT process would otherwise inherit.
+    dht = start_dht(cfg, Path(identity_path) if identity_path is not None else None)
+    stop = stop_event or threading.Event()
+    previous = _install_stop_handlers(stop)
+    metrics = None
+    try:
+        addrs = visible_maddrs(dht)
+        for a in addrs:
+            print(a, flush=True)
+        if maddrs_file is not None:
+            _write_atomically(Path(maddrs_file), "".join(a + "\n" for a in addrs))
+        metrics = _start_metrics(metrics_host, metrics_port, dht)
+        logger.info(
+            "seed %s is up; pass one of the addresses above as --initial-peers", dht.peer_id.to_base58()
+        )
+        beats = 0
+        while not stop.wait(HEARTBEAT_SECONDS):
+            if not dht.is_alive():
+                logger.error(
+                    "the DHT process exited unexpectedly; stopping so the supervisor can restart the seed"
+                )
+                return 1
+            beats += 1
+            if beats % LOG_EVERY_HEARTBEATS == 0:
+                logger.info("seed alive: %d DHT peers in the routing table", dht_peer_count(dht))
+        logger.info("stopping the seed")
+        return 0
+    finally:
+        _restore_handlers(previous)
+        _stop_metrics(metrics)
+        dht.shutdown()
+
+
+def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}  # signals only reach the main thread; the caller stops us through stop_event
+
+    def handler(signum: int, _frame: Any) -> None:
+        logger.info("received %s", signal.Signals(signum).name)
+        stop.set()
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore_handlers(previous: dict[int, Any]) -> None:
+    for sig, old in previous.items():
+        signal.signal(sig, old)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers polling for the file never see it half-written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(
+            f"cannot write --maddrs-file {path} ({e.strerror or e}); choose a writable path"
+        ) from None
+
+
+def _start_metrics(host: str, port: int, dht: Any) -> Any:
+    """Start the seed's Prometheus endpoint through `diloco_p2p.metrics.start_seed_metrics(host,
+    port, dht)` if that module provides it; port 0 means off. Returns whatever it returns."""
+    if not port:
+        return None
+    if importlib.util.find_spec("diloco_p2p.metrics") is None:
+        logger.warning("metrics are not available in this build; --metrics-port %d ignored", port)
+        return None
+    start = getattr(importlib.import_module("diloco_p2p.metrics"), "start_seed_metrics", None)
+    if start is None:
+        logger.warning("diloco_p2p.metrics has no seed metrics; --metrics-port %d ignored", port)
+        return None
+    try:
+        return start(host, port, dht)
+    except OSError as e:
+        raise UserError(
+            f"cannot serve metrics on {host}:{port} ({e.strerror or e}); choose a free --metrics-port"
+        ) from None
+
+
+def _stop_metrics(metrics: Any) -> None:
+    for name in ("shutdown", "stop", "close"):
+        stop = getattr(metrics, name, None)
+        if callable(stop):
+            stop()
+            return
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """A minimal stand-alone entry (`python -m diloco_p2p.seed`); the CLI offers the same flags."""
+    parser = argparse.ArgumentParser(prog="python -m diloco_p2p.seed", description=__doc__.splitlines()[0])
+    parser.add_argument("--host-maddrs", nargs="+", default=list(DEFAULT_HOST_MADDRS))
+    parser.add_argument("--announce-maddrs", nargs="+", default=[])
+    parser.add_argument("--initial-peers", nargs="+", default=[])
+    parser.add_argument("--identity", default=None)
+    parser.add_argument("--maddrs-file", default=None)
+    parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument("--metrics-port", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run_seed(
+            args.host_maddrs,
+            args.announce_maddrs,
+            args.identity,
+            args.maddrs_file,
+            args.metrics_host,
+            args.metrics_port,
+            initial_peers=args.initial_peers,
+        )
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

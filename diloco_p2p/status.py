@@ -1,0 +1,136 @@
+"""`diloco-p2p status`: what the swarm is doing, read from the progress records in the DHT.
+
+It joins the DHT as a client (it serves nothing and stores nothing), reads the run's progress
+records (`diloco_p2p.swarm.records`), prints one row per node and leaves. A node's params hash
+"agrees" when it equals the majority hash among the nodes at the same round: nodes at
+different rounds hold different parameters by design, so only same-round disagreement means
+the swarm forked.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from hivemind.utils import get_dht_time
+
+from diloco_p2p.config import P2PConfig
+from diloco_p2p.errors import UserError
+from diloco_p2p.swarm.dht import start_dht
+from diloco_p2p.swarm.records import ProgressRecord, majority, read_progress, round_majorities
+
+# A client needs no reachable address; listening on loopback only exposes nothing.
+CLIENT_HOST_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
+COLUMNS = ("PEER", "ROUND", "TOKENS/S", "TRAIN_LOSS", "EVAL_LOSS", "LAST_SEEN", "HASH_AGREES", "STATUS")
+
+
+def run_status(
+    initial_peers: Sequence[str],
+    run_id: str,
+    as_json: bool = False,
+    timeout: float = 20.0,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Print the swarm's nodes (a table, or a JSON list with `as_json`); returns the exit code:
+    0, or 2 with one ``error: ...`` line on `err` when the DHT is unreachable or the run id
+    has no records. `timeout` bounds joining and reading, each."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        rows = fetch_status(initial_peers, run_id, timeout)
+    except UserError as e:
+        print(f"error: {e}", file=err)
+        return e.exit_code
+    print(json.dumps(rows, indent=2) if as_json else format_table(rows), file=out)
+    return 0
+
+
+def fetch_status(initial_peers: Sequence[str], run_id: str, timeout: float = 20.0) -> list[dict[str, Any]]:
+    """The rows `run_status` prints (most advanced first); raises `UserError`."""
+    if not initial_peers:
+        raise UserError("status needs --initial-peers: the multiaddr of a seed or of any node of the run")
+    if not timeout > 0:
+        raise UserError(f"--timeout must be a positive number of seconds, not {timeout!r}")
+    cfg = P2PConfig(
+        initial_peers=list(initial_peers), host_maddrs=CLIENT_HOST_MADDRS, connect_timeout=timeout
+    )
+    dht = start_dht(cfg, None, client_mode=True)
+    try:
+        try:
+            records = read_progress(dht, run_id, timeout=timeout)
+        except TimeoutError:
+            raise UserError(
+                f"the DHT did not answer within {timeout:g} s; try again or raise --timeout"
+            ) from None
+    finally:
+        dht.shutdown()
+    if not records:
+        raise UserError(
+            f"no progress records for run id {run_id!r} in the DHT reached through {', '.join(initial_peers)}; "
+            "check --run-id (nodes publish a record when they join and after every round)"
+        )
+    return status_rows(records, now=get_dht_time())
+
+
+def status_rows(records: dict[str, ProgressRecord], now: float) -> list[dict[str, Any]]:
+    """One JSON-ready dict per node, most advanced round first, then by peer id."""
+    params_majority = round_majorities(records)
+    config_majority = majority(r.config_hash for r in records.values())
+    rows = []
+    for peer, r in sorted(records.items(), key=lambda kv: (-kv[1].round, kv[0])):
+        rows.append(
+            {
+                "peer_id": peer,
+                "peer": short_peer(peer),
+                "round": r.round,
+                "step": r.step,
+                "tokens": r.tokens,
+                "tokens_per_s": r.tokens_per_s,
+                "train_loss": r.train_loss,
+                "eval_loss": r.eval_loss,
+                "last_seen_s": round(max(0.0, now - r.updated), 1),
+                "params_sha256": r.params_sha256,
+                "hash_agrees": r.params_sha256 == params_majority[r.round],
+                "config_hash": r.config_hash,
+                "config_agrees": r.config_hash == config_majority,
+                "status": r.status,
+                "group_size": r.group_size,
+                "joined_at_round": r.joined_at_round,
+                "resyncs": r.resyncs,
+                "version": r.version,
+            }
+        )
+    return rows
+
+
+def short_peer(peer_id: str) -> str:
+    """The tail of a peer id: every id starts alike ("12D3KooW", "Qm"), the tail tells them apart."""
+    return "..." + peer_id[-8:]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    cells = [COLUMNS] + [
+        (
+            row["peer"],
+            str(row["round"]),
+            f"{row['tokens_per_s']:.1f}",
+            _loss(row["train_loss"]),
+            _loss(row["eval_loss"]),
+            f"{row['last_seen_s']:.0f}s",
+            "yes" if row["hash_agrees"] else "no",
+            row["status"],
+        )
+        for row in rows
+    ]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in cells
+    )
+
+
+def _loss(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"

@@ -1,0 +1,223 @@
+"""Starting the hivemind DHT: validated multiaddrs, a persistent identity, bounded joins.
+
+Everything a node or a seed needs before it can talk to the swarm goes through here, so the
+user's mistakes at the boundary get one clear line (a `UserError`) instead of a hivemind
+traceback or a hang:
+
+- Multiaddrs are parsed with the `multiaddr` package before hivemind sees them; initial peers
+  must name the peer id (``/p2p/<id>``) because hivemind's DHT pings them by id.
+- The identity (a libp2p private key file) fixes the peer id, so a seed keeps the address
+  volunteers have written into their configs across restarts.
+- Joining is bounded by `p2p.connect_timeout`. What hivemind 1.1.12 does with unreachable
+  initial peers (measured): p2pd itself bootstraps to them and exits with "failed to connect
+  to bootstrap peers" (fast for a refused port, about 5 s for a listener that never speaks),
+  which `DHT.wait_until_ready` re-raises as `P2PDaemonError`. On an internet path that drops
+  packets the dial can take much longer, so we never wait unbounded: past the deadline the
+  DHT process and its p2pd are terminated and the user gets the same kind of line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import hivemind
+import multiaddr
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.p2p import P2P, PeerID
+
+from diloco_p2p.config import P2PConfig
+from diloco_p2p.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+MADDR_EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."
+# p2pd needs a moment to start even with no peers to dial; this bounds that start alone.
+STARTUP_TIMEOUT = 30.0
+
+
+def validate_maddrs(addrs: Sequence[str], what: str, *, require_peer_id: bool = False) -> list[str]:
+    """Parse each multiaddr; return them as strings (hivemind takes strings) or raise `UserError`.
+
+    `what` names the option in the message (e.g. "--initial-peers"). With `require_peer_id`,
+    each address must end in ``/p2p/<peer id>``: hivemind identifies initial peers by id.
+    """
+    out: list[str] = []
+    for s in addrs:
+        if not isinstance(s, str):
+            raise UserError(f"{what}: {s!r} is not a string; expected a multiaddr such as {MADDR_EXAMPLE}")
+        try:
+            parsed = multiaddr.Multiaddr(s.strip())
+        except Exception as e:  # the package raises several ValueError/TypeError subclasses
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise UserError(
+                f"{what}: {s!r} is not a valid multiaddr (expected e.g. {MADDR_EXAMPLE}): {reason}"
+            ) from None
+        names = [p.name for p in parsed.protocols()]
+        if require_peer_id and "p2p" not in names:
+            raise UserError(
+                f"{what}: {s!r} has no /p2p/<peer id> part; copy the full address the seed printed "
+                f"(e.g. {MADDR_EXAMPLE})"
+            )
+        out.append(str(parsed))
+    return out
+
+
+def _has_port_zero(addr: str) -> bool:
+    parsed = multiaddr.Multiaddr(addr)
+    return any(
+        p.name in ("tcp", "udp") and parsed.value_for_protocol(p.code) == "0" for p in parsed.protocols()
+    )
+
+
+def load_or_create_identity(path: Path) -> Path:
+    """Return `path` holding a libp2p private key, creating one (and its directory) if missing.
+
+    Reusing the file keeps the peer id, hence the multiaddr others dial, stable across restarts.
+    A file that exists but is not a key is never overwritten: that would silently change the
+    peer id, so we stop and say how to fix it.
+    """
+    path = Path(path).expanduser()
+    if path.exists():
+        try:
+            peer_id_of(path)
+        except OSError as e:
+            raise UserError(
+                f"identity file {path} cannot be read ({e.strerror or e}); fix its permissions for this user"
+            ) from None
+        except Exception:
+            raise UserError(
+                f"identity file {path} is not a libp2p private key; restore it from a backup, or delete it "
+                "to create a new identity (the peer id and the address others use will change)"
+            ) from None
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        P2P.generate_identity(str(path))
+    except OSError as e:
+        raise UserError(
+            f"cannot create identity file {path} ({e.strerror or e}); choose a writable path with --identity"
+        ) from None
+    logger.info("created a new identity in %s (peer id %s); back it up", path, peer_id_of(path))
+    return path
+
+
+def peer_id_of(identity_path: Path) -> str:
+    """The base58 peer id that an identity file gives (raises on a corrupt file)."""
+    return PeerID.from_identity(Path(identity_path).read_bytes()).to_base58()
+
+
+def start_dht(
+    p2p_cfg: P2PConfig,
+    identity_path: Path | None,
+    *,
+    client_mode: bool = False,
+    record_validators: Iterable[RecordValidatorBase] = (),
+) -> hivemind.DHT:
+    """Start a DHT node (a forked process with its own p2pd) and join `p2p_cfg.initial_peers`.
+
+    Create it before starting threads of your own (hivemind forks). `record_validators` must be
+    given here, not added later: validators added to a running DHT are pickled to its process,
+    and our schema models are built per run id, so they only travel by fork.
+    Raises `UserError` for a malformed address, an unusable identity, a daemon that cannot
+    listen, or initial peers that do not answer within `p2p_cfg.connect_timeout` seconds; on
+    every error path the DHT process is gone before we raise.
+    """
+    initial = validate_maddrs(p2p_cfg.initial_peers, "p2p.initial_peers", require_peer_id=True)
+    host = validate_maddrs(p2p_cfg.host_maddrs, "p2p.host_maddrs")
+    announce = validate_maddrs(p2p_cfg.announce_maddrs, "p2p.announce_maddrs")
+    for a in announce:
+        if _has_port_zero(a):
+            raise UserError(f"p2p.announce_maddrs: {a!r} has port 0; announce the real port others dial")
+    kwargs: dict = dict(host_maddrs=host, client_mode=client_mode)
+    if announce:
+        kwargs["announce_maddrs"] = announce
+    if identity_path is not None:
+        kwargs["identity_path"] = str(load_or_create_identity(Path(identity_path)))
+
+    timeout = p2p_cfg.connect_timeout if initial else STARTUP_TIMEOUT
+    dht = hivemind.DHT(
+        initial_peers=initial or None,
+        start=True,
+        await_ready=False,
+        record_validators=list(record_validators),
+        **kwargs,
+    )
+    try:
+        dht.wait_until_ready(timeout=timeout)
+    except TimeoutError:
+        _kill_dht(dht)
+        if initial:
+            raise UserError(
+                f"no answer from the initial peers within {timeout:g} s (p2p.connect_timeout): "
+                f"{', '.join(initial)}; check that the address and port are right and open, "
+                "and that the peer is running"
+            ) from None
+        raise UserError(f"the p2p daemon did not start within {timeout:g} s; check p2p.host_maddrs") from None
+    except Exception as e:
+        _kill_dht(dht)
+        raise _explain_start_failure(e, initial, host, identity_path) from None
+    return dht
+
+
+def _explain_start_failure(
+    e: Exception, initial: list[str], host: list[str], identity_path: Path | None
+) -> UserError:
+    msg = " ".join(str(e).split())
+    if "failed to connect to bootstrap peers" in msg or "none of the initial_peers responded" in msg:
+        return UserError(
+            f"could not reach any initial peer ({', '.join(initial)}); check that the address, port and "
+            "peer id are right, that the peer is running and that its port is open"
+        )
+    if "already taken" in msg:
+        return UserError(
+            f"identity {identity_path} is already used by a running peer; stop that peer or give this "
+            "one its own identity file"
+        )
+    if "failed to listen" in msg or "address already in use" in msg:
+        return UserError(f"cannot listen on {', '.join(host)} ({msg}); choose a free port in p2p.host_maddrs")
+    return UserError(f"the DHT did not start: {msg}")
+
+
+def _kill_dht(dht: hivemind.DHT) -> None:
+    """Stop a DHT whose start failed or hung, with its p2pd children (it never read our pipe)."""
+    if dht.pid is None:
+        return
+    children = _child_pids(dht.pid)
+    if dht.is_alive():
+        dht.terminate()
+    dht.join(timeout=5)
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc (Linux); empty where /proc is unavailable."""
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+    except OSError:
+        pass
+    return out
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """Multiaddrs others can pass as initial peers (each ends with /p2p/<our peer id>)."""
+    return [str(m) for m in dht.get_visible_maddrs(latest=True)]
+
+
+async def _routing_table_size(_dht: hivemind.DHT, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def dht_peer_count(dht: hivemind.DHT) -> int:
+    """How many DHT peers this node knows (its routing table), e.g. the seed's view of the swarm."""
+    return int(dht.run_coroutine(_routing_table_size))

@@ -1,0 +1,125 @@
+"""`status` against real DHT nodes on loopback: what it lists, and how it fails."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+
+import pytest
+from hivemind.p2p import P2P
+
+from diloco_p2p.config import Config, P2PConfig
+from diloco_p2p.status import run_status, short_peer
+from diloco_p2p.swarm.dht import peer_id_of, start_dht, visible_maddrs
+from diloco_p2p.swarm.records import (
+    ProgressRecord,
+    progress_validator,
+    publish_progress,
+    read_progress,
+    withdraw_progress,
+)
+
+RUN = "status-test"
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+FAKE_PEER = "12D3KooW" + "F" * 44  # a record stored on behalf of a peer that runs no DHT
+
+
+def _record(peer: str, round: int, params: str, train_loss: float | None = 3.5) -> ProgressRecord:
+    cfg = Config(run_id=RUN)
+    return ProgressRecord.build(
+        peer_id=peer,
+        round=round,
+        step=round * 10,
+        tokens=round * 1280,
+        tokens_per_s=100.0 + round,
+        params_sha256=params * 64,
+        config_hash=cfg.swarm_hash(),
+        config_view=cfg.swarm_view(),
+        status="committed",
+        train_loss=train_loss,
+        group_size=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """Two DHT nodes; A publishes its record, B publishes its own and one for a fake peer;
+    a fourth record is published and then withdrawn."""
+    validators = [progress_validator(RUN)]
+    a = start_dht(P2PConfig(host_maddrs=LOOPBACK), None, record_validators=validators)
+    b = start_dht(
+        P2PConfig(initial_peers=visible_maddrs(a), host_maddrs=LOOPBACK), None, record_validators=validators
+    )
+    try:
+        pa, pb = a.peer_id.to_base58(), b.peer_id.to_base58()
+        gone = "12D3KooW" + "G" * 44
+        assert publish_progress(a, RUN, _record(pa, 5, "a"), ttl=120)
+        assert publish_progress(b, RUN, _record(pb, 5, "a", train_loss=None), ttl=120)
+        assert publish_progress(b, RUN, _record(FAKE_PEER, 5, "b"), ttl=120)  # disagrees at round 5
+        assert publish_progress(a, RUN, _record(gone, 4, "c"), ttl=120)
+        assert withdraw_progress(a, RUN, gone)
+        assert set(read_progress(b, RUN, timeout=10)) == {pa, pb, FAKE_PEER}
+        yield visible_maddrs(a), pa, pb
+    finally:
+        b.shutdown()
+        a.shutdown()
+
+
+def _status(peers, run_id=RUN, as_json=True, timeout=10.0) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = run_status(peers, run_id, as_json=as_json, timeout=timeout, out=out, err=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_status_json_lists_every_node_with_its_round_and_agreement(swarm):
+    maddrs, pa, pb = swarm
+    rc, out, err = _status(maddrs)
+    assert rc == 0, err
+    rows = {row["peer_id"]: row for row in json.loads(out)}
+    assert set(rows) == {pa, pb, FAKE_PEER}  # the withdrawn record is not listed
+    assert {p: r["round"] for p, r in rows.items()} == {pa: 5, pb: 5, FAKE_PEER: 5}
+    assert {p: r["hash_agrees"] for p, r in rows.items()} == {pa: True, pb: True, FAKE_PEER: False}
+    assert rows[pa]["tokens_per_s"] == 105.0 and rows[pa]["train_loss"] == 3.5
+    assert rows[pb]["train_loss"] is None
+    assert all(0 <= r["last_seen_s"] < 60 for r in rows.values())
+
+
+def test_status_table_has_one_row_per_node(swarm):
+    maddrs, pa, pb = swarm
+    rc, out, err = _status(maddrs, as_json=False)
+    assert rc == 0, err
+    lines = out.strip().splitlines()
+    assert lines[0].split()[:3] == ["PEER", "ROUND", "TOKENS/S"]
+    by_peer = {line.split()[0]: line.split() for line in lines[1:]}
+    assert set(by_peer) == {short_peer(pa), short_peer(pb), short_peer(FAKE_PEER)}
+    assert by_peer[short_peer(pa)][1] == "5" and by_peer[short_peer(pa)][6] == "yes"
+    assert by_peer[short_peer(FAKE_PEER)][6] == "no"
+    assert by_peer[short_peer(pb)][3] == "-"  # no train loss yet
+
+
+def test_status_for_a_run_without_records_fails_with_one_line(swarm):
+    maddrs, _, _ = swarm
+    rc, out, err = _status(maddrs, run_id="nobody-runs-this")
+    assert rc == 2 and out == ""
+    assert err.startswith("error: no progress records for run id 'nobody-runs-this'") and err.count("\n") == 1
+
+
+def test_status_against_an_unreachable_dht_fails_with_one_line(tmp_path):
+    key = tmp_path / "k"
+    P2P.generate_identity(str(key))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, out, err = _status([f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id_of(key)}"], timeout=5.0)
+    assert rc == 2 and out == ""
+    assert err.startswith("error: could not reach any initial peer") and err.count("\n") == 1
+
+
+def test_status_with_a_malformed_or_missing_address_fails_with_one_line():
+    rc, _, err = _status(["seed.example.org:31337"])
+    assert rc == 2 and err.startswith(
+        "error: p2p.initial_peers: 'seed.example.org:31337' is not a valid multiaddr"
+    )
+    rc, _, err = _status([])
+    assert rc == 2 and err.startswith("error: status needs --initial-peers")
