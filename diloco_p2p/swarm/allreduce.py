@@ -1,0 +1,557 @@
+"""Fault-tolerant butterfly all-reduce of pseudo-gradients on hivemind's P2P streams.
+
+Why our own all-reduce. hivemind 1.1.12's `DecentralizedAverager` does not leave the members of
+a group with the same values under FP16: each reducer sends every peer
+``fp16(average - that peer's own part)`` and the peer adds it to its own part, while the reducer
+keeps its own part in exact fp32. Three peers averaging N(0,1) vectors ended up to 2.7e-3 apart,
+and DiLoCo needs every member to apply the *same* Δ̄ to the same θ (bit-identical θ, checked by
+hash each round). Here the reducer of a part quantizes the averaged part once and sends exactly
+those bytes to every member; every member, the reducer included, uses the dequantized values.
+We keep hivemind's transport (p2pd streams, NAT traversal, peer ids) and write only the protocol.
+
+One all-reduce (a group: ordered list of k peers, the same on every member, and a group_id
+unique to this all-reduce):
+
+1. The flat fp32 vector is split into k contiguous near-equal parts; member j reduces part j.
+2. Scatter: every member streams its part j, compressed (`wire`), with its weight (tokens) to
+   member j. The reducer's own part goes through the same encode/decode, so every contribution
+   has the same precision.
+3. Reduce: at the scatter deadline (or when all k contributions are in) the reducer sums
+   weight·value in fp32 in member-index order (deterministic) over the accepted contributions
+   and divides by their total weight. Checked at the boundary: sizes, compression, group view,
+   finite values after decoding (reason "nan"), weight finite and > 0 ("weight"), late or missing
+   ("timeout"). The weight bound is ``weight <= max_weight_ratio * lower_median(weights offered
+   for this part)`` rather than "times the reducer's own weight": with the own-weight rule a
+   reducer that itself claims an absurd weight would accept its own contribution for its part;
+   the lower median (own weight included) rejects an inflated weight on every reducer alike.
+4. Gather: the reducer encodes its averaged part once and sends those bytes to every member.
+   Members validate size and finiteness and write the decoded values into their result.
+5. Agreement: every member sends every other member the bitmask of parts it holds and waits
+   (bounded) for theirs. Committed parts = AND of the masks heard (a dead member is not heard).
+   A part that is not committed is zero in the result on every member: a part whose reducer
+   failed contributes no update this round; the outer momentum still applies. If a member dies
+   during this step itself, members may still disagree; the per-round params hash detects that
+   (the round protocol's job, not this module's).
+
+Deadlines (t0 = local start, T = timeout): contributions until t0+0.4T, gathered parts until
+t0+0.7T, masks until t0+T. Every network wait has a deadline, so a stalled peer (SIGSTOP: its
+socket stays open and never answers) costs at most T. A peer that is *gone* (its stream cannot be
+opened, or it closes before accepting our header) is not waited for at all, and a peer we have
+never heard from in this all-reduce is not waited for in the gather and mask steps. Network
+faults never raise out of `allreduce()`: they end up in the result (`rejected`, `status`).
+
+Each message is one libp2p stream: header frame (JSON) -> receiver answers GO/NO_GO once its
+session for that group_id has started -> payload frames -> receiver answers GO (accepted) or NO_GO.
+A message for a group_id that has not started locally waits (in its stream, so the payload stays
+in the sender's buffers, not our memory) up to `buffer_ttl` for the local `allreduce()` call.
+
+Testing hook: `allreduce(..., on_phase=hook)` awaits ``hook(phase)`` after "scattered",
+"reduced" and "gathered"; an exception raised by the hook propagates out of `allreduce()`
+(pending sends are cancelled), which is how tests make a member die mid-protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
+
+from diloco_p2p.swarm import wire
+
+log = logging.getLogger(__name__)
+
+SCATTER_FRACTION = 0.4
+GATHER_FRACTION = 0.7
+GO, NO_GO = b"\x01", b"\x00"
+_NETWORK_ERRORS = (OSError, asyncio.IncompleteReadError, P2PDaemonError)
+
+PhaseHook = Callable[[str], Awaitable[None]]
+
+
+@dataclass
+class AllreduceResult:
+    average: torch.Tensor  # flat fp32, identical on every member that returns "ok"/"partial"
+    status: str  # "ok" (all parts committed) | "partial" (some parts zeroed) | "failed" (nothing usable)
+    committed_parts: list[int]
+    num_parts: int
+    contributors: list[str]  # base58 ids whose contributions entered at least one committed part
+    rejected: dict[str, str]  # base58 id -> nan | shape | weight | timeout | compression | group
+    bytes_sent: int  # frame bytes written to streams by the time the call returned
+    bytes_received: int  # frame bytes parsed for this group
+    seconds: float
+    part_contributors: dict[int, list[str]] = field(default_factory=dict)  # committed part -> contributors
+    agreed_with: list[str] = field(default_factory=list)  # members whose masks entered the intersection
+
+
+class _PeerGone(Exception):
+    """The stream could not be opened, or the remote closed it before accepting our header."""
+
+
+class _Session:
+    """One all-reduce on this peer. Created by `allreduce()` or by the first message naming its
+    group_id, whichever comes first; messages wait on `started` until the local call begins."""
+
+    def __init__(self, group_id: str, now: float):
+        self.group_id, self.touched = group_id, now
+        self.started = asyncio.Event()
+        self.changed = asyncio.Condition()
+        self.finished, self.finished_at = False, 0.0
+
+    def start(
+        self, peer_ids: list[PeerID], me: int, n: int, compression: str, chunk: int, t0: float, T: float
+    ):
+        self.peer_ids, self.names = peer_ids, [p.to_base58() for p in peer_ids]
+        self.me, self.k, self.n = me, len(peer_ids), n
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.others = [j for j in range(self.k) if j != me]
+        self.bounds = wire.partition(n, self.k)
+        self.compression, self.chunk = compression, chunk
+        self.digest = wire.peers_digest(self.names)
+        self.d_scatter, self.d_gather, self.d_end = (
+            t0 + SCATTER_FRACTION * T,
+            t0 + GATHER_FRACTION * T,
+            t0 + T,
+        )
+        self.result: torch.Tensor | None = torch.zeros(n, dtype=torch.float32)
+        self.contribs: dict[int, tuple[float, list[bytes]]] = {}
+        self.rejected: dict[int, str] = {}  # reasons for contributions to *our* part
+        self.gathered: dict[int, dict[str, Any]] = {}  # part -> its (validated, complete) gather header
+        self.masks: dict[int, list[int]] = {}
+        self.heard: set[int] = set()
+        self.gone: set[int] = set()
+        self.excluded: set[int] = set()  # sent us a message that contradicts our view (sizes, group, format)
+        self.reduced = self.mask_fixed = False
+        self.bytes_sent = self.bytes_received = 0
+        self.started.set()
+
+    def header(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"kind": kind, "group": self.group_id, "digest": self.digest, **fields}
+
+    def awaited(self, done: Iterable[int], only_heard: bool) -> bool:
+        """Is some live member still expected to deliver what `done` is keyed by?"""
+        skip = self.gone | self.excluded | set(done)
+        return any(j not in skip and (j in self.heard or not only_heard) for j in self.others)
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def wait_until(self, predicate: Callable[[], bool], deadline: float) -> None:
+        async with self.changed:
+            with suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self.changed.wait_for(predicate)
+
+    def finish(self, now: float) -> None:
+        self.finished, self.finished_at = True, now
+        self.started.set()  # wakes messages still waiting for a start that will not come
+        self.result, self.contribs = None, {}
+
+
+class AllreduceService:
+    """Serves and runs all-reduces for one run (`prefix` = run id) on one P2P instance."""
+
+    _registered: set[tuple[int, str]] = set()
+
+    def __init__(
+        self,
+        p2p: P2P,
+        *,
+        prefix: str,
+        chunk_elements: int = wire.DEFAULT_CHUNK_ELEMENTS,
+        buffer_ttl: float = 30.0,
+        max_pending_sessions: int = 64,
+    ):
+        if not 0 < chunk_elements <= wire.MAX_CHUNK_ELEMENTS:
+            raise ValueError(f"chunk_elements must be in (0, {wire.MAX_CHUNK_ELEMENTS}]")
+        self.p2p, self.handler_name = p2p, f"{prefix}.allreduce.v1"
+        self.chunk_elements, self.buffer_ttl = chunk_elements, buffer_ttl
+        self.max_pending_sessions = max_pending_sessions
+        self._sessions: dict[str, _Session] = {}
+        self._background: set[asyncio.Task] = set()
+        self._running = False
+
+    async def start(self) -> None:
+        key = (id(self.p2p), self.handler_name)
+        if key in self._registered:
+            raise RuntimeError(f"an AllreduceService for {self.handler_name!r} already runs on this P2P")
+        await self.p2p.add_binary_stream_handler(self.handler_name, self._handle)
+        self._registered.add(key)
+        self._running = True
+
+    async def stop(self) -> None:
+        if not self._running:
+            return
+        self._running = False
+        self._registered.discard((id(self.p2p), self.handler_name))
+        with suppress(*_NETWORK_ERRORS):
+            await self.p2p.remove_binary_stream_handler(self.handler_name)
+        for task in list(self._background):
+            task.cancel()
+        now = asyncio.get_running_loop().time()
+        for s in self._sessions.values():
+            if not s.finished:
+                s.finish(now)
+                await s.notify()
+
+    # ------------------------------------------------------------------------- the protocol
+
+    async def allreduce(
+        self,
+        group_id: str,
+        peers: list[PeerID],
+        tensor: torch.Tensor,
+        weight: float,
+        *,
+        compression: str = "fp16",
+        timeout: float = 60.0,
+        max_weight_ratio: float = 64.0,
+        on_phase: PhaseHook | None = None,
+    ) -> AllreduceResult:
+        """Weighted average of `tensor` over `peers` (this peer included, same order on all members)."""
+        if compression not in wire.COMPRESSIONS:
+            raise ValueError(f"compression must be one of {wire.COMPRESSIONS}, got {compression!r}")
+        if tensor.dim() != 1 or tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+            raise ValueError("allreduce expects a flat float32 CPU tensor")
+        if not (timeout > 0 and max_weight_ratio >= 1):
+            raise ValueError("timeout must be > 0 and max_weight_ratio >= 1")
+        names = [p.to_base58() for p in peers]
+        own = self.p2p.peer_id.to_base58()
+        if len(set(names)) != len(names) or own not in names:
+            raise ValueError("peers must be distinct and include this peer")
+        started = time.perf_counter()
+        if len(peers) == 1:  # alone: the exact tensor, nothing on the wire
+            seconds = time.perf_counter() - started
+            return AllreduceResult(
+                tensor.detach().clone(), "ok", [0], 1, [own], {}, 0, 0, seconds, {0: [own]}, [own]
+            )
+        if not self._running:
+            raise RuntimeError("AllreduceService.start() was not called")
+        loop = asyncio.get_running_loop()
+        s = self._session(group_id, local=True)
+        if s is None or s.started.is_set():
+            raise ValueError(f"group_id {group_id!r} was already used on this peer")
+        me, n = names.index(own), tensor.numel()
+        s.start(list(peers), me, n, compression, self.chunk_elements, loop.time(), timeout)
+        tensor = tensor.detach()
+        scatter_tasks: list[asyncio.Task] = []
+        later_tasks: list[asyncio.Task] = []
+        clean = False
+        try:
+            scatter_tasks = self._scatter(s, tensor, float(weight))
+            await _phase(on_phase, "scattered")
+            await s.wait_until(lambda: not self._missing_contributions(s), s.d_scatter)
+
+            header, frames = await self._reduce(s, max_weight_ratio)
+            await _phase(on_phase, "reduced")
+            later_tasks += [self._spawn(self._send(s, j, header, frames or [], s.d_end)) for j in s.others]
+            await s.wait_until(lambda: not s.awaited(s.gathered, only_heard=True), s.d_gather)
+            await _phase(on_phase, "gathered")
+
+            s.mask_fixed = True
+            s.masks[s.me] = [int(p in s.gathered and not s.gathered[p]["empty"]) for p in range(s.k)]
+            mask = s.header("mask", mask=s.masks[s.me])
+            later_tasks += [self._spawn(self._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone]
+            await s.wait_until(lambda: not s.awaited(s.masks, only_heard=True), s.d_end)
+            result = self._conclude(s, time.perf_counter() - started)
+            clean = True
+            return result
+        finally:
+            s.finish(loop.time())
+            for task in scatter_tasks + ([] if clean else later_tasks):
+                task.cancel()  # gather/mask sends of a clean run finish in the background by d_end
+
+    def _scatter(self, s: _Session, tensor: torch.Tensor, weight: float) -> list[asyncio.Task]:
+        # A sender whose vector is non-finite anywhere says so, and every reducer drops it, not just the
+        # one whose part holds the NaN; a sender that lies about it is still caught part by part.
+        finite, tasks = wire.is_finite(tensor), []
+        for j in s.others:
+            lo, hi = s.bounds[j]
+            fields = {"part": j, "n": s.n, "numel": hi - lo, "chunk": s.chunk, "comp": s.compression}
+            header = s.header("scatter", **fields, weight=weight, finite=finite)
+            frames = _encoded_chunks(tensor[lo:hi], s.chunk, s.compression)
+            tasks.append(self._spawn(self._send(s, j, header, frames, s.d_gather)))
+        lo, hi = s.bounds[s.me]  # our own part: same encoding, same checks as anyone's
+        ranges = wire.chunk_ranges(hi - lo, s.chunk)
+        own = [wire.encode(tensor[lo + a : lo + b], s.compression) for a, b in ranges]
+        reason = wire.weight_problem(weight, None, math.inf)
+        decoded = (wire.decode(data, b - a, s.compression) for (a, b), data in zip(ranges, own, strict=True))
+        if reason is None and not (finite and all(wire.is_finite(values) for values in decoded)):
+            reason = "nan"
+        if reason:
+            s.rejected[s.me] = reason
+        else:
+            s.contribs[s.me] = (weight, own)
+        return tasks
+
+    def _missing_contributions(self, s: _Session) -> bool:
+        resolved = s.contribs.keys() | s.rejected.keys() | s.gone | s.excluded
+        return any(j not in resolved for j in range(s.k))
+
+    async def _reduce(self, s: _Session, max_ratio: float) -> tuple[dict[str, Any], list[bytes] | None]:
+        s.reduced = True  # from here on, contributions still in flight are late
+        snapshot = dict(s.contribs)
+        for j in range(s.k):
+            if j not in snapshot and j not in s.rejected:
+                s.rejected[j] = "timeout"
+        lo, hi = s.bounds[s.me]
+        accepted, heavy, frames, values = await asyncio.to_thread(
+            wire.reduce_part, snapshot, max_ratio, hi - lo, s.chunk, s.compression
+        )
+        s.rejected.update({j: "weight" for j in heavy})
+        if values is not None and s.result is not None:
+            s.result[lo:hi] = values
+        header = s.header(
+            "gather",
+            part=s.me,
+            n=s.n,
+            numel=hi - lo,
+            chunk=s.chunk,
+            comp=s.compression,
+            empty=frames is None,
+            contributors=accepted,
+            rejected={str(j): r for j, r in sorted(s.rejected.items())},
+        )
+        s.gathered[s.me] = header
+        return header, frames
+
+    def _conclude(self, s: _Session, seconds: float) -> AllreduceResult:
+        assert s.result is not None
+        masks = {j: mask for j, mask in s.masks.items() if j not in s.excluded}
+        committed = [p for p in range(s.k) if all(mask[p] for mask in masks.values())]
+        agreed = sorted(masks)
+        average = s.result
+        if len(agreed) < 2 or not committed:  # nobody confirmed anything with us
+            status, committed, average = "failed", [], torch.zeros(s.n, dtype=torch.float32)
+        else:
+            status = "ok" if len(committed) == s.k else "partial"
+            for p in set(range(s.k)) - set(committed):
+                average[s.bounds[p][0] : s.bounds[p][1]] = 0.0
+        part_contributors = {p: [s.names[c] for c in s.gathered[p]["contributors"]] for p in committed}
+        contributors = sorted({c for p in committed for c in s.gathered[p]["contributors"]})
+        rejected: dict[str, str] = {}
+        for p in committed or sorted(s.gathered):
+            for j, reason in s.gathered[p]["rejected"].items():
+                if rejected.get(s.names[int(j)], "timeout") == "timeout":  # a specific reason beats "timeout"
+                    rejected[s.names[int(j)]] = reason
+        log.debug("allreduce %s: %s, parts %s/%d, rejected %s", s.group_id, status, committed, s.k, rejected)
+        return AllreduceResult(
+            average,
+            status,
+            committed,
+            s.k,
+            [s.names[c] for c in contributors],
+            rejected,
+            s.bytes_sent,
+            s.bytes_received,
+            seconds,
+            part_contributors,
+            [s.names[j] for j in agreed],
+        )
+
+    # ------------------------------------------------------------------------- sending
+
+    def _spawn(self, coro: Awaitable[bool]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _send(
+        self, s: _Session, j: int, header: dict, frames: Iterable[bytes], deadline: float
+    ) -> bool:
+        """Deliver one message to member j before `deadline`; True iff the receiver accepted it."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._send_stream(s, j, header, frames)
+        except _PeerGone as e:
+            log.debug("allreduce %s: member %s is gone (%r)", s.group_id, s.names[j], e.__cause__)
+            s.gone.add(j)
+            await s.notify()
+        except (TimeoutError, *_NETWORK_ERRORS) as e:
+            log.debug("allreduce %s: %s to %s failed: %r", s.group_id, header["kind"], s.names[j], e)
+        return False
+
+    async def _send_stream(self, s: _Session, j: int, header: dict, frames: Iterable[bytes]) -> bool:
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(s.peer_ids[j], self.handler_name)
+        except _NETWORK_ERRORS as e:
+            raise _PeerGone() from e
+        try:
+            try:
+                s.bytes_sent += wire.write_frame(writer, wire.pack_header(header))
+                await writer.drain()
+                go = await reader.readexactly(1)
+            except _NETWORK_ERRORS as e:  # the remote daemon could not hand the stream to a live handler
+                raise _PeerGone() from e
+            if go != GO:
+                return False
+            for data in frames:
+                s.bytes_sent += wire.write_frame(writer, data)
+                await writer.drain()
+            return await reader.readexactly(1) == GO
+        finally:
+            writer.close()
+
+    # ------------------------------------------------------------------------- receiving
+
+    def _session(self, group_id: str, local: bool) -> _Session | None:
+        now = asyncio.get_running_loop().time()
+        s = self._sessions.get(group_id)
+        if s is None:
+            stale = 2 * self.buffer_ttl  # > the longest a message waits for its session to start
+            for gid, old in list(self._sessions.items()):
+                expired = now - (old.finished_at if old.finished else old.touched) > stale
+                if expired and (old.finished or not old.started.is_set()):
+                    del self._sessions[gid]
+            pending = sum(not x.started.is_set() for x in self._sessions.values())
+            if not local and pending >= self.max_pending_sessions:
+                return None
+            s = self._sessions[group_id] = _Session(group_id, now)
+        s.touched = now
+        return s
+
+    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._serve(info.peer_id.to_base58(), reader, writer)
+        except (*_NETWORK_ERRORS, TimeoutError, wire.WireError) as e:
+            log.debug("allreduce: dropped a message from %s: %r", info.peer_id, e)
+        except Exception:
+            log.exception("allreduce: handler failed on a message from %s", info.peer_id)
+        finally:
+            writer.close()
+
+    async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raw = await asyncio.wait_for(wire.read_frame(reader, wire.MAX_HEADER_BYTES), self.buffer_ttl)
+        h = wire.parse_header(raw)
+        s = self._session(h["group"], local=False) if self._running else None
+        if s is not None and not s.started.is_set():
+            with suppress(TimeoutError):
+                await asyncio.wait_for(s.started.wait(), self.buffer_ttl)
+        if s is None or not s.started.is_set() or s.finished or s.result is None:
+            writer.write(NO_GO)
+            return
+        j = s.index.get(sender)
+        if j is None or j == s.me or j in s.excluded:
+            writer.write(NO_GO)
+            return
+        s.bytes_received += wire.LENGTH_PREFIX + len(raw)
+        if h["digest"] != s.digest:
+            s.excluded.add(j)
+            if h["kind"] == "scatter" and not s.reduced:
+                s.rejected.setdefault(j, "group")
+            writer.write(NO_GO)
+            await s.notify()
+            return
+        s.heard.add(j)
+        try:
+            receive = {"scatter": self._recv_scatter, "gather": self._recv_gather, "mask": self._recv_mask}
+            async with asyncio.timeout_at(s.d_end):
+                accepted = await receive[h["kind"]](s, j, h, reader, writer)
+            writer.write(GO if accepted else NO_GO)
+            await writer.drain()
+        finally:
+            await s.notify()
+
+    async def _recv_scatter(self, s: _Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
+        lo, hi = s.bounds[s.me]
+        if j in s.contribs or j in s.rejected or s.reduced:
+            writer.write(NO_GO)
+            return False
+        if h["part"] != s.me or h["n"] != s.n or h["numel"] != hi - lo:
+            reason = "shape"
+        elif h["comp"] != s.compression:
+            reason = "compression"
+        elif h["finite"] is not True:
+            reason = "nan"
+        else:
+            reason = wire.weight_problem(h["weight"], None, math.inf)
+        if reason is not None:
+            if reason not in ("weight", "nan"):  # a different size or format: its view of the vector differs
+                s.excluded.add(j)
+            s.rejected[j] = reason
+            writer.write(NO_GO)
+            return False
+        writer.write(GO)
+        frames, reason = await self._read_payload(s, h, reader, lambda a, b, values: None)
+        if s.reduced or s.finished:  # arrived after we reduced: the reduce recorded a timeout
+            return False
+        if reason is not None:
+            s.rejected[j] = reason
+            return False
+        s.contribs[j] = (float(h["weight"]), frames)
+        return True
+
+    async def _recv_gather(self, s: _Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
+        lo, hi = s.bounds[j]
+        valid = (
+            h["part"] == j
+            and h["n"] == s.n
+            and h["numel"] == hi - lo
+            and h["comp"] == s.compression
+            and all(c < s.k for c in h["contributors"])
+            and all(int(p) < s.k for p in h["rejected"])
+        )
+        if not valid:
+            s.excluded.add(j)
+        if not valid or j in s.gathered or s.mask_fixed:
+            writer.write(NO_GO)
+            return False
+        writer.write(GO)
+        if not h["empty"]:
+
+            def store(a: int, b: int, values: torch.Tensor) -> None:
+                if not s.mask_fixed and s.result is not None:  # no await between this check and the write
+                    s.result[lo + a : lo + b] = values
+
+            _, reason = await self._read_payload(s, h, reader, store)
+            if reason is not None or s.mask_fixed or s.finished:
+                return False
+        s.gathered[j] = h
+        return True
+
+    async def _recv_mask(self, s: _Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
+        if len(h["mask"]) != s.k:
+            s.excluded.add(j)
+        accepted = len(h["mask"]) == s.k and j not in s.masks and not s.finished
+        writer.write(GO if accepted else NO_GO)
+        if accepted:
+            s.masks[j] = h["mask"]
+        return accepted
+
+    async def _read_payload(
+        self, s: _Session, h: dict, reader, store: Callable
+    ) -> tuple[list[bytes], str | None]:
+        """Read, decode and check the chunks announced by `h`; (frames, None) or (partial, reason)."""
+        frames: list[bytes] = []
+        for a, b in wire.chunk_ranges(h["numel"], h["chunk"]):
+            data = await wire.read_frame(reader, wire.encoded_size(b - a, h["comp"]))
+            s.bytes_received += wire.LENGTH_PREFIX + len(data)
+            try:
+                values = wire.decode(data, b - a, h["comp"])
+            except wire.WireError:
+                return frames, "shape"
+            if not wire.is_finite(values):
+                return frames, "nan"
+            store(a, b, values)
+            frames.append(data)
+        return frames, None
+
+
+def _encoded_chunks(part: torch.Tensor, chunk: int, compression: str) -> Iterable[bytes]:
+    """Encode lazily, one chunk per frame, so a send holds one chunk in memory at a time."""
+    for a, b in wire.chunk_ranges(part.numel(), chunk):
+        yield wire.encode(part[a:b], compression)
+
+
+async def _phase(hook: PhaseHook | None, name: str) -> None:
+    if hook is not None:
+        await hook(name)

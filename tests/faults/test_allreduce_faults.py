@@ -1,0 +1,269 @@
+"""Faults during the all-reduce, on real p2pd daemons (three hivemind DHTs on loopback).
+
+Each test asserts the exact outcome: who is left out and why, which parts are committed, that the
+survivors hold bit-identical finite averages equal to the weighted mean of what was accepted, and
+that nobody waits past the timeout plus a small margin. Process-level SIGKILL/SIGSTOP tests live in
+the node's integration suite; here a member "dies" by shutting down its DHT (and with it its p2pd)
+from the test hook `on_phase`, or "stalls" by never answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import hivemind
+import pytest
+import torch
+
+from diloco_p2p.swarm import wire
+from diloco_p2p.swarm.allreduce import AllreduceResult, AllreduceService
+from diloco_p2p.swarm.runner import BackgroundLoop
+
+pytestmark = pytest.mark.timeout(60)
+
+N = 3 * 5000 + 1
+CHUNK = 2048
+T = 3.0  # all-reduce timeout in these tests
+MARGIN = 0.5
+WEIGHTS = [1000.0, 3000.0, 2000.0]
+
+
+class Swarm:
+    def __init__(self):
+        torch.set_num_threads(1)
+        self.dhts: list[hivemind.DHT] = []
+        self.maddrs: list[str] = []
+        for _ in range(3):
+            self.add_dht()
+        self.loop = BackgroundLoop()
+        self.p2ps = [self.loop.run(dht.replicate_p2p(), 30) for dht in self.dhts]
+        self.services = [self.service(p2p, "ftest") for p2p in self.p2ps]
+        self.peers = [p2p.peer_id for p2p in self.p2ps]
+        self.names = [p.to_base58() for p in self.peers]
+
+    def add_dht(self) -> hivemind.DHT:
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(self.maddrs))
+        self.maddrs += [str(a) for a in dht.get_visible_maddrs()]
+        self.dhts.append(dht)
+        return dht
+
+    def service(self, p2p, prefix: str) -> AllreduceService:
+        service = AllreduceService(p2p, prefix=prefix, chunk_elements=CHUNK)
+        self.loop.run(service.start(), 30)
+        return service
+
+    def close(self):
+        for p2p in self.p2ps:
+            self.loop.run(p2p.shutdown(), 30)
+        self.loop.close()
+        for dht in self.dhts:
+            dht.shutdown()
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    swarm = Swarm()
+    yield swarm
+    swarm.close()
+
+
+def inputs(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(N, generator=g) * (i + 1) for i in range(3)]
+
+
+def assert_weighted_mean(result: AllreduceResult, xs, names, weights=WEIGHTS):
+    """Each committed part equals the fp16 weighted mean of exactly its reported contributors; the rest is 0."""
+    bounds = wire.partition(N, result.num_parts)
+    for p, (lo, hi) in enumerate(bounds):
+        got = result.average[lo:hi].double()
+        if p not in result.committed_parts:
+            assert torch.equal(got, torch.zeros(hi - lo, dtype=torch.float64)), (
+                f"uncommitted part {p} not zero"
+            )
+            continue
+        members = [names.index(c) for c in result.part_contributors[p]]
+        total = sum(weights[i] for i in members)
+        exact = sum(weights[i] * xs[i][lo:hi].double() for i in members) / total
+        weighted_abs = sum(weights[i] * xs[i][lo:hi].double().abs() for i in members) / total
+        bound = 2.0**-11 * (weighted_abs + exact.abs()) * 1.001 + 1e-6
+        assert bool(((got - exact).abs() <= bound).all()), f"part {p} is not the mean of {members}"
+
+
+def assert_agree(results: list[AllreduceResult]):
+    for r in results:
+        assert torch.equal(r.average, results[0].average)
+        assert r.committed_parts == results[0].committed_parts
+        assert bool(torch.isfinite(r.average).all())
+
+
+def test_member_that_never_calls_allreduce(swarm):
+    """Member 2 is in the group, its handler is up, but it never starts (a stall from the outset)."""
+    xs, group = inputs(1), f"stall-{uuid.uuid4().hex}"
+
+    async def two():
+        return await asyncio.gather(
+            *(swarm.services[i].allreduce(group, swarm.peers, xs[i], WEIGHTS[i], timeout=T) for i in (0, 1))
+        )
+
+    started = time.monotonic()
+    results = swarm.loop.run(two(), 30)
+    wall = time.monotonic() - started
+    assert wall < T + MARGIN
+    assert_agree(results)
+    for r in results:
+        assert r.status == "partial" and r.committed_parts == [0, 1]
+        assert r.rejected == {swarm.names[2]: "timeout"}
+        assert r.contributors == swarm.names[:2] and r.agreed_with == swarm.names[:2]
+        assert_weighted_mean(r, xs, swarm.names)
+
+
+def test_member_without_a_handler_is_not_waited_for(swarm):
+    """Member 2 runs no service for this run id: its stream cannot be opened, so it is 'gone' at once."""
+    services = [swarm.service(swarm.p2ps[i], "ftest-absent") for i in (0, 1)]
+    xs = inputs(2)
+    try:
+
+        async def two():
+            return await asyncio.gather(
+                *(services[i].allreduce("absent", swarm.peers, xs[i], WEIGHTS[i], timeout=T) for i in (0, 1))
+            )
+
+        results = swarm.loop.run(two(), 30)
+    finally:
+        for service in services:
+            swarm.loop.run(service.stop(), 10)
+    assert_agree(results)
+    for r in results:
+        assert r.status == "partial" and r.committed_parts == [0, 1]
+        assert r.seconds < 0.4 * T  # no deadline was waited for
+        assert_weighted_mean(r, xs, swarm.names)
+
+
+def run_three(swarm, xs, weights, **kwargs) -> list[AllreduceResult]:
+    group = f"g-{uuid.uuid4().hex}"
+
+    async def three():
+        return await asyncio.gather(
+            *(
+                svc.allreduce(group, swarm.peers, x, w, timeout=T, **kwargs)
+                for svc, x, w in zip(swarm.services, xs, weights, strict=True)
+            )
+        )
+
+    return swarm.loop.run(three(), 30)
+
+
+def test_member_sending_nan_is_rejected_everywhere(swarm):
+    xs = inputs(3)
+    xs[2][7] = float("nan")  # lies in part 0 only: every reducer must still drop member 2
+    xs[2][N - 1] = float("inf")
+    results = run_three(swarm, xs, WEIGHTS)
+    assert_agree(results)  # the NaN sender included: it gets the honest average too
+    for r in results:
+        assert r.status == "ok" and r.rejected == {swarm.names[2]: "nan"}
+        assert r.contributors == swarm.names[:2]
+        assert all(r.part_contributors[p] == swarm.names[:2] for p in range(3))
+        assert_weighted_mean(r, xs, swarm.names)
+        assert r.seconds < 0.4 * T
+
+
+def test_absurd_weight_is_rejected_on_every_reducer(swarm):
+    """Member 2 claims 1e12 tokens; even as a reducer it must not accept its own contribution."""
+    xs, weights = inputs(4), [1000.0, 3000.0, 1e12]
+    results = run_three(swarm, xs, weights)
+    assert_agree(results)
+    for r in results:
+        assert r.status == "ok" and r.rejected == {swarm.names[2]: "weight"}
+        assert r.contributors == swarm.names[:2]
+        assert_weighted_mean(r, xs, swarm.names, weights)
+
+
+def test_member_with_another_vector_size_is_left_out(swarm):
+    xs = inputs(5)
+    xs[2] = torch.randn(N + 7)
+    results = run_three(swarm, xs, WEIGHTS)
+    assert_agree(results[:2])
+    for r in results[:2]:
+        assert r.status == "partial" and r.committed_parts == [0, 1]
+        assert r.rejected == {swarm.names[2]: "shape"} and r.contributors == swarm.names[:2]
+        assert r.seconds < 0.4 * T
+        assert_weighted_mean(r, xs, swarm.names)
+    assert results[2].status == "failed"  # the odd one out agrees with nobody and gets nothing usable
+
+
+def test_member_dies_after_reducing(swarm):
+    """The victim receives its contributions, reduces, then its DHT and p2pd die before it sends the
+    gather: its part is lost, the survivors commit the other two parts identically."""
+    victim_dht = swarm.add_dht()
+    victim_p2p = swarm.loop.run(victim_dht.replicate_p2p(), 30)
+    victim = AllreduceService(victim_p2p, prefix="ftest", chunk_elements=CHUNK)
+    swarm.loop.run(victim.start(), 30)
+    peers = swarm.peers[:2] + [victim_p2p.peer_id]
+    names = [p.to_base58() for p in peers]
+    xs, group = inputs(6), f"die-{uuid.uuid4().hex}"
+
+    class Crash(Exception):
+        pass
+
+    async def die(phase: str) -> None:
+        if phase == "reduced":
+            await asyncio.to_thread(victim_dht.shutdown)
+            raise Crash()
+
+    async def scenario():
+        survivors = [swarm.services[i].allreduce(group, peers, xs[i], WEIGHTS[i], timeout=T) for i in (0, 1)]
+        dying = victim.allreduce(group, peers, xs[2], WEIGHTS[2], timeout=T, on_phase=die)
+        return await asyncio.gather(*survivors, dying, return_exceptions=True)
+
+    started = time.monotonic()
+    *results, crash = swarm.loop.run(scenario(), 30)
+    wall = time.monotonic() - started
+    swarm.loop.run(victim.stop(), 10)
+    swarm.loop.run(victim_p2p.shutdown(), 10)
+    assert isinstance(crash, Crash)
+    assert wall < T + MARGIN
+    assert_agree(results)
+    for r in results:
+        assert r.status == "partial" and r.committed_parts == [0, 1]
+        assert r.agreed_with == names[:2]
+        assert_weighted_mean(r, xs, names)
+
+
+def test_member_stalls_after_reducing(swarm):
+    """The victim reduces and then never sends anything again (its handler still answers, like a
+    peer whose training thread hangs): the survivors wait for it until their deadlines, no longer."""
+    xs, group = inputs(7), f"hang-{uuid.uuid4().hex}"
+    forever = asyncio.Event()
+
+    async def hang(phase: str) -> None:
+        if phase == "reduced":
+            await forever.wait()
+
+    async def scenario():
+        hung = asyncio.ensure_future(
+            swarm.services[2].allreduce(group, swarm.peers, xs[2], WEIGHTS[2], timeout=60, on_phase=hang)
+        )
+        try:
+            return await asyncio.gather(
+                *(
+                    swarm.services[i].allreduce(group, swarm.peers, xs[i], WEIGHTS[i], timeout=T)
+                    for i in (0, 1)
+                )
+            )
+        finally:
+            hung.cancel()
+            await asyncio.gather(hung, return_exceptions=True)
+
+    started = time.monotonic()
+    results = swarm.loop.run(scenario(), 30)
+    wall = time.monotonic() - started
+    assert wall < T + MARGIN
+    assert_agree(results)
+    for r in results:
+        assert r.status == "partial" and r.committed_parts == [0, 1]
+        assert r.agreed_with == swarm.names[:2]
+        assert r.seconds >= 0.9 * T  # it was heard from, so its mask was awaited to the deadline
+        assert_weighted_mean(r, xs, swarm.names)

@@ -1,0 +1,237 @@
+"""Wire format of the all-reduce: compression error bounds, partitioning, boundary checks, headers,
+framing, and the reduction a reducer applies. Pure functions, no network."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+import torch
+
+from diloco_p2p.swarm import wire
+
+
+def vector(n: int = 10_000, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * torch.logspace(-3, 2, n)  # magnitudes over five decades
+
+
+@pytest.mark.parametrize("compression", wire.COMPRESSIONS)
+@pytest.mark.parametrize("numel", [0, 1, 1023, 1024, 1025, 5000])
+def test_encoded_size_is_exact_and_roundtrip_keeps_shape(compression, numel):
+    x = torch.randn(numel)
+    data = wire.encode(x, compression)
+    assert len(data) == wire.encoded_size(numel, compression)
+    y = wire.decode(data, numel, compression)
+    assert y.dtype == torch.float32 and y.shape == (numel,)
+
+
+def test_fp32_is_exact():
+    x = vector()
+    assert torch.equal(wire.roundtrip(x, "fp32", chunk_elements=999), x)
+
+
+def test_fp16_relative_error_bound():
+    x = vector()
+    y = wire.roundtrip(x, "fp16", chunk_elements=999)
+    # round-to-nearest: relative 2^-11 in the normal range, absolute 2^-25 among subnormals (< 2^-14)
+    assert bool(((y - x).abs() <= torch.maximum(2.0**-11 * x.abs(), torch.tensor(2.0**-25))).all())
+    assert (y - x).abs().max() > 0
+
+
+def test_int8_error_is_bounded_by_each_blocks_absmax():
+    x = vector()
+    x[5] = 1e4  # an outlier in block 0 must not degrade the other blocks
+    y = wire.roundtrip(x, "int8", chunk_elements=4 * wire.INT8_BLOCK)
+    for start in range(0, x.numel(), wire.INT8_BLOCK):
+        block, approx = x[start : start + wire.INT8_BLOCK], y[start : start + wire.INT8_BLOCK]
+        bound = block.abs().max() / 254 * (1 + 1e-6)
+        assert (approx - block).abs().max() <= bound
+    assert (y[wire.INT8_BLOCK :] - x[wire.INT8_BLOCK :]).abs().max() < 1e4 / 254 / 10
+
+
+def test_int8_keeps_zero_blocks_exact():
+    x = torch.zeros(3000)
+    x[2500] = 1.0
+    assert torch.equal(wire.roundtrip(x, "int8"), x)
+
+
+@pytest.mark.parametrize("compression", wire.COMPRESSIONS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_stays_visible_after_decoding(compression, bad):
+    x = torch.randn(2048)
+    x[1500] = bad
+    assert not wire.is_finite(wire.roundtrip(x, compression))
+
+
+def test_fp16_overflow_is_non_finite():
+    assert not wire.is_finite(wire.roundtrip(torch.tensor([1e5]), "fp16"))
+
+
+@pytest.mark.parametrize("compression", wire.COMPRESSIONS)
+def test_decode_rejects_a_wrong_length(compression):
+    data = wire.encode(torch.randn(100), compression)
+    with pytest.raises(wire.WireError):
+        wire.decode(data, 101, compression)
+    with pytest.raises(wire.WireError):
+        wire.decode(data[:-1], 100, compression)
+
+
+def test_unknown_compression_is_an_error():
+    with pytest.raises(ValueError):
+        wire.encode(torch.zeros(3), "bf16")
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 10, 1001, 65_537])
+@pytest.mark.parametrize("k", [1, 2, 3, 7, 16])
+def test_partition_covers_the_vector_in_near_equal_contiguous_parts(n, k):
+    bounds = wire.partition(n, k)
+    assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(bounds[j][1] == bounds[j + 1][0] for j in range(k - 1))
+    sizes = [b - a for a, b in bounds]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == n
+
+
+def test_chunk_ranges_cover_the_part():
+    assert wire.chunk_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert wire.chunk_ranges(0, 4) == []
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), 0.0, -1.0, True, "1", None])
+def test_weight_problem_rejects_non_positive_non_finite_non_numbers(weight):
+    assert wire.weight_problem(weight, None, 64.0) == "weight"
+
+
+def test_weight_problem_applies_the_ratio_to_the_reference():
+    assert wire.weight_problem(64.0, 1.0, 64.0) is None
+    assert wire.weight_problem(64.5, 1.0, 64.0) == "weight"
+    assert wire.weight_problem(1e-9, 1.0, 64.0) is None  # a tiny weight only dilutes its own influence
+
+
+def test_lower_median_is_not_set_by_one_inflated_weight():
+    assert wire.lower_median([1.0, 1e12]) == 1.0
+    assert wire.lower_median([3.0, 1.0, 1e12]) == 3.0
+    assert wire.lower_median([5.0]) == 5.0
+
+
+def contributions(xs, weights, compression="fp16", chunk=300):
+    return {
+        j: (w, [wire.encode(x[a:b], compression) for a, b in wire.chunk_ranges(x.numel(), chunk)])
+        for j, (x, w) in enumerate(zip(xs, weights, strict=True))
+    }
+
+
+def test_reduce_part_is_the_weighted_mean_and_drops_an_inflated_weight():
+    xs = [torch.randn(1000) for _ in range(3)]
+    accepted, heavy, encoded, values = wire.reduce_part(
+        contributions(xs, [1.0, 3.0, 1e9]), 64.0, 1000, 300, "fp16"
+    )
+    assert accepted == [0, 1] and heavy == [2]
+    exact = (1.0 * xs[0].double() + 3.0 * xs[1].double()) / 4.0
+    assert (values.double() - exact).abs().max() < 2 * 2.0**-11 * (xs[0].abs().max() + xs[1].abs().max())
+    # what members receive decodes to exactly what the reducer keeps
+    resent = torch.cat(
+        [
+            wire.decode(d, b - a, "fp16")
+            for (a, b), d in zip(wire.chunk_ranges(1000, 300), encoded, strict=True)
+        ]
+    )
+    assert torch.equal(resent, values)
+
+
+def test_reduce_part_does_not_depend_on_arrival_order():
+    xs = [torch.randn(500) for _ in range(4)]
+    c = contributions(xs, [1.0, 2.0, 3.0, 4.0], "fp32")
+    shuffled = {j: c[j] for j in (3, 1, 0, 2)}
+    assert torch.equal(
+        wire.reduce_part(c, 64.0, 500, 300, "fp32")[3], wire.reduce_part(shuffled, 64.0, 500, 300, "fp32")[3]
+    )
+
+
+def test_reduce_part_with_nothing_usable():
+    assert wire.reduce_part({}, 64.0, 10, 4, "fp16") == ([], [], None, None)
+    big = [torch.full((10,), 6e4), torch.full((10,), 6e4)]  # near the fp16 limit, the mean still fits
+    assert wire.reduce_part(contributions(big, [1.0, 1.0], "fp16", chunk=4), 64.0, 10, 4, "fp16")[0] == [0, 1]
+    overflow = [torch.full((10,), 3e38), torch.full((10,), 3e38)]  # the fp32 sum overflows: no update
+    assert wire.reduce_part(contributions(overflow, [1.0, 1.0], "fp32", chunk=4), 64.0, 10, 4, "fp32") == (
+        [],
+        [],
+        None,
+        None,
+    )
+
+
+def scatter_header(**changes):
+    h = {
+        "kind": "scatter",
+        "group": "g",
+        "digest": "abc",
+        "part": 0,
+        "n": 10,
+        "numel": 4,
+        "chunk": 4,
+        "comp": "fp16",
+        "weight": 1.0,
+        "finite": True,
+    }
+    h.update(changes)
+    return h
+
+
+def test_header_roundtrip():
+    h = scatter_header()
+    assert wire.parse_header(wire.pack_header(h)) == {"v": wire.PROTOCOL_VERSION, **h}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x80\x81not json",
+        b"[1, 2]",
+        json.dumps({"v": 99, **scatter_header()}).encode(),
+        json.dumps({"v": 1, **scatter_header(kind="reboot")}).encode(),
+        json.dumps({"v": 1, **scatter_header(numel=-1)}).encode(),
+        json.dumps({"v": 1, **scatter_header(numel=4.0)}).encode(),
+        json.dumps({"v": 1, **scatter_header(chunk=wire.MAX_CHUNK_ELEMENTS + 1)}).encode(),
+        json.dumps({"v": 1, **scatter_header(comp="fp8")}).encode(),
+        json.dumps({"v": 1, **scatter_header(weight="1")}).encode(),
+        json.dumps({"v": 1, **scatter_header(finite=1)}).encode(),
+        json.dumps({"v": 1, **scatter_header(group="")}).encode(),
+        json.dumps({"v": 1, "kind": "mask", "group": "g", "digest": "d", "mask": [1, True]}).encode(),
+        json.dumps({"v": 1, "kind": "mask", "group": "g", "digest": "d", "mask": [1, 2]}).encode(),
+        json.dumps(
+            {"v": 1, **scatter_header(kind="gather", empty=False, contributors=[0], rejected={"0": "bored"})}
+        ).encode(),
+        json.dumps(
+            {"v": 1, **scatter_header(kind="gather", empty=False, contributors=[-1], rejected={})}
+        ).encode(),
+    ],
+)
+def test_parse_header_rejects_malformed(raw):
+    with pytest.raises(wire.WireError):
+        wire.parse_header(raw)
+
+
+def test_nan_weight_parses_then_fails_the_weight_check():
+    h = wire.parse_header(wire.pack_header(scatter_header(weight=float("nan"))))
+    assert math.isnan(h["weight"]) and wire.weight_problem(h["weight"], None, 64.0) == "weight"
+
+
+def test_read_frame_refuses_an_oversized_declared_length():
+    async def scenario():
+        reader = asyncio.StreamReader()
+        reader.feed_data((10**12).to_bytes(wire.LENGTH_PREFIX, "big"))
+        with pytest.raises(wire.WireError):
+            await wire.read_frame(reader, 1024)
+        reader = asyncio.StreamReader()
+        reader.feed_data((3).to_bytes(wire.LENGTH_PREFIX, "big") + b"abc")
+        assert await wire.read_frame(reader, 1024) == b"abc"
+
+    asyncio.run(scenario())
+
+
+def test_peers_digest_depends_on_order():
+    assert wire.peers_digest(["a", "b"]) != wire.peers_digest(["b", "a"])
+    assert wire.peers_digest(["a", "b"]) == wire.peers_digest(["a", "b"])
