@@ -18,9 +18,13 @@ unique to this all-reduce):
    has the same precision.
 3. Reduce: at the scatter deadline (or when all k contributions are in) the reducer sums
    weight·value in fp32 in member-index order (deterministic) over the accepted contributions
-   and divides by their total weight. Checked at the boundary: sizes, compression, group view,
-   finite values after decoding (reason "nan"), weight finite and > 0 ("weight"), late or missing
-   ("timeout"). The weight bound is ``weight <= max_weight_ratio * lower_median(weights offered
+   and divides by their total weight. Checked at the boundary: sizes ("shape"), compression, group
+   view ("group": digest of the ordered member list), finite values after decoding ("nan"), weight
+   finite and > 0 ("weight"), late or missing ("timeout"). Each scatter header also says whether
+   the sender's *whole* vector is finite, so a peer whose Δ holds a NaN anywhere is dropped by
+   every reducer, not only by the one whose part holds it. A member whose messages contradict our
+   view (another size, format or member list) is excluded: not waited for, its mask ignored.
+   The weight bound is ``weight <= max_weight_ratio * lower_median(weights offered
    for this part)`` rather than "times the reducer's own weight": with the own-weight rule a
    reducer that itself claims an absurd weight would accept its own contribution for its part;
    the lower median (own weight included) rejects an inflated weight on every reducer alike.
@@ -28,6 +32,7 @@ unique to this all-reduce):
    Members validate size and finiteness and write the decoded values into their result.
 5. Agreement: every member sends every other member the bitmask of parts it holds and waits
    (bounded) for theirs. Committed parts = AND of the masks heard (a dead member is not heard).
+   A member that hears no other member's mask returns "failed" (zeros): it agreed with nobody.
    A part that is not committed is zero in the result on every member: a part whose reducer
    failed contributes no update this round; the outer momentum still applies. If a member dies
    during this step itself, members may still disagree; the per-round params hash detects that
@@ -40,19 +45,28 @@ opened, or it closes before accepting our header) is not waited for at all, and 
 never heard from in this all-reduce is not waited for in the gather and mask steps. Network
 faults never raise out of `allreduce()`: they end up in the result (`rejected`, `status`).
 
+Cost per member: it sends (k-1) parts in the scatter and its averaged part to k-1 members in
+the gather, 2(k-1)/k · n · bytes/element, the all-reduce lower bound, plus ~200-byte headers and
+k-1 masks; int8 adds a 4-byte scale per 1024 elements.
+
 Each message is one libp2p stream: header frame (JSON) -> receiver answers GO/NO_GO once its
 session for that group_id has started -> payload frames -> receiver answers GO (accepted) or NO_GO.
 A message for a group_id that has not started locally waits (in its stream, so the payload stays
 in the sender's buffers, not our memory) up to `buffer_ttl` for the local `allreduce()` call.
 
-Testing hook: `allreduce(..., on_phase=hook)` awaits ``hook(phase)`` after "scattered",
-"reduced" and "gathered"; an exception raised by the hook propagates out of `allreduce()`
-(pending sends are cancelled), which is how tests make a member die mid-protocol.
+Fault-injection hooks (tests and the node's `--fault` plans): `allreduce(..., on_phase=hook)` calls
+``hook(phase)`` (awaited if it returns an awaitable) at "scattered" (after our scatter sends have
+finished or failed, bounded by the scatter deadline, so a member killed there has delivered its
+contributions), "reduced" (before our gather goes out) and "gathered" (before the masks);
+`on_scattered=fn` is a plain callable for the first point alone. An exception raised by a hook
+propagates out of `allreduce()` (pending sends are cancelled): that is how a test makes a member
+die mid-protocol in-process; a hook may also SIGKILL/SIGSTOP its own process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import time
@@ -73,7 +87,7 @@ GATHER_FRACTION = 0.7
 GO, NO_GO = b"\x01", b"\x00"
 _NETWORK_ERRORS = (OSError, asyncio.IncompleteReadError, P2PDaemonError)
 
-PhaseHook = Callable[[str], Awaitable[None]]
+PhaseHook = Callable[[str], object]  # may return an awaitable
 
 
 @dataclass
@@ -126,6 +140,7 @@ class _Session:
         self.gathered: dict[int, dict[str, Any]] = {}  # part -> its (validated, complete) gather header
         self.masks: dict[int, list[int]] = {}
         self.heard: set[int] = set()
+        self.probing: set[int] = set()
         self.gone: set[int] = set()
         self.excluded: set[int] = set()  # sent us a message that contradicts our view (sizes, group, format)
         self.reduced = self.mask_fixed = False
@@ -135,10 +150,10 @@ class _Session:
     def header(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"kind": kind, "group": self.group_id, "digest": self.digest, **fields}
 
-    def awaited(self, done: Iterable[int], only_heard: bool) -> bool:
-        """Is some live member still expected to deliver what `done` is keyed by?"""
+    def pending(self, done: Iterable[int], only_heard: bool) -> list[int]:
+        """Live members still expected to deliver what `done` is keyed by."""
         skip = self.gone | self.excluded | set(done)
-        return any(j not in skip and (j in self.heard or not only_heard) for j in self.others)
+        return [j for j in self.others if j not in skip and (j in self.heard or not only_heard)]
 
     async def notify(self) -> None:
         async with self.changed:
@@ -169,14 +184,16 @@ class AllreduceService:
         chunk_elements: int = wire.DEFAULT_CHUNK_ELEMENTS,
         buffer_ttl: float = 30.0,
         max_pending_sessions: int = 64,
+        probe_interval: float = 1.0,
     ):
         if not 0 < chunk_elements <= wire.MAX_CHUNK_ELEMENTS:
             raise ValueError(f"chunk_elements must be in (0, {wire.MAX_CHUNK_ELEMENTS}]")
         self.p2p, self.handler_name = p2p, f"{prefix}.allreduce.v1"
         self.chunk_elements, self.buffer_ttl = chunk_elements, buffer_ttl
-        self.max_pending_sessions = max_pending_sessions
+        self.max_pending_sessions, self.probe_interval = max_pending_sessions, probe_interval
         self._sessions: dict[str, _Session] = {}
-        self._background: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # sends
+        self._handlers: set[asyncio.Task] = set()  # incoming streams being served
         self._running = False
 
     async def start(self) -> None:
@@ -194,13 +211,14 @@ class AllreduceService:
         self._registered.discard((id(self.p2p), self.handler_name))
         with suppress(*_NETWORK_ERRORS):
             await self.p2p.remove_binary_stream_handler(self.handler_name)
-        for task in list(self._background):
-            task.cancel()
         now = asyncio.get_running_loop().time()
         for s in self._sessions.values():
             if not s.finished:
                 s.finish(now)
-                await s.notify()
+        tasks = [t for t in self._background | self._handlers if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # ------------------------------------------------------------------------- the protocol
 
@@ -215,6 +233,7 @@ class AllreduceService:
         timeout: float = 60.0,
         max_weight_ratio: float = 64.0,
         on_phase: PhaseHook | None = None,
+        on_scattered: Callable[[], object] | None = None,
     ) -> AllreduceResult:
         """Weighted average of `tensor` over `peers` (this peer included, same order on all members)."""
         if compression not in wire.COMPRESSIONS:
@@ -247,20 +266,24 @@ class AllreduceService:
         clean = False
         try:
             scatter_tasks = self._scatter(s, tensor, float(weight))
-            await _phase(on_phase, "scattered")
-            await s.wait_until(lambda: not self._missing_contributions(s), s.d_scatter)
+            if on_phase is not None or on_scattered is not None:
+                await asyncio.wait(scatter_tasks, timeout=max(s.d_scatter - loop.time(), 0.0))
+                await _phase(on_phase, "scattered")
+                if on_scattered is not None:
+                    on_scattered()
+            await self._wait(s, lambda: s.pending(s.contribs.keys() | s.rejected.keys(), False), s.d_scatter)
 
             header, frames = await self._reduce(s, max_weight_ratio)
             await _phase(on_phase, "reduced")
             later_tasks += [self._spawn(self._send(s, j, header, frames or [], s.d_end)) for j in s.others]
-            await s.wait_until(lambda: not s.awaited(s.gathered, only_heard=True), s.d_gather)
+            await self._wait(s, lambda: s.pending(s.gathered, only_heard=True), s.d_gather)
             await _phase(on_phase, "gathered")
 
             s.mask_fixed = True
             s.masks[s.me] = [int(p in s.gathered and not s.gathered[p]["empty"]) for p in range(s.k)]
             mask = s.header("mask", mask=s.masks[s.me])
             later_tasks += [self._spawn(self._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone]
-            await s.wait_until(lambda: not s.awaited(s.masks, only_heard=True), s.d_end)
+            await self._wait(s, lambda: s.pending(s.masks, only_heard=True), s.d_end)
             result = self._conclude(s, time.perf_counter() - started)
             clean = True
             return result
@@ -292,9 +315,19 @@ class AllreduceService:
             s.contribs[s.me] = (weight, own)
         return tasks
 
-    def _missing_contributions(self, s: _Session) -> bool:
-        resolved = s.contribs.keys() | s.rejected.keys() | s.gone | s.excluded
-        return any(j not in resolved for j in range(s.k))
+    async def _wait(self, s: _Session, pending: Callable[[], list[int]], deadline: float) -> None:
+        """Wait until nobody is `pending()` or `deadline`. Every `probe_interval` the silent members
+        get a ping: a SIGKILLed peer (its stream is reset) or a vanished daemon (cannot open) becomes
+        gone and is no longer waited for; a stalled one just times out the ping."""
+        loop = asyncio.get_running_loop()
+        while pending() and loop.time() < deadline:
+            await s.wait_until(lambda: not pending(), min(deadline, loop.time() + self.probe_interval))
+            for j in set(pending()) - s.probing:
+                s.probing.add(j)
+                ping = self._send(
+                    s, j, s.header("ping"), [], min(deadline, loop.time() + self.probe_interval)
+                )
+                self._spawn(ping).add_done_callback(lambda _, j=j: s.probing.discard(j))
 
     async def _reduce(self, s: _Session, max_ratio: float) -> tuple[dict[str, Any], list[bytes] | None]:
         s.reduced = True  # from here on, contributions still in flight are late
@@ -420,6 +453,9 @@ class AllreduceService:
         return s
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         try:
             await self._serve(info.peer_id.to_base58(), reader, writer)
         except (*_NETWORK_ERRORS, TimeoutError, wire.WireError) as e:
@@ -428,10 +464,15 @@ class AllreduceService:
             log.exception("allreduce: handler failed on a message from %s", info.peer_id)
         finally:
             writer.close()
+            self._handlers.discard(task)
 
     async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raw = await asyncio.wait_for(wire.read_frame(reader, wire.MAX_HEADER_BYTES), self.buffer_ttl)
         h = wire.parse_header(raw)
+        if h["kind"] == "ping":  # liveness only: go + accepted, without touching any session
+            writer.write(GO + GO)
+            await writer.drain()
+            return
         s = self._session(h["group"], local=False) if self._running else None
         if s is not None and not s.started.is_set():
             with suppress(TimeoutError):
@@ -554,4 +595,6 @@ def _encoded_chunks(part: torch.Tensor, chunk: int, compression: str) -> Iterabl
 
 async def _phase(hook: PhaseHook | None, name: str) -> None:
     if hook is not None:
-        await hook(name)
+        outcome = hook(name)
+        if inspect.isawaitable(outcome):
+            await outcome

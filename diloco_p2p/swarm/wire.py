@@ -47,7 +47,7 @@ MAX_HEADER_BYTES = 1 << 16
 LENGTH_PREFIX = 8  # = hivemind P2P.HEADER_LEN, big-endian like P2P.BYTEORDER
 PROTOCOL_VERSION = 1
 REJECT_REASONS = ("nan", "shape", "weight", "timeout", "compression", "group")
-KINDS = ("scatter", "gather", "mask")
+KINDS = ("scatter", "gather", "mask", "ping")
 
 
 class WireError(ValueError):
@@ -210,6 +210,8 @@ def parse_header(raw: bytes) -> dict[str, Any]:
         isinstance(group, str) and 0 < len(group) <= 512 and isinstance(digest, str) and len(digest) <= 64
     ):
         raise WireError("bad group or digest")
+    if kind == "ping":
+        return h
     if kind == "mask":
         mask = h.get("mask")
         if not isinstance(mask, list) or not all(_is_int(m) and m in (0, 1) for m in mask):
