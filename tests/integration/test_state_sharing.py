@@ -1,0 +1,254 @@
+"""State sharing on a real swarm: 4 hivemind DHT peers (each its own p2pd) on loopback, two
+donors and two joiners, all driven from one BackgroundLoop in this process.
+
+Every test uses its own run id (its own DHT key and stream protocol), so tests cannot see each
+other's donors. Ordering is expressed with awaits and events, never with sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import hivemind
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from diloco_p2p.swarm.runner import BackgroundLoop
+from diloco_p2p.swarm.state_sharing import (
+    StateServer,
+    StateUnavailable,
+    fetch_state,
+    list_donors,
+    pack_state,
+    state_key,
+    unpack_state,
+)
+
+_run_ids = itertools.count()
+
+
+@dataclass
+class Swarm:
+    dhts: list[hivemind.DHT]  # [donor A, donor B, joiner 1, joiner 2]
+    p2ps: list
+    loop: BackgroundLoop
+
+    def server(self, i: int, **kw) -> StateServer:
+        return StateServer(self.dhts[i], self.p2ps[i], **kw)
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[Swarm]:
+    # DHTs fork: create them all before the loop thread starts.
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = [str(a) for a in first.get_visible_maddrs()]
+    dhts = [first] + [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers) for _ in range(3)
+    ]
+    loop = BackgroundLoop()
+    try:
+        p2ps = [loop.run(d.replicate_p2p(), timeout=30) for d in dhts]
+        yield Swarm(dhts, p2ps, loop)
+        for p in p2ps:
+            loop.run(p.shutdown(), timeout=10)
+    finally:
+        loop.close()
+        for d in dhts:
+            d.shutdown()
+
+
+def _run_id() -> str:
+    return f"sstest{next(_run_ids)}"
+
+
+def _blob(numel: int, round: int = 3, seed: int = 0) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    half = numel // 2
+    return pack_state(
+        {"params/w": torch.randn(half, generator=g), "momentum/w": torch.randn(numel - half, generator=g)},
+        {"round": round, "tokens": 1000 * round},
+    )
+
+
+def test_one_donor_one_joiner_gets_the_identical_verified_blob(swarm: Swarm):
+    """Also the throughput measurement: a 32 MB state over loopback p2pd streams."""
+    run_id = _run_id()
+    blob = _blob(8 << 20)  # 8 Mi float32 = 32 MiB of tensors
+    theta = hashlib.sha256(b"theta").hexdigest()
+
+    async def scenario():
+        donor = swarm.server(0, run_id=run_id)
+        await donor.start()
+        try:
+            await donor.set_state(3, blob, params_hash=theta)
+            listed = await list_donors(swarm.dhts[2], run_id)
+            fetched = await fetch_state(swarm.dhts[2], swarm.p2ps[2], run_id=run_id, timeout=60)
+            return listed, fetched, donor
+        finally:
+            await donor.stop()
+
+    listed, fetched, donor = swarm.loop.run(scenario(), timeout=90)
+    sha = hashlib.sha256(blob).hexdigest()
+    assert [(a.peer_id, a.round, a.sha256, a.size, a.params_hash) for a in listed] == [
+        (donor.peer_id, 3, sha, len(blob), theta)
+    ]
+    assert fetched.blob == blob
+    assert (fetched.sha256, fetched.round, fetched.donor, fetched.params_hash) == (sha, 3, donor.peer_id, theta)
+    assert fetched.attempts == 1 and fetched.bytes == len(blob) and fetched.failures == []
+    assert (donor.served_count, donor.rejected_count, donor.bytes_served) == (1, 0, len(blob))
+    tensors, meta = unpack_state(fetched.blob)
+    assert meta == {"round": 3, "tokens": 3000} and tensors["params/w"].numel() == 4 << 20
+    mb_s = len(blob) / 1e6 / fetched.seconds
+    print(f"\nstate transfer over loopback: {len(blob) / 1e6:.1f} MB in {fetched.seconds:.2f} s = {mb_s:.0f} MB/s")
+    assert mb_s > 5  # far below what loopback gives; catches a transfer that degenerated
+
+
+def test_two_joiners_spread_over_two_donors(swarm: Swarm):
+    """Each donor serves one transfer at a time (`max_concurrent=1`). Joiner 1 holds its transfer
+    open until joiner 2 is done, so whichever donor joiner 2 ranks first, both donors serve: if
+    it picks joiner 1's donor it is told busy and moves on to the other."""
+    run_id = _run_id()
+    blob = _blob(1 << 19)  # 2 MiB
+
+    async def scenario():
+        donors = [swarm.server(i, run_id=run_id, max_concurrent=1, chunk_size=1 << 16) for i in (0, 1)]
+        for d in donors:
+            await d.start()
+            await d.set_state(5, blob)
+        try:
+            first_bytes, second_done = asyncio.Event(), asyncio.Event()
+
+            async def hold(donor: str, received: int, size: int) -> None:
+                first_bytes.set()
+                await second_done.wait()
+
+            j1 = asyncio.ensure_future(
+                fetch_state(swarm.dhts[2], swarm.p2ps[2], run_id=run_id, timeout=30, progress=hold)
+            )
+            await asyncio.wait_for(first_bytes.wait(), 20)
+            try:
+                f2 = await fetch_state(swarm.dhts[3], swarm.p2ps[3], run_id=run_id, timeout=20)
+            finally:
+                second_done.set()
+            f1 = await j1
+            return donors, f1, f2
+        finally:
+            for d in donors:
+                await d.stop()
+
+    donors, f1, f2 = swarm.loop.run(scenario(), timeout=60)
+    assert f1.blob == blob and f2.blob == blob
+    assert {f1.donor, f2.donor} == {d.peer_id for d in donors}
+    assert [d.served_count for d in donors] == [1, 1]
+    assert f2.attempts in (1, 2)  # 2 when its rendezvous order put joiner 1's donor first
+    assert sum(d.refused_count for d in donors) == f2.attempts - 1
+    print(f"\njoiner 1 <- {f1.donor[-6:]}, joiner 2 <- {f2.donor[-6:]} after {f2.attempts} attempt(s)")
+
+
+def test_min_round_newer_than_any_donor_fails_fast_with_a_clear_message(swarm: Swarm):
+    run_id = _run_id()
+
+    async def scenario():
+        donor = swarm.server(0, run_id=run_id)
+        await donor.start()
+        try:
+            await donor.set_state(3, _blob(1024))
+            t0 = time.perf_counter()
+            with pytest.raises(StateUnavailable) as e:
+                await fetch_state(swarm.dhts[2], swarm.p2ps[2], run_id=run_id, min_round=4, timeout=30)
+            return str(e.value), time.perf_counter() - t0, donor
+        finally:
+            await donor.stop()
+
+    msg, elapsed, donor = swarm.loop.run(scenario(), timeout=40)
+    assert elapsed < 3.0
+    assert "\n" not in msg
+    assert f"run {run_id!r}, round >= 4" in msg and "newest: round 3" in msg
+    assert donor.served_count == 0 and donor.bytes_served == 0
+
+
+def test_new_round_replaces_the_old_and_stop_withdraws(swarm: Swarm):
+    run_id = _run_id()
+    old, new = _blob(1024, round=3), _blob(1024, round=4, seed=1)
+
+    async def scenario():
+        donor = swarm.server(1, run_id=run_id)
+        await donor.start()
+        stopped = False
+        try:
+            await donor.set_state(3, old)
+            await donor.set_state(4, new)
+            listed = await list_donors(swarm.dhts[3], run_id)
+            fetched = await fetch_state(swarm.dhts[3], swarm.p2ps[3], run_id=run_id, timeout=20)
+            await donor.stop()
+            stopped = True
+            after = await list_donors(swarm.dhts[3], run_id)
+            with pytest.raises(StateUnavailable) as e:
+                await fetch_state(swarm.dhts[3], swarm.p2ps[3], run_id=run_id, timeout=20)
+            return listed, fetched, after, str(e.value)
+        finally:
+            if not stopped:
+                await donor.stop()
+
+    listed, fetched, after, msg = swarm.loop.run(scenario(), timeout=60)
+    assert [(a.round, a.size) for a in listed] == [(4, len(new))]
+    assert fetched.blob == new and fetched.round == 4
+    assert after == []
+    assert "no peer announces a state" in msg
+
+
+def test_stale_announcement_is_answered_gone_and_the_joiner_moves_on(swarm: Swarm):
+    """Donor B's DHT record says round 5 but B now holds round 4 (it moved, or the record is a
+    leftover): B answers `gone` and the joiner takes round 4 from A."""
+    run_id = _run_id()
+    blob4 = _blob(1024, round=4)
+
+    async def scenario():
+        a, b = swarm.server(0, run_id=run_id), swarm.server(1, run_id=run_id)
+        for d in (a, b):
+            await d.start()
+            await d.set_state(4, blob4)
+        try:
+            # outlives B's own record (announce_ttl 60 s): per subkey, the later expiration wins
+            stale = {"round": 5, "sha256": "5" * 64, "size": 999, "params_hash": None}
+            stored = await swarm.dhts[3].store(
+                state_key(run_id), stale, get_dht_time() + 120, subkey=b.peer_id, return_future=True
+            )
+            fetched = await fetch_state(swarm.dhts[2], swarm.p2ps[2], run_id=run_id, timeout=20)
+            return stored, fetched, a, b
+        finally:
+            for d in (a, b):
+                await d.stop()
+
+    stored, fetched, a, b = swarm.loop.run(scenario(), timeout=60)
+    assert stored
+    assert fetched.blob == blob4 and fetched.round == 4 and fetched.donor == a.peer_id
+    assert fetched.attempts == 2 and len(fetched.failures) == 1
+    assert "round 5: gone: the donor no longer holds it; it now serves round 4" in fetched.failures[0]
+    assert (b.refused_count, b.bytes_served, a.served_count) == (1, 0, 1)
+
+
+def test_announcement_is_refreshed_while_serving(swarm: Swarm):
+    """With a 1 s lifetime, the record is still there 2.5 s later only if the server refreshed it."""
+    run_id = _run_id()
+
+    async def scenario():
+        donor = swarm.server(0, run_id=run_id, announce_ttl=1.0)
+        await donor.start()
+        try:
+            await donor.set_state(2, _blob(1024, round=2))
+            first = await list_donors(swarm.dhts[3], run_id)
+            await asyncio.sleep(2.5)  # time passing is the point here, not an ordering
+            later = await list_donors(swarm.dhts[3], run_id)
+            return first, later, donor.peer_id
+        finally:
+            await donor.stop()
+
+    first, later, peer = swarm.loop.run(scenario(), timeout=30)
+    assert [a.peer_id for a in first] == [peer] and [a.peer_id for a in later] == [peer]
