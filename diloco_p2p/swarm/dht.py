@@ -12,8 +12,9 @@ traceback or a hang:
   initial peers (measured): p2pd itself bootstraps to them and exits with "failed to connect
   to bootstrap peers" (fast for a refused port, about 5 s for a listener that never speaks),
   which `DHT.wait_until_ready` re-raises as `P2PDaemonError`. On an internet path that drops
-  packets the dial can take much longer, so we never wait unbounded: past the deadline the
-  DHT process and its p2pd are terminated and the user gets the same kind of line.
+  packets the dial can take much longer, so we never wait unbounded: past the deadline we stop
+  the DHT process and its p2pd (carefully, see `_stop_failed_dht`) and the user gets the same
+  kind of line.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 MADDR_EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."
 # p2pd needs a moment to start even with no peers to dial; this bounds that start alone.
 STARTUP_TIMEOUT = 30.0
+# How long a DHT process whose start failed gets to exit by itself before we terminate it.
+STOP_GRACE = 5.0
 
 
 def validate_maddrs(addrs: Sequence[str], what: str, *, require_peer_id: bool = False) -> list[str]:
@@ -149,7 +152,7 @@ def start_dht(
     try:
         dht.wait_until_ready(timeout=timeout)
     except TimeoutError:
-        _kill_dht(dht)
+        _stop_failed_dht(dht, reported=False)
         if initial:
             raise UserError(
                 f"no answer from the initial peers within {timeout:g} s (p2p.connect_timeout): "
@@ -158,7 +161,7 @@ def start_dht(
             ) from None
         raise UserError(f"the p2p daemon did not start within {timeout:g} s; check p2p.host_maddrs") from None
     except Exception as e:
-        _kill_dht(dht)
+        _stop_failed_dht(dht, reported=True)
         raise _explain_start_failure(e, initial, host, identity_path) from None
     return dht
 
@@ -182,23 +185,32 @@ def _explain_start_failure(
     return UserError(f"the DHT did not start: {msg}")
 
 
-def _kill_dht(dht: hivemind.DHT) -> None:
-    """Stop a DHT whose start failed or hung, with its p2pd children (it never read our pipe)."""
+def _stop_failed_dht(dht: hivemind.DHT, *, reported: bool) -> None:
+    """Stop a DHT process whose start failed (`reported`: it sent us its exception) or hung.
+
+    Never SIGTERM that process first: it may hold hivemind's process-wide MPFuture lock (a
+    semaphore shared by every process of ours), and a process killed while holding it blocks
+    every later DHT of this process forever (seen in tests: the next DHT never reported ready).
+    A process that reported its error exits by itself. A hung one is stuck in p2pd's start or
+    bootstrap: we stop its p2pd, so hivemind's own code fails, reports and exits. Only a
+    process still alive after that is terminated.
+    """
     if dht.pid is None:
         return
-    children = _child_pids(dht.pid)
+    daemons = _p2pd_pids(dht.pid)
+    if not reported:
+        _terminate_pids(daemons)
+    dht.join(timeout=STOP_GRACE)
     if dht.is_alive():
+        logger.warning("the DHT process did not exit after its failed start; terminating it")
+        daemons += _p2pd_pids(dht.pid)
         dht.terminate()
-    dht.join(timeout=5)
-    for pid in children:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        dht.join(timeout=STOP_GRACE)
+    _terminate_pids(p for p in daemons if _is_p2pd(p))  # orphans of a DHT that died first
 
 
-def _child_pids(pid: int) -> list[int]:
-    """Direct children of `pid`, from /proc (Linux); empty where /proc is unavailable."""
+def _p2pd_pids(pid: int) -> list[int]:
+    """The p2pd children of `pid`, from /proc (Linux); empty where /proc is unavailable."""
     out: list[int] = []
     try:
         for task in os.listdir(f"/proc/{pid}/task"):
@@ -206,7 +218,23 @@ def _child_pids(pid: int) -> list[int]:
                 out.extend(int(x) for x in f.read().split())
     except OSError:
         pass
-    return out
+    return [p for p in out if _is_p2pd(p)]
+
+
+def _is_p2pd(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == "p2pd"
+    except OSError:
+        return False
+
+
+def _terminate_pids(pids: Iterable[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -114,3 +114,32 @@ def test_two_nodes_join_and_the_peer_id_follows_the_identity(tmp_path):
             b.shutdown()
     finally:
         a.shutdown()
+
+
+def test_an_identity_in_use_is_refused_with_one_line(tmp_path):
+    key = tmp_path / "shared.key"
+    a = start_dht(P2PConfig(host_maddrs=LOOPBACK), key)
+    try:
+        cfg = P2PConfig(initial_peers=visible_maddrs(a), host_maddrs=LOOPBACK, connect_timeout=20)
+        with pytest.raises(UserError, match=rf"identity {key} is already used by a running peer"):
+            start_dht(cfg, key)
+    finally:
+        a.shutdown()
+
+
+def test_failed_starts_do_not_wedge_later_dhts_of_this_process(tmp_path):
+    """Regression: terminating a DHT process right after it reported its error could kill it
+    while it held hivemind's process-shared MPFuture lock; every later DHT of this process then
+    hung. Measured with that code: the 13th refused start wedged the next DHT."""
+    bad = f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{_random_peer_id(tmp_path)}"
+    a = start_dht(P2PConfig(host_maddrs=LOOPBACK), None)
+    try:
+        for _ in range(8):
+            with pytest.raises(UserError, match="could not reach any initial peer"):
+                start_dht(P2PConfig(initial_peers=[bad], host_maddrs=LOOPBACK), None)
+        b = start_dht(
+            P2PConfig(initial_peers=visible_maddrs(a), host_maddrs=LOOPBACK, connect_timeout=20), None
+        )
+        b.shutdown()
+    finally:
+        a.shutdown()

@@ -123,3 +123,23 @@ def test_status_with_a_malformed_or_missing_address_fails_with_one_line():
     )
     rc, _, err = _status([])
     assert rc == 2 and err.startswith("error: status needs --initial-peers")
+
+
+def test_async_records_api_runs_on_the_event_loop(swarm):
+    """The coroutine variants await hivemind's futures on our loop (what swarm components use)."""
+    from diloco_p2p.swarm.records import publish_progress_async, read_progress_async, withdraw_progress_async
+    from diloco_p2p.swarm.runner import BackgroundLoop
+
+    maddrs, pa, _ = swarm
+    c = start_dht(P2PConfig(initial_peers=maddrs, host_maddrs=LOOPBACK), None)  # before the loop's thread
+    loop = BackgroundLoop()
+    try:
+        pc = c.peer_id.to_base58()
+        assert loop.run(publish_progress_async(c, RUN, _record(pc, 6, "d"), ttl=60, timeout=10), timeout=15)
+        seen = loop.run(read_progress_async(c, RUN, timeout=10), timeout=15)
+        assert seen[pc].round == 6 and pa in seen
+        assert loop.run(withdraw_progress_async(c, RUN, pc, timeout=10), timeout=25)
+        assert pc not in loop.run(read_progress_async(c, RUN, timeout=10), timeout=15)
+    finally:
+        loop.close()
+        c.shutdown()
