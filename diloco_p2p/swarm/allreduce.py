@@ -41,8 +41,10 @@ unique to this all-reduce):
 Deadlines (t0 = local start, T = timeout): contributions until t0+0.4T, gathered parts until
 t0+0.7T, masks until t0+T. Every network wait has a deadline, so a stalled peer (SIGSTOP: its
 socket stays open and never answers) costs at most T. A peer that is *gone* (its stream cannot be
-opened, or it closes before accepting our header) is not waited for at all, and a peer we have
-never heard from in this all-reduce is not waited for in the gather and mask steps. Network
+opened, or it closes before accepting our header) is not waited for at all; members we wait for
+get a ping every `probe_interval` (1 s), so a SIGKILLed peer (its p2pd resets the stream) or a
+vanished daemon is noticed within about a second instead of at the deadline. A peer we have never
+heard from in this all-reduce is not waited for in the gather and mask steps. Network
 faults never raise out of `allreduce()`: they end up in the result (`rejected`, `status`).
 
 Cost per member: it sends (k-1) parts in the scatter and its averaged part to k-1 members in
@@ -342,17 +344,9 @@ class AllreduceService:
         s.rejected.update({j: "weight" for j in heavy})
         if values is not None and s.result is not None:
             s.result[lo:hi] = values
-        header = s.header(
-            "gather",
-            part=s.me,
-            n=s.n,
-            numel=hi - lo,
-            chunk=s.chunk,
-            comp=s.compression,
-            empty=frames is None,
-            contributors=accepted,
-            rejected={str(j): r for j, r in sorted(s.rejected.items())},
-        )
+        fields = {"part": s.me, "n": s.n, "numel": hi - lo, "chunk": s.chunk, "comp": s.compression}
+        rejected = {str(j): r for j, r in sorted(s.rejected.items())}
+        header = s.header("gather", **fields, empty=frames is None, contributors=accepted, rejected=rejected)
         s.gathered[s.me] = header
         return header, frames
 
@@ -377,17 +371,17 @@ class AllreduceService:
                     rejected[s.names[int(j)]] = reason
         log.debug("allreduce %s: %s, parts %s/%d, rejected %s", s.group_id, status, committed, s.k, rejected)
         return AllreduceResult(
-            average,
-            status,
-            committed,
-            s.k,
-            [s.names[c] for c in contributors],
-            rejected,
-            s.bytes_sent,
-            s.bytes_received,
-            seconds,
-            part_contributors,
-            [s.names[j] for j in agreed],
+            average=average,
+            status=status,
+            committed_parts=committed,
+            num_parts=s.k,
+            contributors=[s.names[c] for c in contributors],
+            rejected=rejected,
+            bytes_sent=s.bytes_sent,
+            bytes_received=s.bytes_received,
+            seconds=seconds,
+            part_contributors=part_contributors,
+            agreed_with=[s.names[j] for j in agreed],
         )
 
     # ------------------------------------------------------------------------- sending
