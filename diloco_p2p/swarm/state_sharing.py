@@ -514,7 +514,7 @@ class _Partial:
 
 @dataclass
 class _Outcome:
-    status: str  # ok | busy | failed
+    status: str  # ok | busy | corrupt | failed
     reason: str = ""
     received: int = 0
 
@@ -574,7 +574,7 @@ async def _attempt(
                 await writer.drain()
                 await reader.readexactly(1)
         if not ok:
-            return _Outcome("failed", "sha256 mismatch: corrupt bytes", got)
+            return _Outcome("corrupt", "sha256 mismatch: corrupt bytes", got)
         return _Outcome("ok", received=got)
     except _ProtocolError as e:
         return _Outcome("failed", f"protocol error: {e}", got)
@@ -678,7 +678,7 @@ async def fetch_state(
                 busy, busy_refusals = True, busy_refusals + 1
                 continue
             failures.append(line)
-            if "sha256 mismatch" in outcome.reason:
+            if outcome.status == "corrupt":
                 if len(part.sources) > 1:  # cannot tell who lied: refetch this sha from one donor alone
                     no_resume.add(ann.sha256)
                     failures[-1] += f" (assembled from {len(part.sources)} donors; retrying from one)"

@@ -203,3 +203,22 @@ def test_corrupt_donor_is_rejected_by_hash_and_the_good_one_serves(swarm: Swarm)
     assert (bad.served_count, bad.rejected_count) == (0, 2) and good.served_count == 1
     assert "\n" not in msg and "every donor failed" in msg and "sha256 mismatch" in msg
     assert bad.peer_id[-8:] in msg
+
+
+def test_corrupt_donor_killed_mid_transfer_mixed_blob_is_refetched_from_one_donor(swarm: Swarm, tmp_path: Path):
+    """The dead donor's prefix was corrupt, the good donor resumed after it: the assembled blob
+    fails its hash and no single donor can be blamed, so the joiner refetches it whole from one."""
+    run_id = _run_id()
+    with donor_process(swarm, run_id, tmp_path, throttle=THROTTLE, corrupt=True) as d:
+        fetched, good, fired, _ = _fetch_with_fault(
+            swarm, run_id, d.peer_id, lambda: os.kill(d.proc.pid, signal.SIGKILL), stall_timeout=10
+        )
+    assert fired
+    assert fetched.blob == swarm.blob and fetched.donor == good.peer_id and fetched.attempts == 3
+    assert len(fetched.failures) == 2, fetched.failures
+    assert "died" in fetched.failures[0]
+    assert "sha256 mismatch" in fetched.failures[1] and "assembled from 2 donors" in fetched.failures[1]
+    assert (good.served_count, good.rejected_count) == (1, 1)  # the resumed tail, then the whole blob
+    from_dead = fetched.bytes - good.bytes_served
+    assert FAULT_AT <= from_dead < len(swarm.blob)
+    assert good.bytes_served == (len(swarm.blob) - from_dead) + len(swarm.blob)
