@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -60,7 +61,7 @@ from diloco_p2p.config import Config, InnerConfig, OuterConfig, save_config
 from diloco_p2p.data import DataPosition, TextDataset, build_dataset
 from diloco_p2p.faults import Faults
 from diloco_p2p.inner import InnerTrainer, StepStats
-from diloco_p2p.launch import LocalRanks
+from diloco_p2p.launch import LocalRanks, init_local_ranks, local_world_size
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
 from diloco_p2p.node import Node, SoloSync, StopRequested, Sync, node_key
 from diloco_p2p.outer import OuterOptimizer, tensor_sha256
@@ -376,29 +377,39 @@ class _RankPrefix(logging.Filter):
         return True
 
 
-def quiet_other_ranks(ranks: LocalRanks) -> None:
+def quiet_other_ranks(rank: int) -> None:
     """Rank 0 speaks for the node; the others log warnings only, prefixed with their rank."""
-    if ranks.rank == 0:
+    if rank == 0:
         return
     logging.getLogger("diloco_p2p").setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
-        handler.addFilter(_RankPrefix(ranks.rank))
+        handler.addFilter(_RankPrefix(rank))
 
 
-def run_node(config: Config, run_dir: Path, ranks: LocalRanks, stop: StopRequested,
-             metrics: Any = None) -> list[dict[str, Any]]:
-    """Train as this rank's share of the node (solo, or in the swarm shard by shard)."""
-    quiet_other_ranks(ranks)
+def train_local_rank(config: Config, run_dir: Path, stop: StopRequested,
+                     start_metrics: Callable[[], Any] = lambda: None) -> list[dict[str, Any]]:
+    """Train as this process's rank of an N-rank node (solo, or in the swarm shard by shard).
+
+    Called in each rank started by `launch_local_ranks` or torchrun; returns the node's records.
+    """
+    rank, world = int(os.environ["RANK"]), local_world_size()
+    quiet_other_ranks(rank)
     sync = None
     if config.p2p.initial_peers:
         from diloco_p2p.fsdp_swarm import ShardSync
 
-        sync = ShardSync(config, run_dir, stop, ranks)  # before any thread of ours: hivemind forks
+        sync = ShardSync(config, run_dir, stop, rank, world)  # before any thread of ours: hivemind forks
     try:
+        ranks = init_local_ranks(config.train)
+        assert ranks is not None
+        if sync is not None:
+            sync.attach(ranks)
+        metrics = start_metrics() if ranks.rank == 0 else None
         node = ShardedNode(config, run_dir, ranks, sync, stop=stop, metrics=metrics)
         records = node.run()
+        ranks.barrier()  # rank 0 may still be writing the last checkpoint
     finally:
         if sync is not None:
             sync.close()
-    ranks.barrier()  # rank 0 may still be writing the last checkpoint
+    ranks.close()
     return records

@@ -17,9 +17,11 @@ it. The launcher then stops the other ranks (SIGTERM, then SIGKILL after `grace_
 non-zero with one line naming the rank and its exit code; torchrun does the same. The swarm
 carries on without the node: its peers see it miss a round, as for any dead node.
 
-Signals: the ranks run in their own session, so a Ctrl-C in the terminal reaches only the
-launcher, which forwards exactly one SIGTERM per signal to every rank (the first asks the ranks
-to stop at the next safe point, node-wide; a second makes them exit at once).
+Each rank runs in its own session (and process group), so whatever it forks (hivemind's DHT
+process, p2pd) is killed with it when the launcher cleans up after a dead rank. Signals: a
+Ctrl-C in the terminal reaches only the launcher, which forwards exactly one SIGTERM per signal
+to every rank (the first asks the ranks to stop at the next safe point, node-wide; a second
+makes them exit at once).
 """
 
 from __future__ import annotations
@@ -138,6 +140,15 @@ class _Ranks:
             except ProcessLookupError:
                 pass
 
+    def kill_groups(self) -> None:
+        """SIGKILL what is left in each rank's process group: a rank that was killed leaves its
+        forked helpers (hivemind's DHT process and its p2pd) behind, orphaned."""
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def close(self) -> None:
         for fd in self.pidfds:
             os.close(fd)
@@ -177,6 +188,7 @@ def launch_local_ranks(argv: Sequence[str], nproc: int, *, module: str = "diloco
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         ranks.signal(signal.SIGKILL)  # nothing should be left; never leave an orphan behind
+        ranks.kill_groups()
         ranks.close()
 
 
@@ -346,33 +358,29 @@ def train(args: Any, argv: Sequence[str], nproc: int, *, module: str = "diloco_p
 
     config = cli._config_from_args(args)  # a bad config fails here, once, before any rank starts
     cli._setup_logging(config.log.level, config.log.json_format)
-    if launched_as_rank():
-        if nproc > 1 and nproc != local_world_size():
-            raise UserError(f"{NPROC_FLAG} {nproc} but the launcher started {local_world_size()} ranks; "
-                            f"drop {NPROC_FLAG} under torchrun")
-    elif nproc > 1:
-        return launch_local_ranks(argv, nproc, module=module)
-    ranks = init_local_ranks(config.train)
-    if ranks is None:
+    if not launched_as_rank():
+        return launch_local_ranks(argv, nproc, module=module) if nproc > 1 else cli.cmd_train(args)
+    if nproc > 1 and nproc != local_world_size():
+        raise UserError(f"{NPROC_FLAG} {nproc} but the launcher started {local_world_size()} ranks; "
+                        f"drop {NPROC_FLAG} under torchrun")
+    if local_world_size() <= 1:
         return cli.cmd_train(args)
-    from diloco_p2p.fsdp import run_node
+    from diloco_p2p.fsdp import train_local_rank
     from diloco_p2p.node import StopRequested
 
     run_dir = args.run_dir or Path("runs") / config.run_id
     stop = StopRequested()
     stop.install()
-    metrics = cli._start_metrics(config, run_dir) if ranks.rank == 0 else None
     try:
-        records = run_node(config, run_dir, ranks, stop, metrics)
+        records = train_local_rank(config, run_dir, stop, lambda: cli._start_metrics(config, run_dir))
     except Exception as e:
         if not peer_rank_failed(e):
             raise
         # The launcher (or torchrun) names the rank that failed; this rank only follows it.
-        print(f"error: local rank {ranks.rank}: another rank of this node failed, exiting "
+        print(f"error: local rank {os.environ.get('RANK')}: another rank of this node failed, exiting "
               f"({' '.join(str(e).split())[:160]})", file=sys.stderr, flush=True)
         return 1
-    ranks.close()
-    if records and ranks.rank == 0:
+    if records and os.environ.get("RANK") == "0":
         last = records[-1]
         log.info("done: round %d, eval loss %s, params %s", last["round"], last["eval_loss"],
                  last["params_sha256"][:12])
