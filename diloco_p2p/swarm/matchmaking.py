@@ -1,0 +1,626 @@
+"""Group formation for one DiLoCo round: which peers average their pseudo-gradients together.
+
+At the end of round r every node calls `Matchmaker.form_group`. Only nodes that hold the same
+global parameters may average (DiLoCo's outer step assumes every member applies the averaged
+Δ to the *same* θ), so a group is drawn from the nodes at the same round *and* with the same
+parameter hash. The result is either a `Group` that every member sees identically (same
+`group_id`, same ordered member list) or ``None`` (this node ends the round alone).
+
+Why our own protocol rather than hivemind's `Matchmaking`: hivemind's matchmaker is built for
+its own averager (a forked process, group keys that drift with bit prefixes, a random member
+order and a random group id per call) and is internal API. Ours is one small state machine on
+top of hivemind's public DHT and P2P streams, keyed by the round, with two properties the round
+protocol needs: a hard deadline, and an answer that is identical on every member.
+
+Protocol
+--------
+1. **Register.** A node stores ``{"t": registration time, "w": weight}`` under
+   ``f"{run_id}.mm.{round}.{params_hash[:16]}"``, subkey = its base58 peer id (DHT time from
+   `hivemind.get_dht_time`). Different rounds or parameters never share a key, so they never meet.
+2. **Pick a leader.** The candidate leader is the live registration with the smallest
+   ``(t, peer id)`` - a total order, so a node only ever follows nodes that precede it and
+   redirect chains cannot loop. A node starts as the leader of its own one-member group (it
+   can serve join requests before its first DHT read); if it sees a better candidate it follows
+   it, otherwise it keeps leading.
+3. **Join.** A follower opens a P2P stream to the leader and sends a join request (JSON frames
+   with a length prefix: no pickle). The leader acknowledges at once and then sends a heartbeat
+   every ``request_timeout / 3`` while the group is open. The final answer is one of
+   ``group`` (id, ordered members, weights), ``void`` (closed below `min_group_size`: every
+   member returns ``None``), ``redirect`` (the leader found a better leader and forfeited:
+   follow that one) or ``closed`` (not accepting: full, finished, unknown round...).
+4. **Close.** The leader closes the group as soon as it has `target_group_size` members, or at
+   ``t + timeout`` (its own registration time). Every member gets the *same* answer object:
+   members sorted by peer id, ``group_id = sha256(run, round, hash, leader, close time,
+   members)``. While open, the leader re-reads the key every ``request_timeout / 2``; a better
+   candidate makes it forfeit: its followers are redirected and it joins that leader itself.
+5. **Withdraw.** When `form_group` ends, the node overwrites its registration with a ``done``
+   marker (same subkey, later expiration, hivemind's newest-wins rule), so later arrivals stop
+   contacting it.
+
+Failures are data. A leader that does not acknowledge within ``request_timeout`` (dead,
+unreachable, or SIGSTOPped with its socket still open) or whose heartbeats stop is excluded for
+the rest of this call and the follower picks the next candidate, possibly itself; the others
+can still form a group. A follower that gives up closes its stream, and the leader drops it
+from a group that is still open. Whatever happens, `form_group` returns within
+``timeout + request_timeout``: a follower joins only leaders with ``t <= its own t``, and a
+leader closes at ``t + timeout``.
+
+Stragglers. A node that arrives after a committed group of its round was closed *by the
+deadline* has missed the round: it learns so from a ``done: expired`` marker or from a
+``closed: expired`` answer and returns ``None`` at once (`last_outcome == "late"`), so the
+caller can catch up instead of averaging stale state. Groups that closed because they were
+full (target reached) do not make later nodes late: those may still group with each other.
+
+Agreement is as strong as a single round trip allows: a follower whose deadline fires in the
+instant the leader sends the final list ends alone while the others count it in. The all-reduce
+must therefore treat a member that never shows up with the agreed `group_id` like a member
+that died (see the all-reduce module), which it has to handle anyway.
+
+Not defended here: a hostile peer can claim an early registration time and answer
+``closed: expired``; matchmaking only decides who talks to whom, and the data each member
+sends is validated by the all-reduce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import logging
+import math
+import struct
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import hivemind
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+_FRAME_HEADER = struct.Struct(">I")
+_MAX_FRAME_BYTES = 1 << 20  # a member list of thousands of peers fits; anything bigger is hostile
+_MAX_WEIGHT = 1e18
+_FINISHED_MEMORY = 64  # how many finished rounds we still answer "closed: <reason>" for
+_REQUEST_READ_TIMEOUT = 10.0  # a stream that sends no join request within this is dropped
+
+# Why form_group returned None (or "group"): `Matchmaker.last_outcome`.
+# group: a Group; alone: nobody joined; void: closed below min_group_size; late: the round's group
+# closed at its deadline before we arrived; timeout: our leader vanished; aborted: stop() was called
+# or the form_group task was cancelled.
+GROUP, ALONE, VOID, LATE, TIMEOUT, ABORTED = "group", "alone", "void", "late", "timeout", "aborted"
+
+
+@dataclass
+class Group:
+    """A closed group, identical on every member (`peers` in the same order everywhere)."""
+
+    group_id: str
+    peers: list[PeerID]
+    my_index: int
+    weights: dict[str, float] | None = None  # base58 peer id -> weight the member announced
+    leader: PeerID | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.peers)
+
+
+def matchmaking_key(run_id: str, round: int, params_hash: str) -> str:
+    return f"{run_id}.mm.{int(round)}.{params_hash[:16]}"
+
+
+def default_request_timeout(timeout: float) -> float:
+    """Ack/heartbeat tolerance: long enough for a loaded machine, short next to the round's timeout."""
+    return min(max(timeout / 4, 1.0), 5.0)
+
+
+# ---------------------------------------------------------------- wire format
+
+
+async def _send_frame(writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
+    data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    writer.write(_FRAME_HEADER.pack(len(data)) + data)
+    await writer.drain()
+
+
+async def _recv_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+    (size,) = _FRAME_HEADER.unpack(await reader.readexactly(_FRAME_HEADER.size))
+    if size > _MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {size} bytes is over the {_MAX_FRAME_BYTES} limit")
+    obj = json.loads(await reader.readexactly(size))
+    if not isinstance(obj, dict):
+        raise ValueError("frame is not a JSON object")
+    return obj
+
+
+def _finite_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _valid_weight(w: Any) -> bool:
+    return _finite_number(w) and 0 <= w <= _MAX_WEIGHT
+
+
+# ---------------------------------------------------------------- per-round state
+
+
+@dataclass
+class _Entry:
+    """A registration read from the DHT."""
+
+    peer: str
+    t: float
+    w: float
+    done: str | None
+
+
+@dataclass
+class _Epoch:
+    """A stretch of time during which this node leads: its members and the one answer all get."""
+
+    members: dict[str, tuple[float, int]]  # peer -> (weight, token of the stream that joined it)
+    answer: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    close_reason: str | None = None  # "full" or "expired" once closed with a group
+
+
+@dataclass
+class _Session:
+    key: str
+    round: int
+    params_hash: str
+    me: str
+    t: float
+    weight: float
+    min_size: int
+    target: int
+    timeout: float
+    request_timeout: float
+    epoch: _Epoch | None = None
+    following: tuple[str, float] | None = None  # (leader, its t) while following or trying to
+
+    @property
+    def close_at(self) -> float:
+        return self.t + self.timeout
+
+    @property
+    def deadline(self) -> float:
+        return self.t + self.timeout + self.request_timeout
+
+    def lead(self) -> _Epoch:
+        self.epoch, self.following = _Epoch({self.me: (self.weight, 0)}), None
+        return self.epoch
+
+    def follow(self, leader: str, leader_t: float) -> None:
+        """Forfeit leadership (redirecting current followers) and follow `leader`."""
+        if self.epoch is not None and not self.epoch.answer.done():
+            self.epoch.answer.set_result({"s": "redirect", "to": leader, "t": leader_t})
+        self.epoch, self.following = None, (leader, leader_t)
+
+
+@dataclass
+class _Final:
+    group: Group | None
+    outcome: str
+    close_reason: str | None = None
+
+
+@dataclass
+class _Redirect:
+    to: str
+    t: float
+
+
+class Matchmaker:
+    """Forms one group per round over the DHT and P2P streams; see the module docstring."""
+
+    def __init__(self, dht: hivemind.DHT, p2p: P2P, *, run_id: str):
+        self.dht, self.p2p, self.run_id = dht, p2p, run_id
+        self.me = p2p.peer_id.to_base58()
+        self.protocol = f"/diloco-p2p/{run_id}/matchmaking/{PROTOCOL_VERSION}"
+        self.last_outcome: str | None = None
+        self._sessions: dict[str, _Session] = {}
+        self._finished: OrderedDict[str, str] = OrderedDict()
+        self._handler_tasks: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()
+        self._tokens = itertools.count(1)
+        self._started = False
+        # Test-only fault injection: awaited right before / after our registration is stored; and,
+        # when `_frozen`, join handlers keep the stream open and never answer (a SIGSTOPped peer).
+        self._before_register: Callable[[], Awaitable[None]] | None = None
+        self._after_register: Callable[[], Awaitable[None]] | None = None
+        self._frozen = False
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(self.protocol, self._handle_join)
+        self._started = True
+
+    async def stop(self) -> None:
+        if self._started:
+            self._started = False
+            try:
+                await self.p2p.remove_binary_stream_handler(self.protocol)
+            except Exception as e:  # the daemon may already be gone at shutdown
+                logger.debug("removing the matchmaking handler failed: %r", e)
+        for session in self._sessions.values():
+            if session.epoch is not None and not session.epoch.answer.done():
+                session.epoch.answer.set_result({"s": "closed", "reason": "aborted"})
+        for task in list(self._handler_tasks) + list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._handler_tasks, *self._background, return_exceptions=True)
+
+    # ------------------------------------------------------------ the caller's side
+
+    async def form_group(
+        self,
+        round: int,
+        params_hash: str,
+        weight: float,
+        *,
+        min_group_size: int,
+        target_group_size: int,
+        timeout: float,
+        request_timeout: float | None = None,
+    ) -> Group | None:
+        """Find the peers at `round` with `params_hash`; return our group, or None if we end alone.
+
+        Returns within ``timeout + request_timeout`` whatever the other peers do. `weight` (the
+        tokens we processed) is passed on to every member in `Group.weights`. A group of one is
+        no group: the result is then None with `last_outcome` ``"alone"``.
+        """
+        if not self._started:
+            raise RuntimeError("Matchmaker.start() must be awaited before form_group()")
+        if not _valid_weight(weight):
+            raise ValueError(f"weight must be a finite number in [0, {_MAX_WEIGHT:g}], got {weight!r}")
+        if not (1 <= min_group_size <= target_group_size) or not timeout > 0:
+            raise ValueError("need 1 <= min_group_size <= target_group_size and timeout > 0")
+        request_timeout = default_request_timeout(timeout) if request_timeout is None else request_timeout
+        key = matchmaking_key(self.run_id, round, params_hash)
+        if key in self._sessions:
+            raise RuntimeError(f"form_group for {key} is already running")
+        session = _Session(
+            key=key, round=int(round), params_hash=params_hash, me=self.me, t=get_dht_time(),
+            weight=float(weight), min_size=min_group_size, target=target_group_size,
+            timeout=timeout, request_timeout=request_timeout,
+        )
+        session.lead()  # serve join requests from the start: they may arrive before our first read
+        self._sessions[key] = session
+        final = _Final(None, TIMEOUT)
+        try:
+            final = await asyncio.wait_for(self._run(session), session.deadline - get_dht_time())
+        except TimeoutError:
+            logger.debug("%s: matchmaking deadline fired", key)
+        except asyncio.CancelledError:
+            final = _Final(None, ABORTED)
+            raise
+        finally:
+            if session.epoch is not None and not session.epoch.answer.done():
+                session.epoch.answer.set_result({"s": "closed", "reason": "aborted"})
+            del self._sessions[key]
+            reason = final.close_reason or ("expired" if final.outcome == LATE else "void")
+            self._finished[key] = reason
+            while len(self._finished) > _FINISHED_MEMORY:
+                self._finished.popitem(last=False)
+            self.last_outcome = final.outcome
+            self._spawn(self._withdraw(session, reason))
+        logger.debug("%s: %s (%s)", key, final.outcome, final.group and final.group.group_id)
+        return final.group
+
+    async def _run(self, session: _Session) -> _Final:
+        if self._before_register is not None:
+            await self._before_register()
+        await self._register(session)
+        if self._after_register is not None:
+            await self._after_register()
+        excluded: set[str] = set()
+        view: dict[str, _Entry] = {}
+        first = True
+        while True:
+            view = await self._read_view(session) or view
+            if first and any(e.done == "expired" for p, e in view.items() if p != self.me):
+                return _Final(None, LATE)  # a committed group of this round closed at its deadline
+            first = False
+            best = self._best_candidate(session, view, excluded)
+            if best is None:
+                result = await self._lead(session, excluded)
+                if isinstance(result, _Final):
+                    return result
+                target = result  # _lead forfeited to this candidate
+            else:
+                session.follow(best.peer, best.t)
+                target = best
+            while True:
+                outcome = await self._follow(session, target.peer)
+                if isinstance(outcome, _Final):
+                    return outcome
+                if (
+                    isinstance(outcome, _Redirect)
+                    and outcome.to not in excluded
+                    and outcome.to != self.me
+                    and (outcome.t, outcome.to) < (session.t, self.me)
+                ):
+                    target = _Entry(outcome.to, outcome.t, 0.0, None)
+                    session.follow(outcome.to, outcome.t)
+                    continue
+                excluded.add(target.peer)
+                break
+            session.lead()  # lead again while we look at the view: arrivals are served meanwhile
+
+    def _best_candidate(self, session: _Session, view: dict[str, _Entry], excluded: set[str]) -> _Entry | None:
+        """The live registration that precedes us in (t, peer id), or None if we are the best."""
+        best: _Entry | None = None
+        for e in view.values():
+            if e.done is None and e.peer != self.me and e.peer not in excluded:
+                if (e.t, e.peer) < (session.t, self.me) and (best is None or (e.t, e.peer) < (best.t, best.peer)):
+                    best = e
+        return best
+
+    async def _lead(self, session: _Session, excluded: set[str]) -> _Final | _Entry:
+        """Lead until our group closes (a `_Final`), or forfeit to a better candidate (returned)."""
+        epoch = session.epoch
+        assert epoch is not None
+        poll = session.request_timeout / 2
+        if len(epoch.members) >= session.target:
+            self._close(session, epoch, "full")
+        while not epoch.answer.done():
+            remaining = session.close_at - get_dht_time()
+            if remaining <= 0:
+                self._close(session, epoch, "expired")
+                break
+            await asyncio.wait({epoch.answer}, timeout=min(poll, remaining))
+            if epoch.answer.done():
+                break
+            # Bounded by the time left, so a slow DHT cannot push our close past `close_at`.
+            remaining = session.close_at - get_dht_time()
+            view = await self._read_view(session, timeout=min(session.request_timeout, max(remaining, 0.01)))
+            best = self._best_candidate(session, view or {}, excluded)
+            if best is not None and not epoch.answer.done():
+                logger.debug("%s: forfeiting leadership to %s", session.key, best.peer)
+                session.follow(best.peer, best.t)
+                return best
+        # Our own answer is well formed; anything else means stop() aborted the round.
+        return self._final_from_answer(epoch.answer.result(), own=True) or _Final(None, ABORTED)
+
+    def _close(self, session: _Session, epoch: _Epoch, reason: str) -> None:
+        """Close the open group: one answer object, handed to every member."""
+        if epoch.answer.done():
+            return
+        peers = sorted(epoch.members)
+        if len(peers) < max(2, session.min_size):
+            epoch.answer.set_result({"s": "void", "n": len(peers)})
+            return
+        close_time = get_dht_time()
+        digest = hashlib.sha256(
+            json.dumps([self.run_id, session.round, session.params_hash, self.me, close_time, peers]).encode()
+        ).hexdigest()[:32]
+        epoch.close_reason = reason
+        epoch.answer.set_result({
+            "s": "group", "id": digest, "leader": self.me, "why": reason, "peers": peers,
+            "w": {p: epoch.members[p][0] for p in peers},
+        })
+
+    def _final_from_answer(self, answer: dict[str, Any], *, own: bool) -> _Final | None:
+        """Turn a leader's answer (`own`: our own) into our result; None if malformed or not naming us."""
+        if answer.get("s") == "void":
+            return _Final(None, ALONE if own and answer.get("n") == 1 else VOID)
+        if answer.get("s") != "group":
+            return None
+        peers, weights, group_id, why = answer.get("peers"), answer.get("w"), answer.get("id"), answer.get("why")
+        leader = answer.get("leader")
+        if not (
+            isinstance(group_id, str)
+            and isinstance(leader, str)
+            and isinstance(peers, list)
+            and len(peers) >= 2
+            and all(isinstance(p, str) for p in peers)
+            and len(set(peers)) == len(peers)
+            and self.me in peers
+            and leader in peers
+            and isinstance(weights, dict)
+            and set(weights) == set(peers)
+            and all(_valid_weight(w) for w in weights.values())
+        ):
+            return None
+        try:
+            peer_ids = [PeerID.from_base58(p) for p in peers]
+            leader_id = PeerID.from_base58(leader)
+        except Exception:
+            return None
+        group = Group(group_id, peer_ids, peers.index(self.me), {p: float(w) for p, w in weights.items()}, leader_id)
+        return _Final(group, GROUP, why if why in ("full", "expired") else None)
+
+    async def _follow(self, session: _Session, leader: str) -> _Final | _Redirect | None:
+        """Ask `leader` to take us in; a final result, a redirect, or None (give up on this leader)."""
+        rt = session.request_timeout
+        writer: asyncio.StreamWriter | None = None
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(leader), self.protocol), rt
+            )
+            await _send_frame(writer, {
+                "v": PROTOCOL_VERSION, "key": session.key, "h": session.params_hash,
+                "t": session.t, "w": session.weight, "hb": rt / 3,
+            })
+            while True:
+                remaining = session.deadline - get_dht_time()
+                if remaining <= 0:
+                    return _Final(None, TIMEOUT)
+                try:
+                    msg = await asyncio.wait_for(_recv_frame(reader), min(rt, remaining))
+                except TimeoutError:
+                    if session.deadline - get_dht_time() <= 0:
+                        return _Final(None, TIMEOUT)
+                    logger.debug("%s: leader %s went silent", session.key, leader)
+                    return None
+                status = msg.get("s")
+                if status == "wait":
+                    continue
+                if status in ("group", "void"):
+                    return self._final_from_answer(msg, own=False)
+                if status == "redirect" and isinstance(msg.get("to"), str) and _finite_number(msg.get("t")):
+                    return _Redirect(msg["to"], float(msg["t"]))
+                if status == "closed" and msg.get("reason") == "expired":
+                    return _Final(None, LATE)
+                logger.debug("%s: leader %s answered %s", session.key, leader, msg)
+                return None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # unreachable, reset, malformed: this leader is out for this round
+            logger.debug("%s: joining %s failed: %r", session.key, leader, e)
+            return None
+        finally:
+            if writer is not None:
+                writer.close()
+
+    # ------------------------------------------------------------ the leader's side
+
+    async def _handle_join(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handler_tasks.add(task)
+        try:
+            await self._serve_join(info.peer_id.to_base58(), reader, writer)
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # a follower that vanished or spoke garbage; nothing to propagate
+            logger.debug("join handler for %s failed: %r", info.peer_id, e)
+        finally:
+            self._handler_tasks.discard(task)
+            writer.close()
+
+    async def _serve_join(self, follower: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await asyncio.wait_for(_recv_frame(reader), _REQUEST_READ_TIMEOUT)
+        if self._frozen:
+            await asyncio.Event().wait()  # test-only: hold the socket, never answer
+        key, hb = request.get("key"), request.get("hb")
+        session = self._sessions.get(key) if isinstance(key, str) else None
+        if session is None:
+            reason = self._finished.get(key, "unknown") if isinstance(key, str) else "bad_request"
+            await _send_frame(writer, {"s": "closed", "reason": reason})
+            return
+        if (
+            request.get("v") != PROTOCOL_VERSION
+            or request.get("h") != session.params_hash
+            or not _valid_weight(request.get("w"))
+            or not _finite_number(hb)
+            or follower == self.me
+        ):
+            await _send_frame(writer, {"s": "closed", "reason": "bad_request"})
+            return
+        hb = min(max(float(hb), 0.05), 10.0)
+        if session.following is not None:
+            leader, leader_t = session.following
+            await _send_frame(writer, {"s": "redirect", "to": leader, "t": leader_t})
+            return
+        epoch = session.epoch
+        assert epoch is not None
+        if epoch.answer.done():
+            answer = epoch.answer.result()
+            if answer.get("s") == "redirect":
+                await _send_frame(writer, answer)
+            else:
+                await _send_frame(writer, {"s": "closed", "reason": epoch.close_reason or "void"})
+            return
+
+        token = next(self._tokens)
+        epoch.members[follower] = (float(request["w"]), token)
+        await _send_frame(writer, {"s": "wait"})
+        if len(epoch.members) >= session.target:
+            self._close(session, epoch, "full")
+
+        gone = asyncio.ensure_future(reader.read(1))  # EOF (or anything) = the follower left
+        try:
+            while not epoch.answer.done():
+                await asyncio.wait({epoch.answer, gone}, timeout=hb, return_when=asyncio.FIRST_COMPLETED)
+                if epoch.answer.done():
+                    break
+                if gone.done() or get_dht_time() > session.deadline:
+                    self._drop(epoch, follower, token)
+                    return
+                try:
+                    await _send_frame(writer, {"s": "wait"})
+                except (ConnectionError, OSError):
+                    self._drop(epoch, follower, token)
+                    return
+            answer = epoch.answer.result()
+            if answer.get("s") == "group" and follower not in answer["peers"]:
+                answer = {"s": "closed", "reason": "full"}  # replaced by a newer stream of the same peer
+            await _send_frame(writer, answer)
+        finally:
+            gone.cancel()
+            if not epoch.answer.done():
+                self._drop(epoch, follower, token)
+
+    @staticmethod
+    def _drop(epoch: _Epoch, follower: str, token: int) -> None:
+        """Remove a follower that left before the group closed (only the stream that added it)."""
+        if not epoch.answer.done() and epoch.members.get(follower, (0.0, -1))[1] == token:
+            del epoch.members[follower]
+
+    # ------------------------------------------------------------ DHT
+
+    async def _register(self, session: _Session) -> None:
+        value = {"t": session.t, "w": session.weight}
+        ok = await self._dht_call(
+            self.dht.store, session.key, value, self._expiration(session), subkey=self.me,
+            timeout=session.request_timeout,
+        )
+        if not ok:
+            logger.warning("%s: could not register for matchmaking in the DHT; others may not find us", session.key)
+
+    async def _withdraw(self, session: _Session, reason: str) -> None:
+        value = {"t": session.t, "w": session.weight, "done": reason}
+        # A later expiration than the registration's: hivemind keeps the newest value of a subkey.
+        await self._dht_call(
+            self.dht.store, session.key, value, self._expiration(session) + 1.0, subkey=self.me,
+            timeout=session.request_timeout,
+        )
+
+    @staticmethod
+    def _expiration(session: _Session) -> float:
+        return session.t + 2 * (session.timeout + session.request_timeout)
+
+    async def _read_view(self, session: _Session, timeout: float | None = None) -> dict[str, _Entry] | None:
+        """The registrations under our key, or None if the DHT did not answer in time."""
+        timeout = session.request_timeout if timeout is None else timeout
+        result = await self._dht_call(self.dht.get, session.key, latest=True, timeout=timeout)
+        if result is False:
+            return None
+        view: dict[str, _Entry] = {}
+        if result is None or not isinstance(result.value, dict):
+            return view
+        for peer, item in result.value.items():
+            value = getattr(item, "value", None)
+            if not isinstance(peer, str) or not isinstance(value, dict):
+                continue
+            t, w, done = value.get("t"), value.get("w"), value.get("done")
+            if _finite_number(t) and _valid_weight(w) and (done is None or isinstance(done, str)):
+                view[peer] = _Entry(peer, float(t), float(w), done)
+        return view
+
+    @staticmethod
+    async def _dht_call(method: Callable[..., Any], *args: Any, timeout: float, **kwargs: Any) -> Any:
+        """Run a DHT facade call without blocking the loop; False if it failed or took too long."""
+        future = method(*args, return_future=True, **kwargs)
+
+        async def _wait() -> Any:
+            return await future
+
+        try:
+            return await asyncio.wait_for(_wait(), timeout)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as e:
+            future.cancel()
+            logger.debug("DHT %s failed: %r", getattr(method, "__name__", method), e)
+            return False
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

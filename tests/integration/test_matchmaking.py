@@ -1,0 +1,395 @@
+"""Group formation on a real swarm: 4 hivemind DHT peers (each its own p2pd) on loopback.
+
+All matchmakers run on one BackgroundLoop in this process, each scenario as one coroutine, so
+ordering is expressed with awaits and events, never with sleeps. Every scenario uses its own
+run id (hence its own DHT keys and stream protocol), so scenarios cannot see each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import struct
+import time
+from collections.abc import Iterator
+
+import hivemind
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from diloco_p2p.swarm import matchmaking as mm
+from diloco_p2p.swarm.matchmaking import Group, Matchmaker
+from diloco_p2p.swarm.runner import BackgroundLoop
+
+HASH_A = "a" * 64
+HASH_B = "b" * 64
+_run_ids = itertools.count()
+
+
+class Swarm:
+    def __init__(self, dhts: list[hivemind.DHT], loop: BackgroundLoop, p2ps: list):
+        self.dhts, self.loop, self.p2ps = dhts, loop, p2ps
+
+    async def matchmakers(self, n: int) -> list[Matchmaker]:
+        run_id = f"mmtest{next(_run_ids)}"
+        mms = [Matchmaker(self.dhts[i], self.p2ps[i], run_id=run_id) for i in range(n)]
+        for m in mms:
+            await m.start()
+        return mms
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[Swarm]:
+    # hivemind 1.1.12 shares its MPFuture state bytes through torch's `file_system` strategy, whose
+    # torch_shm_manager is reached over one socket that forked DHT processes inherit. Measured
+    # here: in about one run in four the manager dies while the DHTs shut down, and the next
+    # free of such a tensor in this process aborts the interpreter ("terminate called ...
+    # Broken pipe", exit 134) after every test passed. fd-based sharing needs no manager.
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    # DHTs fork: create them all before the loop thread starts.
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = [str(a) for a in first.get_visible_maddrs()]
+    dhts = [first] + [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers) for _ in range(3)
+    ]
+    loop = BackgroundLoop()
+    p2ps = [loop.run(d.replicate_p2p(), timeout=30) for d in dhts]
+    yield Swarm(dhts, loop, p2ps)
+    for p in p2ps:
+        loop.run(p.shutdown(), timeout=10)
+    loop.close()
+    for d in dhts:
+        d.shutdown()
+    torch.multiprocessing.set_sharing_strategy(previous)
+
+
+async def _stop_all(mms: list[Matchmaker]) -> None:
+    for m in mms:
+        await m.stop()
+
+
+def _form(m: Matchmaker, round: int = 1, params_hash: str = HASH_A, weight: float = 1.0, **kw):
+    kw.setdefault("min_group_size", 2)
+    kw.setdefault("target_group_size", 3)
+    kw.setdefault("timeout", 2.0)
+    return asyncio.ensure_future(m.form_group(round, params_hash, weight, **kw))
+
+
+async def _until(condition, limit: float = 10.0) -> None:
+    """Wait until `condition()` holds (a state we caused and wait to observe, not an order we hope for)."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def _members(m: Matchmaker, key: str) -> int:
+    session = m._sessions.get(key)
+    return 0 if session is None or session.epoch is None else len(session.epoch.members)
+
+
+def _assert_same_group(groups: list[Group | None], mms: list[Matchmaker]) -> None:
+    assert all(isinstance(g, Group) for g in groups), groups
+    ids = {g.group_id for g in groups}
+    assert len(ids) == 1, ids
+    order = [p.to_base58() for p in groups[0].peers]
+    assert order == sorted(m.me for m in mms)
+    for g, m in zip(groups, mms, strict=True):
+        assert [p.to_base58() for p in g.peers] == order
+        assert g.peers[g.my_index].to_base58() == m.me
+        assert g.weights == groups[0].weights
+        assert g.leader == groups[0].leader
+
+
+def test_three_peers_group_as_soon_as_target_is_reached(swarm: Swarm) -> None:
+    timeout = 10.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(3)
+        try:
+            t0 = time.perf_counter()
+            groups = await asyncio.gather(*[
+                _form(m, round=7, weight=float(i + 1), target_group_size=3, timeout=timeout) for i, m in enumerate(mms)
+            ])
+            return groups, time.perf_counter() - t0, mms
+        finally:
+            await _stop_all(mms)
+
+    groups, elapsed, mms = swarm.loop.run(scenario(), timeout=30)
+    _assert_same_group(groups, mms)
+    assert groups[0].size == 3
+    assert groups[0].weights == {m.me: float(i + 1) for i, m in enumerate(mms)}
+    assert all(m.last_outcome == mm.GROUP for m in mms)
+    assert elapsed < timeout / 2, f"target was reached, yet formation took {elapsed:.2f}s"
+    print(f"\n3-peer group formation: {elapsed * 1000:.0f} ms")
+
+
+def test_different_rounds_never_group(swarm: Swarm) -> None:
+    timeout = 2.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(3)
+        try:
+            t0 = time.perf_counter()
+            tasks = [_form(mms[0], round=5, target_group_size=2, timeout=timeout),
+                     _form(mms[1], round=5, target_group_size=2, timeout=timeout),
+                     _form(mms[2], round=6, target_group_size=2, timeout=timeout)]
+            pair = await asyncio.gather(*tasks[:2])
+            pair_s = time.perf_counter() - t0
+            lone = await tasks[2]
+            return pair, pair_s, lone, time.perf_counter() - t0, mms
+        finally:
+            await _stop_all(mms)
+
+    pair, pair_s, lone, lone_s, mms = swarm.loop.run(scenario(), timeout=30)
+    _assert_same_group(pair, mms[:2])
+    assert pair_s < timeout  # target 2 reached: no need to wait for the deadline
+    assert lone is None and mms[2].last_outcome == mm.ALONE
+    assert timeout * 0.9 <= lone_s <= timeout + mm.default_request_timeout(timeout) + 0.5
+
+
+def test_different_params_hash_never_group(swarm: Swarm) -> None:
+    timeout = 2.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(4)
+        try:
+            hashes = [HASH_A, HASH_B, HASH_A, HASH_B]
+            return await asyncio.gather(*[
+                _form(m, params_hash=h, target_group_size=4, timeout=timeout) for m, h in zip(mms, hashes, strict=True)
+            ]), mms
+        finally:
+            await _stop_all(mms)
+
+    groups, mms = swarm.loop.run(scenario(), timeout=30)
+    # target 4 is never reached: each hash's pair closes at its leader's deadline
+    _assert_same_group([groups[0], groups[2]], [mms[0], mms[2]])
+    _assert_same_group([groups[1], groups[3]], [mms[1], mms[3]])
+    assert groups[0].group_id != groups[1].group_id
+
+
+def test_late_peer_after_deadline_close_is_late_and_does_not_disturb(swarm: Swarm) -> None:
+    timeout = 2.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(3)
+        try:
+            committed = await asyncio.gather(*[_form(m, timeout=timeout) for m in mms[:2]])  # closes at deadline
+            t0 = time.perf_counter()
+            late = await _form(mms[2], timeout=timeout)
+            return committed, late, time.perf_counter() - t0, mms
+        finally:
+            await _stop_all(mms)
+
+    committed, late, late_s, mms = swarm.loop.run(scenario(), timeout=30)
+    _assert_same_group(committed, mms[:2])
+    assert mms[2].me not in {p.to_base58() for p in committed[0].peers}
+    assert late is None and mms[2].last_outcome == mm.LATE
+    assert late_s < timeout / 2, f"a late peer should learn it missed the round at once, took {late_s:.2f}s"
+
+
+def test_late_peer_after_full_close_ends_alone(swarm: Swarm) -> None:
+    timeout = 2.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(3)
+        try:
+            committed = await asyncio.gather(*[_form(m, target_group_size=2, timeout=timeout) for m in mms[:2]])
+            late = await _form(mms[2], target_group_size=2, timeout=timeout)
+            return committed, late, mms
+        finally:
+            await _stop_all(mms)
+
+    committed, late, mms = swarm.loop.run(scenario(), timeout=30)
+    _assert_same_group(committed, mms[:2])
+    # a full group does not close the round: the late peer could still have grouped with others
+    assert late is None and mms[2].last_outcome == mm.ALONE
+
+
+def test_group_below_min_size_is_void_on_every_member(swarm: Swarm) -> None:
+    timeout = 2.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(2)
+        try:
+            return await asyncio.gather(*[
+                _form(m, min_group_size=3, target_group_size=4, timeout=timeout) for m in mms
+            ]), mms
+        finally:
+            await _stop_all(mms)
+
+    groups, mms = swarm.loop.run(scenario(), timeout=30)
+    assert groups == [None, None]
+    assert [m.last_outcome for m in mms] == [mm.VOID, mm.VOID]
+
+
+def test_frozen_leader_is_skipped_within_the_deadline(swarm: Swarm) -> None:
+    """The best-placed peer registers, then stops answering with its socket open (SIGSTOP)."""
+    timeout = 4.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(3)
+        leader, others = mms[0], mms[1:]
+        registered = asyncio.Event()
+
+        async def freeze():
+            leader._frozen = True
+            registered.set()
+            await asyncio.Event().wait()
+
+        leader._after_register = freeze
+        stuck = _form(leader, timeout=timeout)
+        try:
+            await registered.wait()
+            t0 = time.perf_counter()
+            groups = await asyncio.gather(*[_form(m, timeout=timeout) for m in others])
+            return groups, time.perf_counter() - t0, others, leader
+        finally:
+            stuck.cancel()
+            await asyncio.gather(stuck, return_exceptions=True)
+            leader._after_register = None  # a closure over `leader`: keep the matchmaker out of a gc cycle
+            await _stop_all(mms)
+
+    groups, elapsed, others, leader = swarm.loop.run(scenario(), timeout=30)
+    assert elapsed <= timeout + mm.default_request_timeout(timeout) + 0.5
+    _assert_same_group(groups, others)
+    assert leader.me not in {p.to_base58() for p in groups[0].peers}
+
+
+def test_cancelled_leader_is_skipped_quickly(swarm: Swarm) -> None:
+    timeout = 4.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(3)
+        leader, others = mms[0], mms[1:]
+        registered = asyncio.Event()
+
+        async def pause():
+            registered.set()
+            await asyncio.Event().wait()
+
+        leader._after_register = pause
+        task = _form(leader, timeout=timeout)
+        try:
+            await registered.wait()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            leader._after_register = None
+            t0 = time.perf_counter()
+            groups = await asyncio.gather(*[_form(m, target_group_size=2, timeout=timeout) for m in others])
+            return groups, time.perf_counter() - t0, others
+        finally:
+            await _stop_all(mms)
+
+    groups, elapsed, others = swarm.loop.run(scenario(), timeout=30)
+    _assert_same_group(groups, others)
+    assert elapsed < timeout / 2
+
+
+def test_registration_is_withdrawn(swarm: Swarm) -> None:
+    async def scenario():
+        mms = await swarm.matchmakers(2)
+        try:
+            await asyncio.gather(*[_form(m, target_group_size=2) for m in mms])
+            await asyncio.gather(*mms[0]._background, *mms[1]._background)  # the withdrawal stores
+            key = mm.matchmaking_key(mms[0].run_id, 1, HASH_A)
+            found = await swarm.dhts[0].get(key, latest=True, return_future=True)
+            return {p: v.value for p, v in found.value.items()}, mms
+        finally:
+            await _stop_all(mms)
+
+    entries, mms = swarm.loop.run(scenario(), timeout=30)
+    assert set(entries) == {m.me for m in mms}
+    assert all(v["done"] == "full" for v in entries.values()), entries
+    assert all(v["t"] <= get_dht_time() for v in entries.values())
+
+
+def test_leader_forfeits_to_an_earlier_registration(swarm: Swarm) -> None:
+    """`early` takes its registration time first but stores it last: `a` leads `c` meanwhile, then
+    sees `early`, forfeits, redirects `c`, and all three end in `early`'s group."""
+    timeout = 6.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(3)
+        early, a, c = mms
+        key = mm.matchmaking_key(early.run_id, 1, HASH_A)
+        release = asyncio.Event()
+        early._before_register = release.wait
+        tasks = [_form(early, timeout=timeout)]
+        try:
+            await _until(lambda: key in early._sessions)
+            tasks.append(_form(a, timeout=timeout))
+            await _until(lambda: key in a._sessions)
+            tasks.append(_form(c, timeout=timeout))
+            await _until(lambda: _members(a, key) == 2)  # c follows a
+            release.set()
+            t0 = time.perf_counter()
+            groups = await asyncio.gather(*tasks)
+            return groups, time.perf_counter() - t0, mms
+        finally:
+            early._before_register = None
+            await _stop_all(mms)
+
+    groups, elapsed, mms = swarm.loop.run(scenario(), timeout=30)
+    _assert_same_group(groups, mms)
+    assert groups[0].leader.to_base58() == mms[0].me
+    assert elapsed < timeout / 2  # target 3 reached right after the forfeit
+
+
+def test_malformed_join_requests_are_refused_without_disturbing(swarm: Swarm) -> None:
+    timeout = 4.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(3)
+        leader, follower, attacker = mms
+        registered = asyncio.Event()
+
+        async def on_registered():
+            registered.set()
+
+        leader._after_register = on_registered
+        lead = _form(leader, target_group_size=2, timeout=timeout)
+        try:
+            await registered.wait()
+            key = mm.matchmaking_key(leader.run_id, 1, HASH_A)
+            good = {"v": 1, "key": key, "h": HASH_A, "t": 0.0, "w": 1.0, "hb": 0.5}
+            replies = []
+            for payload in (
+                struct.pack(">I", 1 << 31),  # a frame far over the size limit
+                _frame({**good, "w": float("nan")}),
+                _frame({**good, "h": HASH_B}),
+                _frame({**good, "v": 99}),
+                _frame({**good, "key": key + "x"}),
+                _frame([1, 2, 3]),
+            ):
+                _, reader, writer = await attacker.p2p.call_binary_stream_handler(leader.p2p.peer_id, leader.protocol)
+                writer.write(payload)
+                await writer.drain()
+                raw = await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+                replies.append(json.loads(raw[4:]) if raw else None)
+            assert _members(leader, key) == 1
+            group = await _form(follower, target_group_size=2, timeout=timeout)
+            return replies, [await lead, group], mms
+        finally:
+            leader._after_register = None
+            await _stop_all(mms)
+
+    replies, groups, mms = swarm.loop.run(scenario(), timeout=30)
+    assert replies == [
+        None,
+        {"s": "closed", "reason": "bad_request"},
+        {"s": "closed", "reason": "bad_request"},
+        {"s": "closed", "reason": "bad_request"},
+        {"s": "closed", "reason": "unknown"},
+        None,
+    ]
+    _assert_same_group(groups, mms[:2])
+
+
+def _frame(obj) -> bytes:
+    data = json.dumps(obj).encode()
+    return struct.pack(">I", len(data)) + data
