@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
 from diloco_p2p.errors import UserError
@@ -28,8 +29,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     train.add_argument("--run-dir", type=Path, help="config, metrics.jsonl, checkpoints (default runs/<run_id>)")
     train.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="DHT peers to join (sets p2p.initial_peers)")
+    train.add_argument("--initial-peers-file", type=Path, metavar="PATH",
+                       help="read DHT peers from a file, one multiaddr per line (a seed's --maddrs-file); "
+                            "waits up to p2p.connect_timeout for it to appear")
+    train.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                       help="local ranks (GPUs) of this node; the model is sharded across them with FSDP")
     train.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (sets metrics.port; 0 = off)")
     train.add_argument("--metrics-host", help="Prometheus endpoint address (sets metrics.host)")
+    seed = sub.add_parser("seed", help="run a DHT bootstrap node; prints the multiaddrs others join with")
+    seed.add_argument("--host-maddrs", nargs="+", help="listen addresses (default all interfaces, TCP 31337)")
+    seed.add_argument("--announce-maddrs", nargs="*", default=[], help="public addresses others should dial")
+    seed.add_argument("--initial-peers", nargs="+", default=[], help="other seeds to join")
+    seed.add_argument("--identity", type=Path, help="private key file; created if missing, reused after")
+    seed.add_argument("--maddrs-file", type=Path, help="write the multiaddrs here, one per line")
+    seed.add_argument("--metrics-port", type=int, default=0, help="Prometheus endpoint port (0 = off)")
+    seed.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus endpoint address")
+    seed.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO")
+    seed.add_argument("--log-json", action="store_true", help="one JSON object per log line")
+
+    status = sub.add_parser("status", help="show the swarm's nodes, read from the DHT")
+    status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any DHT peer (a seed)")
+    status.add_argument("--run-id", required=True, help="the run to show")
+    status.add_argument("--json", action="store_true", help="a JSON list instead of a table")
+    status.add_argument("--timeout", type=float, default=20.0, help="seconds to join and read the DHT")
+
+    demo = sub.add_parser("demo", help="a seed and 3 nodes on loopback training the tiny model: zero setup")
+    demo.add_argument("--nodes", type=int, default=3, help="training nodes to start")
+    demo.add_argument("--rounds", type=int, default=5, help="outer rounds to train")
+    demo.add_argument("--dir", type=Path, help="where logs and run directories go (default: a temp dir)")
+    demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
+                      help="extra config override for every node")
     return parser
 
 
@@ -37,14 +66,37 @@ def _config_from_args(args: argparse.Namespace):
     from diloco_p2p.config import load_config
 
     overrides = list(args.overrides)
-    if getattr(args, "initial_peers", None):
-        overrides.append("p2p.initial_peers=[" + ",".join(f"'{a}'" for a in args.initial_peers) + "]")
+    peers = list(getattr(args, "initial_peers", None) or [])
+    if getattr(args, "initial_peers_file", None):
+        timeout = load_config(args.config, overrides).p2p.connect_timeout
+        peers += read_peers_file(args.initial_peers_file, timeout)
+    if peers:
+        overrides.append("p2p.initial_peers=[" + ",".join(f"'{a}'" for a in peers) + "]")
     for flag, field in (("metrics_port", "metrics.port"), ("metrics_host", "metrics.host"), ("log_level", "log.level")):
         if getattr(args, flag, None) is not None:
             overrides.append(f"{field}={getattr(args, flag)}")
     if getattr(args, "log_json", False):
         overrides.append("log.json_format=true")
     return load_config(args.config, overrides)
+
+
+def read_peers_file(path: Path, timeout: float) -> list[str]:
+    """Multiaddrs from `path`, one per line (blank lines and # comments skipped).
+
+    A seed started alongside this node writes the file once it listens, so wait for it: up to
+    `timeout` seconds for a non-empty file.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if path.is_file():
+            lines = [line.strip() for line in path.read_text().splitlines()]
+            peers = [line for line in lines if line and not line.startswith("#")]
+            if peers:
+                return peers
+        if time.monotonic() > deadline:
+            raise UserError(f"--initial-peers-file {path}: no multiaddr in it after {timeout:.0f} s; "
+                            "start the seed with --maddrs-file pointing there, or pass --initial-peers")
+        time.sleep(0.2)
 
 
 def _setup_logging(level: str, json_format: bool) -> None:
@@ -57,25 +109,80 @@ def _setup_logging(level: str, json_format: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from diloco_p2p.node import Node
+    from diloco_p2p.launch import local_world_size
+
+    if args.nproc_per_node > 1 or local_world_size() > 1:  # FSDP across this node's GPUs
+        from diloco_p2p.launch import train
+
+        return train(args, args.argv, args.nproc_per_node)
+    from diloco_p2p.node import Node, StopRequested
 
     config = _config_from_args(args)
     _setup_logging(config.log.level, config.log.json_format)
     run_dir = args.run_dir or Path("runs") / config.run_id
-    node = Node(config, run_dir)
-    node.stop.install()
-    records = node.run()
+    stop = StopRequested()
+    stop.install()
+    sync = None
+    try:
+        if config.p2p.initial_peers:
+            from diloco_p2p.swarm.sync import SwarmSync
+
+            sync = SwarmSync(config, run_dir, stop)  # before any thread of ours: hivemind forks
+        metrics = _start_metrics(config, run_dir)
+        node = Node(config, run_dir, sync, stop=stop, metrics=metrics)
+        records = node.run()
+    finally:
+        if sync is not None:
+            sync.close()
     if records:
         last = records[-1]
         log.info("done: round %d, eval loss %s, params %s", last["round"], last["eval_loss"], last["params_sha256"][:12])
     return 0
 
 
-COMMANDS = {"train": cmd_train}
+def _start_metrics(config, run_dir: Path):
+    """The node's Prometheus endpoint when metrics.port is set; its bound port goes to the run dir."""
+    if not config.metrics.port:
+        return None
+    from diloco_p2p.metrics import NodeMetrics, serve_metrics, write_port_file
+
+    metrics = NodeMetrics()
+    port = serve_metrics(metrics.registry, config.metrics.host, config.metrics.port)
+    write_port_file(run_dir, port)
+    log.info("metrics on http://%s:%d/metrics", config.metrics.host, port)
+    return metrics
+
+
+def cmd_seed(args: argparse.Namespace) -> int:
+    from diloco_p2p.seed import DEFAULT_HOST_MADDRS, run_seed
+
+    _setup_logging(args.log_level, args.log_json)
+    return run_seed(args.host_maddrs or list(DEFAULT_HOST_MADDRS), args.announce_maddrs, args.identity,
+                    args.maddrs_file, args.metrics_host, args.metrics_port, initial_peers=args.initial_peers)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from diloco_p2p.status import run_status
+
+    logging.basicConfig(level=logging.WARNING)
+    return run_status(args.initial_peers, args.run_id, as_json=args.json, timeout=args.timeout)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from diloco_p2p.demo import run_demo
+
+    if args.nodes < 1 or args.rounds < 1:
+        raise UserError("demo: --nodes and --rounds must be at least 1")
+    return run_demo(nodes=args.nodes, rounds=args.rounds, root=args.dir, extra=args.overrides)
+
+
+COMMANDS = {"train": cmd_train, "seed": cmd_seed, "status": cmd_status, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(raw)
+    args.argv = raw[1:]  # the train command's own arguments, for local-rank launches
     try:
         return COMMANDS[args.command](args)
     except UserError as e:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -112,7 +112,7 @@ class SyncConfig(_Section):
         60.0, gt=0, description="Seconds the all-reduce may take; peers silent past it are left out."
     )
     max_weight_ratio: float = Field(
-        64.0, gt=1, description="Reject a peer whose token weight is above this multiple of our own."
+        64.0, gt=1, description="Reject a weight above this multiple of the lower median of the weights offered for the same part (a peer claiming to have trained far more than the others)."
     )
     alone_policy: Literal["apply", "skip"] = Field(
         "apply",

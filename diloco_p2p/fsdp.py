@@ -62,6 +62,7 @@ from diloco_p2p.data import DataPosition, TextDataset, build_dataset
 from diloco_p2p.faults import Faults
 from diloco_p2p.inner import InnerTrainer, StepStats
 from diloco_p2p.launch import LocalRanks, init_local_ranks, local_world_size
+from diloco_p2p.logs import set_log_context
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
 from diloco_p2p.node import Node, SoloSync, StopRequested, Sync, node_key
 from diloco_p2p.outer import OuterOptimizer, tensor_sha256
@@ -298,6 +299,7 @@ class ShardedNode(Node):
         self.device = ranks.device
         # One data order per node, keyed like a 1-rank node's: rank 0's identity.
         self.sync = sync or SoloSync(ranks.broadcast_str(node_key(run_dir) if leader else ""))
+        set_log_context(peer=self.sync.peer_id)
 
         tokenizer = build_tokenizer(config.model)
         model = build_model(config.model, tokenizer.vocab_size, config.seed)

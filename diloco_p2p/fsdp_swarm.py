@@ -267,6 +267,9 @@ class ShardSync:
             await asyncio.sleep(PROGRESS_TTL / 4)
             await self._publish_node()
 
+    def dht_peers(self) -> int:
+        return self.inner.dht_peers()
+
     def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()

@@ -24,6 +24,7 @@ from diloco_p2p.checkpoint import Checkpoint, join_tensors, load_checkpoint, sav
 from diloco_p2p.config import Config, save_config
 from diloco_p2p.data import DataPosition, build_dataset
 from diloco_p2p.inner import InnerTrainer, resolve_device
+from diloco_p2p.logs import set_log_context
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
 from diloco_p2p.outer import OuterOptimizer
 
@@ -52,6 +53,8 @@ class Sync(Protocol):
 
     def before_round(self, node: Node) -> dict[str, Any] | None: ...
 
+    def dht_peers(self) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -69,6 +72,9 @@ class SoloSync:
 
     def before_round(self, node: Node) -> dict[str, Any] | None:
         return None
+
+    def dht_peers(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass
@@ -112,6 +118,7 @@ class Node:
             torch.set_num_threads(config.train.num_threads)
         self.device = resolve_device(config.train.device)
         self.sync = sync or SoloSync(node_key(run_dir))
+        set_log_context(peer=self.sync.peer_id)
 
         tokenizer = build_tokenizer(config.model)
         self.model = build_model(config.model, tokenizer.vocab_size, config.seed).to(self.device)
@@ -141,6 +148,7 @@ class Node:
         if self.round == 0 and self.step == 0:
             records.append(self._initial_record())
         while self.round < cfg.train.max_rounds and not self.stop.requested:
+            set_log_context(round=self.round + 1, step=self.step)
             resync = self.sync.before_round(self)  # may replace θ with the swarm's if we fell behind
             if resync:
                 records.append(self._record(resync, time.perf_counter(), [], 0))
@@ -163,6 +171,8 @@ class Node:
 
             delta = self.outer.pseudo_gradient(self.params)  # Δ = θ − θ_local
             outcome = self.sync.average(self.round + 1, delta, float(round_tokens), self.outer.params_sha256())
+            if self.stop.requested:
+                break  # the group carries on without us; our partial round is dropped
             if outcome.average is not None:
                 self.outer.step(outcome.average)  # outer Nesterov step, identical on every group member
             self.round += 1
@@ -197,6 +207,7 @@ class Node:
             f.write(json.dumps(record) + "\n")
         if self.metrics:
             self.metrics.observe_round(record)
+            self.metrics.set_dht_peers(self.sync.dht_peers())
         self.sync.after_round(self, record)
         if self.round % cfg.train.checkpoint_every == 0 or last:
             self._save()
@@ -244,6 +255,21 @@ class Node:
             "version": __version__, "joined_at_round": self.joined_at_round, "resyncs": self.resyncs,
         }
         return Checkpoint(round=self.round, step=self.step, tokens=self.tokens, tensors=tensors, meta=meta)
+
+    def shared_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a joiner needs to enter the next round with us: θ, momentum, round."""
+        meta = {"round": self.round, "params_sha256": self.outer.params_sha256(), "config_hash": self.config.swarm_hash()}
+        return self.outer.state_tensors(), meta
+
+    def adopt_state(self, tensors: dict[str, torch.Tensor], round_: int) -> None:
+        """Take the swarm's θ and momentum (downloaded and verified) and its round."""
+        self.outer.load_state_tensors(tensors)
+        self.outer.copy_into(self.params)
+        if self.step == 0 and self.joined_at_round is None:
+            self.joined_at_round = round_
+        else:
+            self.resyncs += 1
+        self.round = round_
 
     def _save(self) -> None:
         save_checkpoint(self.run_dir / "checkpoints", self.state_checkpoint())

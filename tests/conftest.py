@@ -7,8 +7,12 @@ import signal
 import subprocess
 import sys
 
-import pytest
-import torch
+# Before hivemind is imported: its default tensor sharing strategy aborts pytest at exit
+# ("terminate called ... Broken pipe") once several DHTs have come and gone in one process.
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
 

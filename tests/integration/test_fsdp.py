@@ -26,7 +26,7 @@ from diloco_p2p.node import Node
 from tests.conftest import set_args
 
 # Until `diloco-p2p train` delegates to diloco_p2p.launch, the launcher is started directly.
-ENTRY = ["-m", "diloco_p2p.launch", "train"]
+ENTRY = ["-m", "diloco_p2p", "train"]
 PER_RANK_BATCH = 2
 COMMON = [
     "model.preset=tiny", "data.max_bytes=200000", "inner.seq_len=32", "inner.warmup_steps=2", "inner.lr=0.003",

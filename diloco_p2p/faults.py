@@ -1,0 +1,64 @@
+"""Deterministic fault injection for the fault tests: real signals at named points of a round.
+
+A node reads ``DILOCO_P2P_FAULTS`` once at start, a comma-separated list of
+``ACTION@POINT:ROUND`` items, e.g. ``kill@allreduce:2`` (SIGKILL itself when its round-2
+all-reduce has sent its parts) or ``nan@delta:2`` (send a NaN pseudo-gradient in round 2).
+Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: the process freezes with its sockets open, as
+a stalled machine would; the test sends SIGCONT), ``nan`` (poison the pseudo-gradient),
+``exit`` (raise SystemExit, for a local rank dying inside a multi-rank node). Each item fires
+at most once. Nothing here is active unless the variable is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import torch
+
+log = logging.getLogger(__name__)
+ENV = "DILOCO_P2P_FAULTS"
+
+
+class Faults:
+    def __init__(self, spec: str | None = None):
+        spec = os.environ.get(ENV, "") if spec is None else spec
+        self.pending: set[tuple[str, str, int]] = set()
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            action, _, rest = item.partition("@")
+            point, _, round_ = rest.partition(":")
+            if action not in ("kill", "stop", "nan", "exit") or not point or not round_.isdigit():
+                raise ValueError(f"{ENV}: bad item {item!r}; expected ACTION@POINT:ROUND, e.g. kill@allreduce:2")
+            self.pending.add((action, point, int(round_)))
+
+    def _take(self, point: str, round_: int, actions: tuple[str, ...]) -> str | None:
+        for action in actions:
+            if (action, point, round_) in self.pending:
+                self.pending.discard((action, point, round_))
+                return action
+        return None
+
+    def fire(self, point: str, round_: int) -> None:
+        """Deliver a process-level fault planned for this point and round, if any."""
+        action = self._take(point, round_, ("kill", "stop", "exit"))
+        if action is None:
+            return
+        log.warning("fault injection: %s at %s of round %d", action, point, round_)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            raise SystemExit(3)
+
+    def poison(self, point: str, round_: int, tensor: torch.Tensor) -> torch.Tensor:
+        """A NaN-filled copy of `tensor` if a `nan` fault is planned here, else `tensor`."""
+        if self._take(point, round_, ("nan",)) is None:
+            return tensor
+        log.warning("fault injection: NaN pseudo-gradient in round %d", round_)
+        poisoned = tensor.clone()
+        poisoned[::7] = float("nan")
+        return poisoned
