@@ -7,6 +7,10 @@ Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: the process freezes with its soc
 a stalled machine would; the test sends SIGCONT), ``nan`` (poison the pseudo-gradient),
 ``exit`` (raise SystemExit, for a local rank dying inside a multi-rank node). Each item fires
 at most once. Nothing here is active unless the variable is set.
+
+``DILOCO_P2P_START_GATE=PATH`` is the tests' start barrier: once a node has joined the swarm
+it writes ``PATH.ready-<pid>`` and waits for ``PATH`` to exist before its first round, so a test
+starts several nodes' rounds together instead of hoping they start within a timeout.
 """
 
 from __future__ import annotations
@@ -14,11 +18,28 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
+from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 ENV = "DILOCO_P2P_FAULTS"
+GATE_ENV = "DILOCO_P2P_START_GATE"
+
+
+def wait_at_start_gate(timeout: float = 300.0) -> None:
+    """Test barrier (see the module docstring); returns at once unless the variable is set."""
+    gate = os.environ.get(GATE_ENV)
+    if not gate:
+        return
+    gate_path = Path(gate)
+    Path(f"{gate}.ready-{os.getpid()}").touch()
+    deadline = time.monotonic() + timeout
+    while not gate_path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{GATE_ENV}: {gate} did not appear within {timeout:g} s")
+        time.sleep(0.05)
 
 
 class Faults:

@@ -239,6 +239,9 @@ class ShardSync:
             extra=dict(out.extra, shards=self.world_size, shards_committed=int(committed)),
         )
 
+    def announce(self, node: Any) -> None:
+        self.inner.announce(_ShardView(node, self.inner.config_hash))
+
     def after_round(self, node: Any, record: dict[str, Any]) -> None:
         self.inner.after_round(_ShardView(node, self.inner.config_hash), record)
         if self.rank == 0:

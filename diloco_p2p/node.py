@@ -23,6 +23,7 @@ from diloco_p2p import __version__
 from diloco_p2p.checkpoint import Checkpoint, join_tensors, load_checkpoint, save_checkpoint, split_tensors
 from diloco_p2p.config import Config, save_config
 from diloco_p2p.data import DataPosition, build_dataset
+from diloco_p2p.faults import wait_at_start_gate
 from diloco_p2p.inner import InnerTrainer, resolve_device
 from diloco_p2p.logs import set_log_context
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
@@ -49,6 +50,8 @@ class Sync(Protocol):
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> SyncOutcome: ...
 
+    def announce(self, node: Node) -> None: ...
+
     def after_round(self, node: Node, record: dict[str, Any]) -> None: ...
 
     def before_round(self, node: Node) -> dict[str, Any] | None: ...
@@ -66,6 +69,9 @@ class SoloSync:
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> SyncOutcome:
         return SyncOutcome(average=delta, status="alone", group_size=1)
+
+    def announce(self, node: Node) -> None:
+        pass
 
     def after_round(self, node: Node, record: dict[str, Any]) -> None:
         pass
@@ -145,6 +151,8 @@ class Node:
     def run(self) -> list[dict[str, Any]]:
         cfg = self.config
         records = []
+        self.sync.announce(self)
+        wait_at_start_gate()  # tests only: start several nodes' first rounds together
         if self.round == 0 and self.step == 0:
             records.append(self._initial_record())
         while self.round < cfg.train.max_rounds and not self.stop.requested:

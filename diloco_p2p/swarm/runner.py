@@ -35,8 +35,20 @@ class BackgroundLoop:
         """Start `coro` on the loop without waiting; returns a concurrent.futures.Future."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel what still runs on the loop (hivemind's stream readers among it), then stop it."""
         if not self.loop.is_running():
             return
+        try:
+            self.run(self._cancel_all(), timeout=timeout)
+        except Exception:  # noqa: S110 - best effort: the loop is stopped below regardless
+            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout)
+
+    @staticmethod
+    async def _cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

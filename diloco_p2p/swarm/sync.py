@@ -167,6 +167,7 @@ class SwarmSync:
                 timeout=self.cfg.matchmaking_timeout + 30,
             )
             if group is None:
+                log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
                 return self._alone(delta, "alone", 1)
             self.faults.fire("group", round)
             result = self._interruptible(
@@ -222,6 +223,13 @@ class SwarmSync:
         """DHT peers this node knows (its routing table), for the node's metrics."""
         return dht_peer_count(self.dht)
 
+    def announce(self, node: Node) -> None:
+        """Publish a `started` record as soon as the node is built: the swarm (and `status`)
+        sees us before our first round ends, and a node with another config is refused at once."""
+        self.last_record = self._progress(node, {"status": "started"})
+        self.loop.run(publish_progress_async(self.dht, self.run_id, ProgressRecord.build(**self.last_record),
+                                             ttl=PROGRESS_TTL), timeout=30)
+
     def after_round(self, node: Node, record: dict[str, Any]) -> None:
         self.last_record = self._progress(node, record)
         self.loop.run(publish_progress_async(self.dht, self.run_id, ProgressRecord.build(**self.last_record),
@@ -268,3 +276,5 @@ class SwarmSync:
         for service in ("state_server", "allreduce", "matchmaker"):
             if hasattr(self, service):
                 await getattr(self, service).stop()
+        if hasattr(self, "p2p"):
+            await self.p2p.shutdown()  # our replica only: the DHT process owns the daemon

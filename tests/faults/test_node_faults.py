@@ -1,0 +1,85 @@
+"""Real node processes hit by real faults mid-round: SIGKILL, SIGSTOP, a NaN pseudo-gradient.
+
+Each fault fires at a named point of a named round inside the victim (DILOCO_P2P_FAULTS, see
+`diloco_p2p.faults`): `allreduce` is right after the victim has delivered its scatter, so the
+survivors hold its contributions and are waiting for its reduced part. The nodes start their
+first round together (start gate), so the groups are known: all three nodes, every round.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+
+import pytest
+
+from tests.swarm_procs import Swarm, wait_until
+
+ALLREDUCE_TIMEOUT = 8.0  # tests/swarm_procs.SWARM
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    swarm = Swarm(tmp_path)
+    yield swarm
+    swarm.close()
+
+
+def _three_nodes(swarm: Swarm, rounds: int, victim_env: dict[str, str]):
+    overrides = [f"train.max_rounds={rounds}", "sync.target_group_size=3", "sync.matchmaking_timeout=10"]
+    a, b = swarm.node("a", overrides), swarm.node("b", overrides)
+    victim = swarm.node("victim", overrides, env=victim_env)
+    swarm.release(a, b, victim)
+    return a, b, victim
+
+
+def _assert_agree(nodes, rounds) -> None:
+    for round_ in rounds:
+        records = [n.by_round()[round_] for n in nodes]
+        assert len({r["params_sha256"] for r in records}) == 1, [(r["status"], r["params_sha256"]) for r in records]
+        assert all(r["eval_loss"] is None or math.isfinite(r["eval_loss"]) for r in records)
+
+
+def test_sigkill_during_the_all_reduce_survivors_finish_and_agree(swarm):
+    a, b, victim = _three_nodes(swarm, rounds=3, victim_env={"DILOCO_P2P_FAULTS": "kill@allreduce:2"})
+    assert victim.wait(timeout=120) == -signal.SIGKILL
+    assert a.wait(timeout=120) == 0 and b.wait(timeout=120) == 0
+    _assert_agree([a, b], [1, 2, 3])
+    for node in (a, b):
+        r2 = node.by_round()[2]
+        # The victim's contributions arrived (it died after its scatter) but its reduced part
+        # never did: that part is dropped on every survivor, the other two are committed.
+        assert (r2["status"], r2["group_size"], r2["parts"], r2["parts_committed"]) == ("committed", 3, 3, 2)
+        assert r2["allreduce_seconds"] < ALLREDUCE_TIMEOUT + 2
+        assert r2["dropped_peers"] == 0  # its Δ is in the average of the parts that committed
+        r3 = node.by_round()[3]
+        assert (r3["status"], r3["group_size"], r3["contributors"]) == ("committed", 2, 2)
+
+
+def test_sigstop_past_the_deadline_the_others_proceed_and_it_catches_up(swarm):
+    a, b, victim = _three_nodes(swarm, rounds=5, victim_env={"DILOCO_P2P_FAULTS": "stop@allreduce:2"})
+    wait_until(lambda: 3 in a.by_round() and 3 in b.by_round(), 120, "a and b to finish round 3", a, b)
+    assert 2 not in victim.by_round()  # frozen inside round 2's all-reduce all along
+    victim.signal(signal.SIGCONT)
+    for node in (a, b, victim):
+        assert node.wait(timeout=180) == 0, node.tail()
+    _assert_agree([a, b], [1, 2, 3, 4, 5])
+    for node in (a, b):
+        assert node.by_round()[2]["parts_committed"] == 2  # the frozen reducer's part is dropped
+    statuses = [r["status"] for r in victim.records()]
+    assert "resynced" in statuses, statuses  # it noticed it fell behind and downloaded the state
+    resync = next(r for r in victim.records() if r["status"] == "resynced")
+    assert resync["state_bytes"] > 0 and resync["round"] >= 3
+    _assert_agree([a, b, victim], [5])  # and then trained on with the others
+
+
+def test_a_nan_pseudo_gradient_is_rejected_and_never_reaches_anyone(swarm):
+    a, b, victim = _three_nodes(swarm, rounds=3, victim_env={"DILOCO_P2P_FAULTS": "nan@delta:2"})
+    for node in (a, b, victim):
+        assert node.wait(timeout=120) == 0, node.tail()
+    _assert_agree([a, b, victim], [1, 2, 3])  # every member applied the same finite average
+    for node in (a, b, victim):
+        r2 = node.by_round()[2]
+        assert (r2["status"], r2["group_size"], r2["contributors"]) == ("committed", 3, 2)
+        assert r2["parts_committed"] == 3 and math.isfinite(r2["eval_loss"])
+    assert "nan" in set(a.by_round()[2]["rejected"].values())
