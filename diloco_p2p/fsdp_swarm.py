@@ -198,14 +198,7 @@ class ShardSync:
             log.warning("resync to round %d abandoned: not every shard of this node could download it", target)
             return None
         dropped = node.round
-        tensors, round_ = view.fetched  # type: ignore[misc]
-        node.outer.load_state_tensors(tensors)
-        node.outer.copy_into(node.params)
-        if node.step == 0 and node.joined_at_round is None:
-            node.joined_at_round = round_
-        else:
-            node.resyncs += 1
-        node.round = round_
+        node.adopt_state(*view.fetched)  # every rank its own shard, of the same round
         return {"status": "resynced", "group_size": 0, "average": None,
                 "extra": {"dropped_round": dropped, "resyncs": node.resyncs, "joined_at_round": node.joined_at_round,
                           "shards": self.world_size}}
