@@ -27,6 +27,7 @@ import torch
 
 from diloco_p2p.swarm.runner import BackgroundLoop
 from diloco_p2p.swarm.state_sharing import StateServer, StateUnavailable, fetch_state, pack_state
+from tests.dht_cluster import loopback_dhts
 
 REPO = Path(__file__).resolve().parents[2]
 ROUND = 9
@@ -50,21 +51,8 @@ def swarm(tmp_path_factory) -> Iterator[Swarm]:
     blob = pack_state({"params/w": torch.randn(1 << 20, generator=g)}, {"round": ROUND})  # 4 MiB
     path = tmp_path_factory.mktemp("state") / "blob.safetensors"
     path.write_bytes(blob)
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    peers = [str(a) for a in first.get_visible_maddrs()]
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers) for _ in range(2)
-    ]
-    loop = BackgroundLoop()
-    try:
-        p2ps = [loop.run(d.replicate_p2p(), timeout=30) for d in dhts]
+    with loopback_dhts(3) as (dhts, p2ps, loop):
         yield Swarm(dhts, p2ps, loop, blob, path)
-        for p in p2ps:
-            loop.run(p.shutdown(), timeout=10)
-    finally:
-        loop.close()
-        for d in dhts:
-            d.shutdown()
 
 
 @dataclass

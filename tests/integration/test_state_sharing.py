@@ -29,6 +29,7 @@ from diloco_p2p.swarm.state_sharing import (
     state_key,
     unpack_state,
 )
+from tests.dht_cluster import loopback_dhts
 
 _run_ids = itertools.count()
 
@@ -45,22 +46,8 @@ class Swarm:
 
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[Swarm]:
-    # DHTs fork: create them all before the loop thread starts.
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    peers = [str(a) for a in first.get_visible_maddrs()]
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers) for _ in range(3)
-    ]
-    loop = BackgroundLoop()
-    try:
-        p2ps = [loop.run(d.replicate_p2p(), timeout=30) for d in dhts]
+    with loopback_dhts(4) as (dhts, p2ps, loop):
         yield Swarm(dhts, p2ps, loop)
-        for p in p2ps:
-            loop.run(p.shutdown(), timeout=10)
-    finally:
-        loop.close()
-        for d in dhts:
-            d.shutdown()
 
 
 def _run_id() -> str:
