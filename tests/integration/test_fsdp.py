@@ -25,7 +25,6 @@ from diloco_p2p.config import load_config
 from diloco_p2p.node import Node
 from tests.conftest import set_args
 
-# Until `diloco-p2p train` delegates to diloco_p2p.launch, the launcher is started directly.
 ENTRY = ["-m", "diloco_p2p", "train"]
 PER_RANK_BATCH = 2
 COMMON = [
@@ -135,6 +134,17 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs):
     ref_meta = json.loads((runs["ref_at_2"] / "checkpoints" / "round-000002.json").read_text())
     assert meta["inner"] == ref_meta["inner"] and meta["data_position"] == ref_meta["data_position"]
     assert meta["local_world_size"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_runs_the_same_two_rank_node(runs, tmp_path):
+    run_dir = tmp_path / "torchrun"
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *ENTRY[1:]]
+    proc = _Proc([*torchrun, *set_args(_overrides(PER_RANK_BATCH, 2)), "--run-dir", str(run_dir)])
+    assert proc.wait(timeout=150) == 0, proc.text
+    assert "sharded over 2 local ranks" in proc.text
+    for round_ in (1, 2):
+        _assert_same_state(_ckpt(run_dir, round_), _ckpt(runs["two"], round_))
 
 
 def test_two_rank_checkpoint_resumes_in_a_one_rank_node(runs, tmp_path):
