@@ -100,7 +100,7 @@ def test_malformed_initial_peer_is_one_clear_line(tmp_path):
                       "--run-dir", str(tmp_path)], timeout=60)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--initial-peers" in lines[0] and "not a valid multiaddr" in lines[0], lines
+    assert len(lines) == 1 and "initial_peers" in lines[0] and "not a valid multiaddr" in lines[0], lines
 
 
 def test_unreachable_initial_peer_fails_after_a_bounded_wait(tmp_path):
