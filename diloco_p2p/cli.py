@@ -53,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="a JSON list instead of a table")
     status.add_argument("--timeout", type=float, default=20.0, help="seconds to join and read the DHT")
 
+    fetch = sub.add_parser("fetch", help="download the swarm's latest model state into a run directory")
+    fetch.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any DHT peer (a seed)")
+    fetch.add_argument("--run-id", required=True, help="the run to fetch")
+    fetch.add_argument("--out", type=Path, required=True, help="run directory to create (config + checkpoint)")
+    fetch.add_argument("--timeout", type=float, default=60.0, help="seconds to join, find a donor and download")
+
+    export = sub.add_parser("export", help="write a checkpoint as a transformers model (save_pretrained)")
+    export.add_argument("--checkpoint", type=Path, required=True, help="a run directory (or its checkpoints/)")
+    export.add_argument("--out", type=Path, required=True, help="directory for the model and tokenizer")
+
     demo = sub.add_parser("demo", help="a seed and 3 nodes on loopback training the tiny model: zero setup")
     demo.add_argument("--nodes", type=int, default=3, help="training nodes to start")
     demo.add_argument("--rounds", type=int, default=5, help="outer rounds to train")
@@ -168,6 +178,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     return run_status(args.initial_peers, args.run_id, as_json=args.json, timeout=args.timeout)
 
 
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from diloco_p2p.swarm.dht import validate_maddrs
+    from diloco_p2p.transfer import fetch
+
+    _setup_logging("INFO", False)
+    if not args.timeout > 0:
+        raise UserError(f"--timeout must be a positive number of seconds, not {args.timeout!r}")
+    peers = validate_maddrs(args.initial_peers, "--initial-peers", require_peer_id=True)
+    ckpt = fetch(peers, args.run_id, args.out, args.timeout)
+    print(f"round {ckpt.round}, params {ckpt.meta['params_sha256']}, in {args.out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from diloco_p2p.transfer import export
+
+    _setup_logging("INFO", False)
+    export(args.checkpoint, args.out)
+    print(f"wrote {args.out}: load it with AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from diloco_p2p.demo import run_demo
 
@@ -176,7 +208,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(nodes=args.nodes, rounds=args.rounds, root=args.dir, extra=args.overrides)
 
 
-COMMANDS = {"train": cmd_train, "seed": cmd_seed, "status": cmd_status, "demo": cmd_demo}
+COMMANDS = {"train": cmd_train, "seed": cmd_seed, "status": cmd_status, "demo": cmd_demo, "fetch": cmd_fetch,
+            "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -356,10 +356,12 @@ class ShardedNode(Node):
         if ckpt is None:
             return
         self.outer.load_full_state_tensors(ckpt.tensors)
-        state = join_tensors(ckpt.meta["inner"], ckpt.tensors)
-        state["optimizer"] = shard_optimizer_state(self.trainer.optimizer, state["optimizer"])
-        self.trainer.load_state_dict(state)
-        self.data.position = DataPosition(**ckpt.meta["data_position"])
+        if "inner" in ckpt.meta:  # absent in a state fetched from the swarm: a fresh AdamW then
+            state = join_tensors(ckpt.meta["inner"], ckpt.tensors)
+            state["optimizer"] = shard_optimizer_state(self.trainer.optimizer, state["optimizer"])
+            self.trainer.load_state_dict(state)
+        if "data_position" in ckpt.meta:
+            self.data.position = DataPosition(**ckpt.meta["data_position"])
         self.round, self.step, self.tokens = ckpt.round, ckpt.step, ckpt.tokens
         self.joined_at_round = ckpt.meta.get("joined_at_round")
         self.resyncs = ckpt.meta.get("resyncs", 0)

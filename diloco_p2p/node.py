@@ -287,8 +287,10 @@ class Node:
         if ckpt is None:
             return
         self.outer.load_state_tensors(ckpt.tensors)
-        self.trainer.load_state_dict(join_tensors(ckpt.meta["inner"], ckpt.tensors))
-        self.data.position = DataPosition(**ckpt.meta["data_position"])
+        if "inner" in ckpt.meta:  # absent in a state fetched from the swarm: a fresh AdamW then
+            self.trainer.load_state_dict(join_tensors(ckpt.meta["inner"], ckpt.tensors))
+        if "data_position" in ckpt.meta:
+            self.data.position = DataPosition(**ckpt.meta["data_position"])
         self.round, self.step, self.tokens = ckpt.round, ckpt.step, ckpt.tokens
         self.joined_at_round = ckpt.meta.get("joined_at_round")
         self.resyncs = ckpt.meta.get("resyncs", 0)

@@ -159,6 +159,20 @@ def test_two_rank_checkpoint_resumes_in_a_one_rank_node(runs, tmp_path):
     _assert_same_state(_ckpt(run_dir, 3), _ckpt(runs["ref"], 3))  # and it trains on as the 1-rank run did
 
 
+def test_two_rank_checkpoint_exports_a_normal_transformers_model(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from diloco_p2p.transfer import export, find_checkpoint, model_from_checkpoint
+
+    export(runs["two"], tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    config, ckpt = find_checkpoint(runs["two"])
+    assert ckpt.meta["local_world_size"] == 2
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, model_from_checkpoint(config, ckpt).eval()(tokens).logits)
+
+
 @pytest.mark.timeout(180)
 def test_one_rank_checkpoint_resumes_in_a_two_rank_node(runs, tmp_path):
     run_dir = tmp_path / "resumed"
