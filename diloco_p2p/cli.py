@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "waits up to p2p.connect_timeout for it to appear")
     train.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                        help="local ranks (GPUs) of this node; the model is sharded across them with FSDP")
-    train.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (sets metrics.port; 0 = off)")
+    train.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (sets metrics.port; 0 = off, -1 = any free port)")
     train.add_argument("--metrics-host", help="Prometheus endpoint address (sets metrics.host)")
     seed = sub.add_parser("seed", help="run a DHT bootstrap node; prints the multiaddrs others join with")
     seed.add_argument("--host-maddrs", nargs="+", help="listen addresses (default all interfaces, TCP 31337)")
@@ -157,7 +157,7 @@ def _start_metrics(config, run_dir: Path):
     from diloco_p2p.metrics import NodeMetrics, serve_metrics, write_port_file
 
     metrics = NodeMetrics()
-    port = serve_metrics(metrics.registry, config.metrics.host, config.metrics.port)
+    port = serve_metrics(metrics.registry, config.metrics.host, max(config.metrics.port, 0))  # -1: any port
     write_port_file(run_dir, port)
     log.info("metrics on http://%s:%d/metrics", config.metrics.host, port)
     return metrics

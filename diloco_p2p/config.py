@@ -146,7 +146,10 @@ class P2PConfig(_Section):
 
 class MetricsConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the Prometheus endpoint binds to.")
-    port: int = Field(0, ge=0, lt=65536, description="Prometheus endpoint port (0 = off).")
+    port: int = Field(
+        0, ge=-1, lt=65536,
+        description="Prometheus endpoint port (0 = off; -1 = any free port, written to `<run-dir>/metrics_port`).",
+    )
 
 
 class LogConfig(_Section):
