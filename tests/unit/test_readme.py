@@ -34,3 +34,16 @@ def test_every_issue_field_is_documented():
                   "inner.grad_clip", "outer.inner_steps", "outer.lr", "outer.momentum", "outer.nesterov",
                   "train.max_rounds", "train.eval_batches"]:
         assert f"`{field}`" in README
+
+
+def test_every_command_in_the_readme_parses_with_the_cli():
+    import shlex
+
+    from diloco_p2p.cli import build_parser
+
+    commands = [line.strip() for block in re.findall(r"```\n(.*?)\n```", README, re.S)
+                for line in block.splitlines() if line.strip().startswith("diloco-p2p ")]
+    assert len(commands) >= 5
+    for command in commands:
+        argv = ["/ip4/203.0.113.7/tcp/31337" if a == "..." else a for a in shlex.split(command)[1:]]
+        build_parser().parse_args(argv)  # argparse exits (SystemExit) on an unknown flag
