@@ -13,13 +13,9 @@ restarts it.
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import importlib.util
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,7 +88,8 @@ def run_seed(
         return 0
     finally:
         _restore_handlers(previous)
-        _stop_metrics(metrics)
+        if metrics is not None:
+            metrics.shutdown()
         dht.shutdown()
 
 
@@ -126,59 +123,14 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _start_metrics(host: str, port: int, dht: Any) -> Any:
-    """Start the seed's Prometheus endpoint through `diloco_p2p.metrics.start_seed_metrics(host,
-    port, dht)` if that module provides it; port 0 means off. Returns whatever it returns."""
+    """The seed's Prometheus endpoint (DHT size, uptime); port 0 means off."""
+    from diloco_p2p.metrics import start_seed_metrics
+
     if not port:
         return None
-    if importlib.util.find_spec("diloco_p2p.metrics") is None:
-        logger.warning("metrics are not available in this build; --metrics-port %d ignored", port)
-        return None
-    start = getattr(importlib.import_module("diloco_p2p.metrics"), "start_seed_metrics", None)
-    if start is None:
-        logger.warning("diloco_p2p.metrics has no seed metrics; --metrics-port %d ignored", port)
-        return None
     try:
-        return start(host, port, dht)
+        return start_seed_metrics(host, port, dht)
     except OSError as e:
         raise UserError(
             f"cannot serve metrics on {host}:{port} ({e.strerror or e}); choose a free --metrics-port"
         ) from None
-
-
-def _stop_metrics(metrics: Any) -> None:
-    for name in ("shutdown", "stop", "close"):
-        stop = getattr(metrics, name, None)
-        if callable(stop):
-            stop()
-            return
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """A minimal stand-alone entry (`python -m diloco_p2p.seed`); the CLI offers the same flags."""
-    parser = argparse.ArgumentParser(prog="python -m diloco_p2p.seed", description=__doc__.splitlines()[0])
-    parser.add_argument("--host-maddrs", nargs="+", default=list(DEFAULT_HOST_MADDRS))
-    parser.add_argument("--announce-maddrs", nargs="+", default=[])
-    parser.add_argument("--initial-peers", nargs="+", default=[])
-    parser.add_argument("--identity", default=None)
-    parser.add_argument("--maddrs-file", default=None)
-    parser.add_argument("--metrics-host", default="127.0.0.1")
-    parser.add_argument("--metrics-port", type=int, default=0)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return run_seed(
-            args.host_maddrs,
-            args.announce_maddrs,
-            args.identity,
-            args.maddrs_file,
-            args.metrics_host,
-            args.metrics_port,
-            initial_peers=args.initial_peers,
-        )
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

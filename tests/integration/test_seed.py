@@ -20,14 +20,14 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
 class Seed:
-    """`python -m diloco_p2p.seed` in its own process group, so teardown can reap all of it."""
+    """`python -m diloco_p2p seed` in its own process group, so teardown can reap all of it."""
 
     def __init__(self, tmp: Path, name: str, identity: Path):
         self.maddrs_file = tmp / f"{name}.maddrs"
         self.log = open(tmp / f"{name}.log", "w+")
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco_p2p.seed", "--host-maddrs", *LOOPBACK, "--identity", str(identity),
+            [sys.executable, "-m", "diloco_p2p", "seed", "--host-maddrs", *LOOPBACK, "--identity", str(identity),
              "--maddrs-file", str(self.maddrs_file)],
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -133,7 +133,7 @@ def test_seed_with_a_corrupt_identity_exits_2_with_one_line(tmp_path):
     identity.write_bytes(b"garbage")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, "-m", "diloco_p2p.seed", "--host-maddrs", *LOOPBACK, "--identity", str(identity)],
+        [sys.executable, "-m", "diloco_p2p", "seed", "--host-maddrs", *LOOPBACK, "--identity", str(identity)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2
