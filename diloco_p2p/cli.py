@@ -110,11 +110,8 @@ def read_peers_file(path: Path, timeout: float) -> list[str]:
 
 
 def _setup_logging(level: str, json_format: bool) -> None:
-    try:
-        from diloco_p2p.logs import setup_logging
-    except ImportError:
-        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-        return
+    from diloco_p2p.logs import setup_logging
+
     setup_logging(level, json_format)
 
 
