@@ -128,12 +128,10 @@ class SwarmSync:
             return None
         majorities = round_majorities(others)
         top = max(majorities)
-        wanted = None  # behind: any state of round >= top will do
         if top > node.round:
             reason = f"behind: swarm at round {top}, we are at {node.round}"
         elif top == node.round and majority(same_round + [ours]) != ours:
             reason = f"our parameters {ours[:12]} differ from the swarm's {majorities[top][:12]} at round {top}"
-            wanted = majorities[top]  # a fork: take the majority's θ, not another minority's
         else:
             return None
         log.warning("%s; downloading the swarm's state", reason)
@@ -142,7 +140,7 @@ class SwarmSync:
         self.loop.run(self.state_server.withdraw(), timeout=15)
         try:
             fetched = self._interruptible(
-                fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=top, params_hash=wanted,
+                fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=top,
                             timeout=self.cfg.allreduce_timeout * 2),
                 timeout=self.cfg.allreduce_timeout * 2 + 10,
             )
