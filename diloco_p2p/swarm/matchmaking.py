@@ -27,12 +27,18 @@ Protocol
    every ``request_timeout / 3`` while the group is open. The final answer is one of
    ``group`` (id, ordered members, weights), ``void`` (closed below `min_group_size`: every
    member returns ``None``), ``redirect`` (the leader found a better leader and forfeited:
-   follow that one) or ``closed`` (not accepting: full, finished, unknown round...).
+   follow that one) or ``closed`` (not accepting: full, finished, unknown round...). After its
+   last frame the leader keeps the stream open until the follower closes it (it does so once it
+   has read the answer; at most ``_LINGER_TIMEOUT``). Closing right after the write lost the
+   answer under CPU load: the follower read end-of-stream with 0 bytes and ended alone while the
+   leader had counted it in.
 4. **Close.** The leader closes the group as soon as it has `target_group_size` members, or at
    ``t + timeout`` (its own registration time). Every member gets the *same* answer object:
    members sorted by peer id, ``group_id = sha256(run, round, hash, leader, close time,
    members)``. While open, the leader re-reads the key every ``request_timeout / 2``; a better
    candidate makes it forfeit: its followers are redirected and it joins that leader itself.
+   A closed group binds its leader too: joiners may fill it while the leader reads the DHT, and
+   they already hold the answer, so the leader keeps it even if that read shows a better candidate.
 5. **Withdraw.** When `form_group` ends, the node overwrites its registration with a ``done``
    marker (same subkey, later expiration, hivemind's newest-wins rule), so later arrivals stop
    contacting it.
@@ -87,6 +93,7 @@ _MAX_FRAME_BYTES = 1 << 20  # a member list of thousands of peers fits; anything
 _MAX_WEIGHT = 1e18
 _FINISHED_MEMORY = 64  # how many finished rounds we still answer "closed: <reason>" for
 _REQUEST_READ_TIMEOUT = 10.0  # a stream that sends no join request within this is dropped
+_LINGER_TIMEOUT = 10.0  # how long a leader keeps a stream open after its last frame, for the follower to close it
 
 # Why form_group returned None (or "group"): `Matchmaker.last_outcome`.
 # group: a Group; alone: nobody joined; void: closed below min_group_size; late: the round's group
@@ -136,6 +143,20 @@ async def _recv_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ValueError("frame is not a JSON object")
     return obj
+
+
+async def _send_last(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
+    """Send a stream's last frame, then keep the stream open until the other side closes it (bounded).
+
+    Closing right after the write lost the frame under CPU load: the follower read EOF with 0
+    bytes while the leader had written and drained its answer. The follower closes as soon as it
+    has read the answer, so waiting for its EOF costs nothing when it listens.
+    """
+    await _send_frame(writer, obj)
+    try:
+        await asyncio.wait_for(reader.read(1), _LINGER_TIMEOUT)
+    except (TimeoutError, ConnectionError, OSError):
+        pass
 
 
 def _finite_number(x: Any) -> bool:
@@ -294,6 +315,7 @@ class Matchmaker:
             final = await asyncio.wait_for(self._run(session), session.deadline - get_dht_time())
         except TimeoutError:
             logger.debug("%s: matchmaking deadline fired", key)
+            final = self._closed_epoch(session) or final
         except asyncio.CancelledError:
             final = _Final(None, ABORTED)
             raise
@@ -321,6 +343,9 @@ class Matchmaker:
         first = True
         while True:
             view = await self._read_view(session) or view
+            closed = self._closed_epoch(session)
+            if closed is not None:
+                return closed  # joiners filled our group while we read: they hold its answer, so it binds us
             if first and any(e.done == "expired" for p, e in view.items() if p != self.me):
                 return _Final(None, LATE)  # a committed group of this round closed at its deadline
             first = False
@@ -358,6 +383,13 @@ class Matchmaker:
                 if (e.t, e.peer) < (session.t, self.me) and (best is None or (e.t, e.peer) < (best.t, best.peer)):
                     best = e
         return best
+
+    def _closed_epoch(self, session: _Session) -> _Final | None:
+        """Our result if the group we lead has already closed (its members got the answer), else None."""
+        epoch = session.epoch
+        if epoch is None or not epoch.answer.done():
+            return None
+        return self._final_from_answer(epoch.answer.result(), own=True)
 
     async def _lead(self, session: _Session, excluded: set[str]) -> _Final | _Entry:
         """Lead until our group closes (a `_Final`), or forfeit to a better candidate (returned)."""
@@ -500,7 +532,7 @@ class Matchmaker:
         session = self._sessions.get(key) if isinstance(key, str) else None
         if session is None:
             reason = self._finished.get(key, "unknown") if isinstance(key, str) else "bad_request"
-            await _send_frame(writer, {"s": "closed", "reason": reason})
+            await _send_last(reader, writer, {"s": "closed", "reason": reason})
             return
         if (
             request.get("v") != PROTOCOL_VERSION
@@ -509,31 +541,29 @@ class Matchmaker:
             or not _finite_number(hb)
             or follower == self.me
         ):
-            await _send_frame(writer, {"s": "closed", "reason": "bad_request"})
+            await _send_last(reader, writer, {"s": "closed", "reason": "bad_request"})
             return
         hb = min(max(float(hb), 0.05), 10.0)
         if session.following is not None:
             leader, leader_t = session.following
-            await _send_frame(writer, {"s": "redirect", "to": leader, "t": leader_t})
+            await _send_last(reader, writer, {"s": "redirect", "to": leader, "t": leader_t})
             return
         epoch = session.epoch
         assert epoch is not None
         if epoch.answer.done():
             answer = epoch.answer.result()
-            if answer.get("s") == "redirect":
-                await _send_frame(writer, answer)
-            else:
-                await _send_frame(writer, {"s": "closed", "reason": epoch.close_reason or "void"})
+            if answer.get("s") != "redirect":
+                answer = {"s": "closed", "reason": epoch.close_reason or "void"}
+            await _send_last(reader, writer, answer)
             return
 
         token = next(self._tokens)
         epoch.members[follower] = (float(request["w"]), token)
-        await _send_frame(writer, {"s": "wait"})
-        if len(epoch.members) >= session.target:
-            self._close(session, epoch, "full")
-
         gone = asyncio.ensure_future(reader.read(1))  # EOF (or anything) = the follower left
         try:
+            await _send_frame(writer, {"s": "wait"})
+            if len(epoch.members) >= session.target:
+                self._close(session, epoch, "full")
             while not epoch.answer.done():
                 await asyncio.wait({epoch.answer, gone}, timeout=hb, return_when=asyncio.FIRST_COMPLETED)
                 if epoch.answer.done():
@@ -550,6 +580,7 @@ class Matchmaker:
             if answer.get("s") == "group" and follower not in answer["peers"]:
                 answer = {"s": "closed", "reason": "full"}  # replaced by a newer stream of the same peer
             await _send_frame(writer, answer)
+            await asyncio.wait({gone}, timeout=_LINGER_TIMEOUT)  # see `_send_last`
         finally:
             gone.cancel()
             if not epoch.answer.done():

@@ -368,9 +368,11 @@ def test_malformed_join_requests_are_refused_without_disturbing(swarm: Swarm) ->
                 _, reader, writer = await attacker.p2p.call_binary_stream_handler(leader.p2p.peer_id, leader.protocol)
                 writer.write(payload)
                 await writer.drain()
-                raw = await asyncio.wait_for(reader.read(), 10)
+                try:  # one reply frame, or the stream just ends
+                    replies.append(await asyncio.wait_for(mm._recv_frame(reader), 10))
+                except asyncio.IncompleteReadError:
+                    replies.append(None)
                 writer.close()
-                replies.append(json.loads(raw[4:]) if raw else None)
             assert _members(leader, key) == 1
             group = await _form(follower, target_group_size=2, timeout=timeout)
             return replies, [await lead, group], mms
@@ -393,3 +395,99 @@ def test_malformed_join_requests_are_refused_without_disturbing(swarm: Swarm) ->
 def _frame(obj) -> bytes:
     data = json.dumps(obj).encode()
     return struct.pack(">I", len(data)) + data
+
+
+def test_leader_keeps_each_stream_open_until_the_follower_has_closed_it(swarm: Swarm, monkeypatch) -> None:
+    """Under CPU load a leader that closed its end right after writing the answer counted a follower
+    that read EOF with 0 bytes: the two disagreed on the group. The leader now closes only after the
+    follower (which closes once it has read the answer), and within `_LINGER_TIMEOUT` otherwise."""
+    timeout = 4.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(2)
+        leader, client = mms
+        registered = asyncio.Event()
+
+        async def on_registered():
+            registered.set()
+
+        leader._after_register = on_registered
+        lead = _form(leader, target_group_size=2, timeout=timeout)
+        try:
+            await registered.wait()
+            key = mm.matchmaking_key(leader.run_id, 1, HASH_A)
+            join = _frame({"v": 1, "key": key, "h": HASH_A, "t": 0.0, "w": 1.0, "hb": 0.5})
+            _, reader, writer = await client.p2p.call_binary_stream_handler(leader.p2p.peer_id, leader.protocol)
+            writer.write(join)
+            await writer.drain()
+            frames = [await asyncio.wait_for(mm._recv_frame(reader), 10) for _ in range(2)]
+            group = await lead
+            held_after_answer = len(leader._handler_tasks)  # the answer is out: is the stream still held?
+            writer.close()
+            await _until(lambda: not leader._handler_tasks)  # our close ends it
+
+            # A follower that never closes holds a handler for at most _LINGER_TIMEOUT.
+            monkeypatch.setattr(mm, "_LINGER_TIMEOUT", 0.2)
+            _, reader, writer = await client.p2p.call_binary_stream_handler(leader.p2p.peer_id, leader.protocol)
+            writer.write(join)
+            await writer.drain()
+            late = await asyncio.wait_for(mm._recv_frame(reader), 10)
+            await _until(lambda: not leader._handler_tasks)
+            rest = await asyncio.wait_for(reader.read(), 10)  # then the leader closes
+            writer.close()
+            return frames, group, held_after_answer, late, rest, mms
+        finally:
+            leader._after_register = None
+            await _stop_all(mms)
+
+    frames, group, held_after_answer, late, rest, mms = swarm.loop.run(scenario(), timeout=30)
+    assert [f["s"] for f in frames] == ["wait", "group"]
+    assert frames[1]["id"] == group.group_id and frames[1]["peers"] == sorted(m.me for m in mms)
+    assert held_after_answer == 1, "the leader closed the stream before the follower had closed it"
+    assert late == {"s": "closed", "reason": "full"} and rest == b""
+
+
+def test_group_filled_before_the_leaders_first_read_binds_the_leader(swarm: Swarm) -> None:
+    """`c` registers; `d` and `e` join it and its group fills (c, d, e) while `c` is still reading the
+    DHT for the first time. That read shows `early`, which precedes `c`. The group is closed and `d`
+    and `e` hold its answer: `c` must keep it, not follow `early` into another group."""
+    timeout = 4.0
+
+    async def scenario():
+        mms = await swarm.matchmakers(4)
+        early, c, d, e = mms
+        key = mm.matchmaking_key(early.run_id, 1, HASH_A)
+        release_early, early_stored = asyncio.Event(), asyncio.Event()
+        c_registered, release_c = asyncio.Event(), asyncio.Event()
+
+        async def early_after():
+            early_stored.set()
+
+        async def c_after():
+            c_registered.set()
+            await release_c.wait()
+
+        early._before_register, early._after_register = release_early.wait, early_after
+        c._after_register = c_after
+        tasks = [_form(early, timeout=timeout)]
+        try:
+            await _until(lambda: key in early._sessions)  # early's registration time is the smallest
+            tasks.append(_form(c, timeout=timeout))
+            await c_registered.wait()
+            tasks += [_form(d, timeout=timeout), _form(e, timeout=timeout)]
+            de = await asyncio.gather(*tasks[2:])  # they join c: the group fills and closes
+            release_early.set()
+            await early_stored.wait()
+            release_c.set()  # c's first read now shows early
+            return [await tasks[0], await tasks[1], *de], mms
+        finally:
+            release_early.set()
+            release_c.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            early._before_register = early._after_register = c._after_register = None
+            await _stop_all(mms)
+
+    (early_group, *groups), mms = swarm.loop.run(scenario(), timeout=30)
+    _assert_same_group(groups, mms[1:])
+    assert groups[0].leader.to_base58() == mms[1].me
+    assert early_group is None and mms[0].last_outcome == mm.ALONE
