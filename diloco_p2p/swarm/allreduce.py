@@ -87,6 +87,7 @@ log = logging.getLogger(__name__)
 SCATTER_FRACTION = 0.4
 GATHER_FRACTION = 0.7
 GO, NO_GO = b"\x01", b"\x00"
+_LINGER_TIMEOUT = 5.0  # how long a receiver keeps a stream open after its last byte, for the sender to close it
 _NETWORK_ERRORS = (OSError, asyncio.IncompleteReadError, P2PDaemonError)
 
 PhaseHook = Callable[[str], object]  # may return an awaitable
@@ -452,6 +453,11 @@ class AllreduceService:
             self._handlers.add(task)
         try:
             await self._serve(info.peer_id.to_base58(), reader, writer)
+            # Keep the stream open until the sender, having read our last byte, closes it: closing
+            # right after the write lost that byte under CPU load (the sender read 0 bytes and took a
+            # live member for gone), as in matchmaking's `_send_last`.
+            with suppress(TimeoutError, *_NETWORK_ERRORS):
+                await asyncio.wait_for(reader.read(1), _LINGER_TIMEOUT)
         except (*_NETWORK_ERRORS, TimeoutError, wire.WireError) as e:
             log.debug("allreduce: dropped a message from %s: %r", info.peer_id, e)
         except Exception:
