@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     seed.add_argument("--initial-peers", nargs="+", default=[], help="other seeds to join")
     seed.add_argument("--identity", type=Path, help="private key file; created if missing, reused after")
     seed.add_argument("--maddrs-file", type=Path, help="write the multiaddrs here, one per line")
-    seed.add_argument("--metrics-port", type=int, default=0, help="Prometheus endpoint port (0 = off)")
+    seed.add_argument("--metrics-port", type=int, default=0,
+                      help="Prometheus endpoint port (0 = off, -1 = any free port, logged)")
     seed.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus endpoint address")
     seed.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO")
     seed.add_argument("--log-json", action="store_true", help="one JSON object per log line")

@@ -4,9 +4,13 @@ A node reads ``DILOCO_P2P_FAULTS`` once at start, a comma-separated list of
 ``ACTION@POINT:ROUND`` items, e.g. ``kill@allreduce:2`` (SIGKILL itself when its round-2
 all-reduce has sent its parts) or ``nan@delta:2`` (send a NaN pseudo-gradient in round 2).
 Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: the process freezes with its sockets open, as
-a stalled machine would; the test sends SIGCONT), ``nan`` (poison the pseudo-gradient),
-``exit`` (raise SystemExit, for a local rank dying inside a multi-rank node). Each item fires
-at most once. Nothing here is active unless the variable is set.
+a stalled machine would; the test sends SIGCONT), ``hold`` (block the training loop there
+for good while the process stays reachable: its metrics endpoint, DHT records and state server
+keep answering, so a test reads a node parked at a known round), ``nan`` (poison the
+pseudo-gradient), ``exit`` (raise SystemExit, for a local rank dying inside a multi-rank node).
+Points: ``delta`` (the round's pseudo-gradient is computed, before matchmaking), ``group`` (a
+group formed), ``allreduce`` (our parts are sent). Each item fires at most once. Nothing here
+is active unless the variable is set.
 
 ``DILOCO_P2P_START_GATE=PATH`` is the tests' start barrier: once a node has joined the swarm
 it writes ``PATH.ready-<pid>`` and waits for ``PATH`` to exist before its first round, so a test
@@ -49,7 +53,7 @@ class Faults:
         for item in filter(None, (s.strip() for s in spec.split(","))):
             action, _, rest = item.partition("@")
             point, _, round_ = rest.partition(":")
-            if action not in ("kill", "stop", "nan", "exit") or not point or not round_.isdigit():
+            if action not in ("kill", "stop", "hold", "nan", "exit") or not point or not round_.isdigit():
                 raise ValueError(f"{ENV}: bad item {item!r}; expected ACTION@POINT:ROUND, e.g. kill@allreduce:2")
             self.pending.add((action, point, int(round_)))
 
@@ -62,7 +66,7 @@ class Faults:
 
     def fire(self, point: str, round_: int) -> None:
         """Deliver a process-level fault planned for this point and round, if any."""
-        action = self._take(point, round_, ("kill", "stop", "exit"))
+        action = self._take(point, round_, ("kill", "stop", "hold", "exit"))
         if action is None:
             return
         log.warning("fault injection: %s at %s of round %d", action, point, round_)
@@ -72,6 +76,9 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif action == "hold":
+            while True:  # until the test kills us; other threads (metrics, DHT, state) go on
+                time.sleep(60)
         else:
             raise SystemExit(3)
 

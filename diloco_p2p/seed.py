@@ -52,6 +52,8 @@ def run_seed(
     `initial_peers` lets a second seed join the first (several seeds make one DHT). Raises
     `UserError` for bad addresses, an unusable identity or a busy port.
     """
+    if not -1 <= metrics_port < 65536:
+        raise UserError(f"--metrics-port must be a TCP port, 0 (off) or -1 (any free port), not {metrics_port}")
     hosts = list(host_maddrs) if host_maddrs else list(DEFAULT_HOST_MADDRS)
     if identity_path is None:
         logger.warning("no --identity: this seed's peer id and address change on every restart")
@@ -123,14 +125,17 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _start_metrics(host: str, port: int, dht: Any) -> Any:
-    """The seed's Prometheus endpoint (DHT size, uptime); port 0 means off."""
+    """The seed's Prometheus endpoint (DHT size, uptime); port 0 means off, -1 any free port
+    (logged: ``metrics on http://HOST:PORT/metrics``)."""
     from diloco_p2p.metrics import start_seed_metrics
 
     if not port:
         return None
     try:
-        return start_seed_metrics(host, port, dht)
+        server = start_seed_metrics(host, max(port, 0), dht)
     except OSError as e:
         raise UserError(
             f"cannot serve metrics on {host}:{port} ({e.strerror or e}); choose a free --metrics-port"
         ) from None
+    logger.info("metrics on http://%s:%d/metrics", host, server.port)
+    return server

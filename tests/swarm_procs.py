@@ -103,12 +103,13 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, *procs:
 class Swarm:
     """A seed plus nodes under `root`; `close` kills them all (also what a failed test left)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, seed_args: list[str] = ()):
         self.root = root
         self.procs: list[Proc] = []
         maddrs = root / "seed.maddrs"
         self.seed = self._add(Proc(["seed", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity",
-                                    str(root / "seed.key"), "--maddrs-file", str(maddrs)], root / "seed.log"))
+                                    str(root / "seed.key"), "--maddrs-file", str(maddrs), *seed_args],
+                                   root / "seed.log"))
         wait_until(lambda: maddrs.exists() and maddrs.read_text().strip() != "", 60, "the seed's address", self.seed)
         self.maddr = maddrs.read_text().split()[0]
         self.gate = root / "start-gate"  # nodes wait here before round 1 (faults.wait_at_start_gate)

@@ -158,6 +158,7 @@ class SwarmSync:
         }
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> SyncOutcome:
+        self.faults.fire("delta", round)
         delta = self.faults.poison("delta", round, delta)
         try:
             group = self._interruptible(
