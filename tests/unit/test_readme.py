@@ -47,3 +47,22 @@ def test_every_command_in_the_readme_parses_with_the_cli():
     for command in commands:
         argv = ["/ip4/203.0.113.7/tcp/31337" if a == "..." else a for a in shlex.split(command)[1:]]
         build_parser().parse_args(argv)  # argparse exits (SystemExit) on an unknown flag
+
+
+def test_operator_section_explains_every_dashboard_panel_and_alert():
+    import json
+
+    import yaml
+
+    root = Path(__file__).parents[2]
+    section = re.search(r"^## Operating a swarm\n(.*?)^## ", README, re.S | re.M)
+    assert section, "README has no '## Operating a swarm' section"
+    text = " ".join(section.group(1).split())  # lines re-wrapped
+    panels = json.loads((root / "deploy/grafana/dashboards/diloco.json").read_text())["panels"]
+    titles = {p["title"] for p in panels if p["type"] != "row"}
+    named = set(re.findall(r"\*([^*`]+)\*", re.sub(r"\*\*[^*]+\*\*", "", text)))  # italics, not bold
+    assert titles <= named, sorted(titles - named)
+    assert named <= titles, sorted(named - titles)  # no panel the dashboard lacks
+    rules = yaml.safe_load((root / "deploy/alerts.yml").read_text())["groups"]
+    alerts = {r["alert"] for g in rules for r in g["rules"] if "alert" in r}
+    assert alerts and all(f"`{a}`" in text for a in alerts), sorted(a for a in alerts if f"`{a}`" not in text)
