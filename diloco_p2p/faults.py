@@ -9,8 +9,10 @@ for good while the process stays reachable: its metrics endpoint, DHT records an
 keep answering, so a test reads a node parked at a known round), ``nan`` (poison the
 pseudo-gradient), ``exit`` (raise SystemExit, for a local rank dying inside a multi-rank node).
 Points: ``delta`` (the round's pseudo-gradient is computed, before matchmaking), ``group`` (a
-group formed), ``allreduce`` (our parts are sent). Each item fires at most once. Nothing here
-is active unless the variable is set.
+group formed), ``allreduce`` (our parts are sent), and in a multi-rank node ``rankR.step``
+(local rank R is about to take inner step N, the number after the colon). Each item fires at
+most once. A misspelt item is an error at start, not a fault that silently never fires.
+Nothing here is active unless the variable is set.
 
 ``DILOCO_P2P_START_GATE=PATH`` is the tests' start barrier: once a node has joined the swarm
 it writes ``PATH.ready-<pid>`` and waits for ``PATH`` to exist before its first round, so a test
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -30,6 +33,8 @@ import torch
 log = logging.getLogger(__name__)
 ENV = "DILOCO_P2P_FAULTS"
 GATE_ENV = "DILOCO_P2P_START_GATE"
+ACTIONS = ("kill", "stop", "hold", "nan", "exit")
+POINT = re.compile(r"delta|group|allreduce|rank\d+\.step")
 
 
 def wait_at_start_gate(timeout: float = 300.0) -> None:
@@ -53,8 +58,12 @@ class Faults:
         for item in filter(None, (s.strip() for s in spec.split(","))):
             action, _, rest = item.partition("@")
             point, _, round_ = rest.partition(":")
-            if action not in ("kill", "stop", "hold", "nan", "exit") or not point or not round_.isdigit():
-                raise ValueError(f"{ENV}: bad item {item!r}; expected ACTION@POINT:ROUND, e.g. kill@allreduce:2")
+            if action not in ACTIONS or not POINT.fullmatch(point) or not round_.isdigit():
+                raise ValueError(f"{ENV}: bad item {item!r}; expected ACTION@POINT:ROUND with ACTION one of "
+                                 f"{', '.join(ACTIONS)} and POINT delta, group, allreduce or rankR.step, "
+                                 "e.g. kill@allreduce:2")
+            if action == "nan" and point != "delta":
+                raise ValueError(f"{ENV}: bad item {item!r}; nan poisons the pseudo-gradient, so its point is delta")
             self.pending.add((action, point, int(round_)))
 
     def _take(self, point: str, round_: int, actions: tuple[str, ...]) -> str | None:

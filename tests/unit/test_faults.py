@@ -1,0 +1,106 @@
+"""The fault-injection spec the fault tests depend on: a misspelt item must fail loudly, a planned
+fault must fire exactly once at its point and round, and the start gate must hold until released."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from diloco_p2p.faults import GATE_ENV, Faults, wait_at_start_gate
+
+
+def test_spec_parses_every_item():
+    faults = Faults(" kill@allreduce:2, nan@delta:3 ,hold@group:10,exit@rank1.step:7,")
+    assert faults.pending == {("kill", "allreduce", 2), ("nan", "delta", 3), ("hold", "group", 10),
+                              ("exit", "rank1.step", 7)}
+
+
+def test_empty_spec_plans_nothing(monkeypatch):
+    monkeypatch.delenv("DILOCO_P2P_FAULTS", raising=False)
+    assert Faults().pending == set()
+    assert Faults("").pending == set()
+
+
+@pytest.mark.parametrize("item", [
+    "kill@allreduce",           # no round
+    "kill@allreduce:two",       # round not a number
+    "kill@allreduce:-1",
+    "crash@allreduce:2",        # unknown action
+    "kill@all_reduce:2",        # misspelt point: would never fire
+    "kill@rank.step:2",
+    "kill:2",                   # no point
+    "nan@allreduce:2",          # nan only poisons the pseudo-gradient
+])
+def test_bad_items_are_refused_by_name(item):
+    with pytest.raises(ValueError, match=f"bad item '{item}'"):
+        Faults(f"stop@group:1,{item}")
+
+
+def test_spec_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("DILOCO_P2P_FAULTS", "stop@group:4")
+    assert Faults().pending == {("stop", "group", 4)}
+
+
+def test_fire_only_at_its_point_and_round_and_only_once():
+    faults = Faults("exit@group:2")
+    faults.fire("group", 1)
+    faults.fire("allreduce", 2)
+    with pytest.raises(SystemExit) as exited:
+        faults.fire("group", 2)
+    assert exited.value.code == 3
+    faults.fire("group", 2)  # spent: nothing happens the second time
+    assert faults.pending == set()
+
+
+def test_poison_returns_a_nan_copy_once():
+    faults = Faults("nan@delta:2")
+    delta = torch.ones(20)
+    assert faults.poison("delta", 1, delta) is delta
+    poisoned = faults.poison("delta", 2, delta)
+    assert torch.isnan(poisoned).any() and not torch.isnan(poisoned).all()
+    assert torch.equal(delta, torch.ones(20))  # the caller's tensor is untouched
+    assert faults.poison("delta", 2, delta) is delta
+    # a process-level fault at the same point is not consumed by poison, and vice versa
+    faults = Faults("nan@delta:2,exit@delta:2")
+    faults.poison("delta", 2, delta)
+    assert faults.pending == {("exit", "delta", 2)}
+
+
+def test_kill_is_a_real_sigkill():
+    code = "from diloco_p2p.faults import Faults; Faults('kill@delta:1').fire('delta', 1); print('survived')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == -signal.SIGKILL
+    assert "survived" not in result.stdout
+
+
+def test_start_gate_waits_for_the_gate_file(tmp_path, monkeypatch):
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(GATE_ENV, str(gate))
+    passed = threading.Event()
+    waiter = threading.Thread(target=lambda: (wait_at_start_gate(timeout=30), passed.set()))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.glob("gate.ready-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(tmp_path.glob("gate.ready-*")), "the waiter never said it was ready"
+    assert not passed.is_set()
+    gate.touch()
+    waiter.join(timeout=30)
+    assert passed.is_set()
+
+
+def test_start_gate_times_out_with_a_clear_message(tmp_path, monkeypatch):
+    monkeypatch.setenv(GATE_ENV, str(tmp_path / "never"))
+    with pytest.raises(SystemExit, match="did not appear within 0.2 s"):
+        wait_at_start_gate(timeout=0.2)
+
+
+def test_no_gate_returns_at_once(monkeypatch):
+    monkeypatch.delenv(GATE_ENV, raising=False)
+    wait_at_start_gate(timeout=0)
