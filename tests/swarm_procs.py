@@ -13,10 +13,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tests.conftest import TINY, set_args
+from tests.netns import Host
 
 # A tiny swarm: 5 inner steps a round, short network timeouts so a fault costs seconds.
 SWARM = TINY + [
@@ -32,10 +33,11 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
 class Proc:
     """One `python -m diloco_p2p ...` process in its own process group, output to a log file."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 prefix: Sequence[str] = ()):
         self.args, self.log_path = args, log_path
         self._log = open(log_path, "w")
-        self.popen = subprocess.Popen([sys.executable, "-m", "diloco_p2p", *args], stdout=self._log,
+        self.popen = subprocess.Popen([*prefix, sys.executable, "-m", "diloco_p2p", *args], stdout=self._log,
                                       stderr=subprocess.STDOUT, env=_env(env), start_new_session=True)
 
     @property
@@ -68,10 +70,11 @@ class Proc:
 
 
 class Node(Proc):
-    def __init__(self, run_dir: Path, args: list[str], env: dict[str, str] | None = None):
+    def __init__(self, run_dir: Path, args: list[str], env: dict[str, str] | None = None,
+                 prefix: Sequence[str] = ()):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
-        super().__init__(["train", *args, "--run-dir", str(run_dir)], run_dir / "node.log", env)
+        super().__init__(["train", *args, "--run-dir", str(run_dir)], run_dir / "node.log", env, prefix)
 
     def records(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
@@ -101,15 +104,19 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, *procs:
 
 
 class Swarm:
-    """A seed plus nodes under `root`; `close` kills them all (also what a failed test left)."""
+    """A seed plus nodes under `root`; `close` kills them all (also what a failed test left).
 
-    def __init__(self, root: Path, seed_args: list[str] = ()):
+    On loopback by default; give `seed_host` (and each node a `host`) from `tests.netns.Hosts`
+    to put them on separate hosts of a test network."""
+
+    def __init__(self, root: Path, seed_args: list[str] = (), seed_host: Host | None = None):
         self.root = root
         self.procs: list[Proc] = []
         maddrs = root / "seed.maddrs"
-        self.seed = self._add(Proc(["seed", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity",
+        listen = seed_host.maddr() if seed_host else "/ip4/127.0.0.1/tcp/0"
+        self.seed = self._add(Proc(["seed", "--host-maddrs", listen, "--identity",
                                     str(root / "seed.key"), "--maddrs-file", str(maddrs), *seed_args],
-                                   root / "seed.log"))
+                                   root / "seed.log", prefix=seed_host.prefix() if seed_host else ()))
         wait_until(lambda: maddrs.exists() and maddrs.read_text().strip() != "", 60, "the seed's address", self.seed)
         self.maddr = maddrs.read_text().split()[0]
         self.gate = root / "start-gate"  # nodes wait here before round 1 (faults.wait_at_start_gate)
@@ -131,11 +138,14 @@ class Swarm:
         return proc
 
     def node(self, name: str, overrides: list[str] = (), env: dict[str, str] | None = None,
-             extra_args: list[str] = ()) -> Node:
+             extra_args: list[str] = (), host: Host | None = None) -> Node:
         """A node joining through the seed, with `SWARM` settings plus `overrides`. It waits at
         the start gate: call `release` (a node started after that goes straight on)."""
+        if host is not None:
+            overrides = [f"p2p.host_maddrs=['{host.maddr()}']", *overrides]
         args = [*set_args([*SWARM, *overrides]), "--initial-peers", self.maddr, *extra_args]
-        return self._add(Node(self.root / name, args, {"DILOCO_P2P_START_GATE": str(self.gate), **(env or {})}))
+        return self._add(Node(self.root / name, args, {"DILOCO_P2P_START_GATE": str(self.gate), **(env or {})},
+                              prefix=host.prefix() if host else ()))
 
     def close(self) -> None:
         for p in self.procs:
