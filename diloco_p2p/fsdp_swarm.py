@@ -30,7 +30,7 @@ namespace at start and refuses to join a run whose nodes have another local worl
 
 Hooks used from `SwarmSync` (kept to its public surface except where noted): its constructor,
 `before_round`/`average`/`after_round`/`close`, and, to download a shard at a given round when
-another rank asked for it, its `dht`, `p2p`, `loop`, `run_id` and `_interruptible`.
+another rank asked for it, its `dht`, `p2p`, `loop`, `run_id`, `resync_exclude` and `_interruptible`.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ class ShardSync:
         try:
             fetched = self.inner._interruptible(
                 fetch_state(self.inner.dht, self.inner.p2p, run_id=self.inner.run_id, min_round=round_,
-                            timeout=timeout), timeout=timeout + 10)
+                            exclude=self.inner.resync_exclude, timeout=timeout), timeout=timeout + 10)
         except (StateUnavailable, TimeoutError, Interrupted) as e:
             log.warning("could not download our shard at round %d (%s)", round_, e)
             return None

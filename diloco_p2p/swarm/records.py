@@ -6,7 +6,8 @@ view of the swarm-relevant config). Readers use it to
 
 - refuse a node whose config differs from the swarm's, naming the differing fields
   (`check_config`);
-- notice that a node fell behind the swarm's round (`swarm_round`);
+- decide whether a node must adopt the swarm's state: behind, in a minority, or cut off
+  (`resync_target`);
 - show what the swarm is doing (`diloco-p2p status`).
 
 Validation happens twice. Storing peers run hivemind's `SchemaValidator` (give
@@ -32,6 +33,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import hivemind
@@ -285,14 +287,77 @@ def round_majorities(records: Mapping[str, ProgressRecord]) -> dict[int, str]:
     return {rnd: majority(hashes) for rnd, hashes in by_round.items()}  # type: ignore[misc]
 
 
-def swarm_round(records: Mapping[str, ProgressRecord]) -> tuple[int, str] | None:
-    """(the most advanced round any node reports, the majority params hash at that round), or
-    None without records. A node whose round is below it has fallen behind and must catch up
-    (download state whose hash is this one) instead of averaging stale parameters."""
-    if not records:
+# Statuses whose holder speaks for the swarm's state: it averaged its last round in a group, or
+# adopted a state that came from such a group. A node that ended its last round alone or failed
+# holds its own progress only.
+BACKED = ("committed", "resynced")
+# Rounds a node may end without a group while ahead of the averaging nodes before it concludes
+# it was cut off from them (one such round happens when a group forms without it).
+MAX_UNBACKED_ROUNDS = 2
+
+
+def reference_records(others: Mapping[str, ProgressRecord]) -> dict[str, ProgressRecord]:
+    """The records that speak for the swarm's state: the backed ones, or all if none is."""
+    return {peer: r for peer, r in others.items() if r.status in BACKED} or dict(others)
+
+
+@dataclass(frozen=True)
+class Resync:
+    """Download the swarm's state: of round `min_round` or later, from any donor but `exclude`."""
+
+    min_round: int
+    reason: str
+    exclude: frozenset[str]
+
+
+def resync_target(
+    others: Mapping[str, ProgressRecord], our_round: int, our_hash: str, last_backed_round: int | None = None
+) -> Resync | None:
+    """Whether a node at (`our_round`, `our_hash`) must adopt the swarm's state, and which.
+
+    `last_backed_round`: the last round this node ended committed or resynced (None: none since
+    it started; every round since ended alone or failed).
+
+    The swarm's state is read from the *backed* records (`BACKED`) when there are any: a node cut
+    off from the others (a partition, a dead uplink) ends its rounds alone, and alone rounds are
+    often quicker than averaged ones, so it can run ahead of the swarm in round number while its
+    θ holds only its own data. Counting it would make the averaging majority download the
+    lone node's state when the partition heals. Only when no node averages (every record
+    alone, failed or just started) do all records count. Then, with `top` the newest round of
+    those records:
+
+    - behind (`top` > ours): download a state of round >= `top`;
+    - same round, our hash not the majority's (ties to the smallest hash): download;
+    - cut off: we ended `MAX_UNBACKED_ROUNDS` or more rounds without a group while other nodes
+      averaged rounds after our last averaged one, and we are now ahead of them: our rounds
+      since are our own data only, so go back to the swarm's state. Only records of rounds
+      after `last_backed_round` count here: a record left by a node that is itself cut off
+      (it cannot refresh it until its TTL ends) is older than that and must not pull us back.
+
+    Nodes whose records do not count are never asked for the state (`exclude`). The rule reads
+    the same records the same way on every node, so a fork heals deterministically.
+    """
+    if not others:
         return None
-    top = max(r.round for r in records.values())
-    return top, round_majorities(records)[top]
+    reference = reference_records(others)
+    exclude = frozenset(others) - frozenset(reference)
+    top = max(r.round for r in reference.values())
+    if top > our_round:
+        return Resync(top, f"behind: swarm at round {top}, we are at {our_round}", exclude)
+    same_round = [r.params_sha256 for r in reference.values() if r.round == our_round]
+    if top == our_round and majority([*same_round, our_hash]) != our_hash:
+        theirs = round_majorities(reference)[top]
+        return Resync(top, f"our parameters {our_hash[:12]} differ from the swarm's {theirs[:12]} at round {top}",
+                      exclude)
+    if top == our_round:
+        return None
+    since = -1 if last_backed_round is None else last_backed_round
+    averaged_since = [r.round for r in reference.values() if r.status in BACKED and since < r.round < our_round]
+    if averaged_since and our_round - since >= MAX_UNBACKED_ROUNDS:
+        top = max(averaged_since)
+        return Resync(top, f"our rounds {since + 1}..{our_round} ended without a group while {len(averaged_since)} "
+                           f"node(s) averaged up to round {top}: we were cut off; back to the swarm's state", exclude)
+    return None
 
 
 def check_config(

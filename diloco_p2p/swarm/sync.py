@@ -38,13 +38,14 @@ from diloco_p2p.swarm.allreduce import AllreduceService
 from diloco_p2p.swarm.dht import dht_peer_count, start_dht
 from diloco_p2p.swarm.matchmaking import Matchmaker
 from diloco_p2p.swarm.records import (
+    BACKED,
     ProgressRecord,
     check_config,
-    majority,
     progress_validator,
     publish_progress_async,
     read_progress_async,
-    round_majorities,
+    reference_records,
+    resync_target,
     withdraw_progress_async,
 )
 from diloco_p2p.swarm.runner import BackgroundLoop
@@ -81,6 +82,8 @@ class SwarmSync:
         self.config_hash = config.swarm_hash()
         self.last_record: dict[str, Any] = {}
         self.agreement: dict[str, bool] = {}
+        self.last_backed_round: int | None = None  # our last round committed or resynced (`resync_target`)
+        self.resync_exclude: frozenset[str] = frozenset()  # peers whose state is not the swarm's
         # hivemind forks the DHT process: create it before any thread of ours.
         validators = [progress_validator(self.run_id), state_validator(self.run_id)]
         self.dht = start_dht(config.p2p, identity, record_validators=validators)
@@ -117,31 +120,26 @@ class SwarmSync:
     # -- the three calls of the loop -----------------------------------------------------------
 
     def before_round(self, node: Node) -> dict[str, Any] | None:
-        """Catch up with the swarm if we are behind or hold a minority θ; returns the outcome then."""
+        """Catch up with the swarm if we are behind, hold a minority θ or were cut off from the
+        averaging nodes (`resync_target`); returns the round's outcome then."""
         others = self.records()
         ours = node.outer.params_sha256()
         # For the round's record: do the nodes at our round hold our θ, and every node our config?
         same_round = [r.params_sha256 for r in others.values() if r.round == node.round]
         self.agreement = {"params_agree": all(h == ours for h in same_round),
                           "config_agree": all(r.config_hash == self.config_hash for r in others.values())}
-        if not others:
+        self.resync_exclude = frozenset(others) - frozenset(reference_records(others))
+        target = resync_target(others, node.round, ours, self.last_backed_round)
+        if target is None:
             return None
-        majorities = round_majorities(others)
-        top = max(majorities)
-        if top > node.round:
-            reason = f"behind: swarm at round {top}, we are at {node.round}"
-        elif top == node.round and majority(same_round + [ours]) != ours:
-            reason = f"our parameters {ours[:12]} differ from the swarm's {majorities[top][:12]} at round {top}"
-        else:
-            return None
-        log.warning("%s; downloading the swarm's state", reason)
+        log.warning("%s; downloading the swarm's state", target.reason)
         start = time.perf_counter()
         # What we serve is stale from now on: a joiner must not download it while we catch up.
         self.loop.run(self.state_server.withdraw(), timeout=15)
         try:
             fetched = self._interruptible(
-                fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=top,
-                            timeout=self.cfg.allreduce_timeout * 2),
+                fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=target.min_round,
+                            exclude=target.exclude, timeout=self.cfg.allreduce_timeout * 2),
                 timeout=self.cfg.allreduce_timeout * 2 + 10,
             )
         except (StateUnavailable, TimeoutError, Interrupted) as e:
@@ -232,6 +230,8 @@ class SwarmSync:
                                              ttl=PROGRESS_TTL), timeout=30)
 
     def after_round(self, node: Node, record: dict[str, Any]) -> None:
+        if record.get("status") in BACKED:
+            self.last_backed_round = node.round
         self.last_record = self._progress(node, record)
         self.loop.run(publish_progress_async(self.dht, self.run_id, ProgressRecord.build(**self.last_record),
                                              ttl=PROGRESS_TTL), timeout=30)

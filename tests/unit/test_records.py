@@ -23,8 +23,9 @@ from diloco_p2p.swarm.records import (
     parse_progress,
     progress_key,
     progress_validator,
+    reference_records,
+    resync_target,
     round_majorities,
-    swarm_round,
 )
 
 PEERS = [f"12D3KooW{c * 44}" for c in "ABCDEFG"]
@@ -216,19 +217,86 @@ def test_check_config_same_fields_different_hash_blames_versions():
 # ---------------------------------------------------------------- majorities
 
 
-def test_swarm_round_is_the_top_round_and_its_majority_hash():
+def test_round_majorities_per_round():
     records = {
         PEERS[0]: make(PEERS[0], round=3, params_sha256="c" * 64),
         PEERS[1]: make(PEERS[1], round=3, params_sha256="b" * 64),
         PEERS[2]: make(PEERS[2], round=3, params_sha256="c" * 64),
-        # more nodes agree at round 2, but round 2 is behind
         PEERS[3]: make(PEERS[3], round=2, params_sha256="d" * 64),
-        PEERS[4]: make(PEERS[4], round=2, params_sha256="d" * 64),
-        PEERS[5]: make(PEERS[5], round=2, params_sha256="d" * 64),
     }
-    assert swarm_round(records) == (3, "c" * 64)
     assert round_majorities(records) == {3: "c" * 64, 2: "d" * 64}
-    assert swarm_round({}) is None
+
+
+H = {c: c * 64 for c in "abcdef"}
+
+
+def test_resync_when_behind_even_if_more_nodes_agree_on_an_older_round():
+    records = {
+        PEERS[0]: make(PEERS[0], round=3, params_sha256=H["c"]),
+        PEERS[1]: make(PEERS[1], round=2, params_sha256=H["d"]),
+        PEERS[2]: make(PEERS[2], round=2, params_sha256=H["d"]),
+    }
+    target = resync_target(records, 2, H["d"])
+    assert target is not None and target.min_round == 3 and target.exclude == frozenset()
+    assert "behind" in target.reason
+    assert resync_target(records, 3, H["c"]) is None
+    assert resync_target({}, 0, H["a"]) is None
+
+
+def test_resync_when_in_a_minority_at_our_round():
+    records = {PEERS[0]: make(PEERS[0], round=3, params_sha256=H["c"]),
+               PEERS[1]: make(PEERS[1], round=3, params_sha256=H["c"])}
+    target = resync_target(records, 3, H["b"])
+    assert target is not None and target.min_round == 3 and "differ" in target.reason
+    # one against one: ties go to the smaller hash, so exactly one of the two moves
+    one = {PEERS[0]: make(PEERS[0], round=3, params_sha256=H["c"])}
+    assert resync_target(one, 3, H["b"]) is None
+    assert resync_target({PEERS[1]: make(PEERS[1], round=3, params_sha256=H["b"])}, 3, H["c"]) is not None
+
+
+def test_a_node_cut_off_and_ahead_does_not_pull_the_averaging_nodes_back():
+    """A partitioned node ended rounds 3..9 alone and is 'ahead' of the two nodes that kept
+    averaging (round 8). They must not download its state; it must go back to theirs."""
+    lone = PEERS[2]
+    seen_by_a = {PEERS[1]: make(PEERS[1], round=8, params_sha256=H["b"], status="committed", group_size=2),
+                 lone: make(lone, round=9, params_sha256=H["e"], status="alone", group_size=1)}
+    assert resync_target(seen_by_a, 8, H["b"], last_backed_round=8) is None
+    assert reference_records(seen_by_a).keys() == {PEERS[1]}
+    # a at round 7 (it just fell behind b): catches up with b, and never from the lone node
+    target = resync_target(seen_by_a, 7, H["a"], last_backed_round=7)
+    assert target is not None and target.min_round == 8 and target.exclude == {lone}
+
+    seen_by_lone = {PEERS[0]: make(PEERS[0], round=8, params_sha256=H["b"], status="committed", group_size=2),
+                    PEERS[1]: make(PEERS[1], round=8, params_sha256=H["b"], status="committed", group_size=2)}
+    # one round alone can be a group that formed without us: no step back yet
+    assert resync_target(seen_by_lone, 9, H["e"], last_backed_round=8) is None
+    target = resync_target(seen_by_lone, 9, H["e"], last_backed_round=2)
+    assert target is not None and target.min_round == 8 and "cut off" in target.reason
+
+
+def test_a_stale_record_of_a_cut_off_node_does_not_pull_us_back():
+    """The lone node's last record (committed at round 2) stays in the DHT until its TTL ends.
+    For the two nodes still averaging it is old news, not a swarm to go back to, even when they
+    themselves ended a few rounds alone (say, they lost each other for a while)."""
+    stale = {PEERS[2]: make(PEERS[2], round=2, params_sha256=H["c"], status="committed", group_size=3),
+             PEERS[1]: make(PEERS[1], round=8, params_sha256=H["d"], status="alone", group_size=1)}
+    assert resync_target(stale, 8, H["a"], last_backed_round=5) is None
+    # and a node whose every round since it started ended alone goes back to an averaging swarm
+    fresh = {PEERS[1]: make(PEERS[1], round=4, params_sha256=H["d"], status="committed", group_size=2)}
+    target = resync_target(fresh, 6, H["a"], last_backed_round=None)
+    assert target is not None and target.min_round == 4
+    # ...but not when the averaging nodes hold our own round and hash
+    assert resync_target({PEERS[1]: make(PEERS[1], round=6, params_sha256=H["a"])}, 6, H["a"]) is None
+
+
+def test_without_averaging_nodes_every_record_counts():
+    """Nobody averages (a swarm just started, or every node alone): the newest round leads."""
+    records = {PEERS[0]: make(PEERS[0], round=9, params_sha256=H["e"], status="alone", group_size=1),
+               PEERS[1]: make(PEERS[1], round=0, params_sha256=H["a"], status="started", group_size=0)}
+    target = resync_target(records, 4, H["c"])
+    assert target is not None and target.min_round == 9 and target.exclude == frozenset()
+    # ahead of everyone and nobody averages: nothing to go back to
+    assert resync_target(records, 12, H["c"]) is None
 
 
 def test_majority_ties_break_the_same_way_everywhere():

@@ -1,0 +1,80 @@
+"""A network partition between hosts: the cut-off node must not drag the swarm back when it returns.
+
+Four hosts in network namespaces (`tests.netns`), links shaped to 50 Mbit/s: a seed and three
+nodes. Once all three average together, node c's link goes down while its process keeps
+running (unlike SIGSTOP, nothing answers for it: not even the kernel's TCP). a and b go on
+averaging as two; c ends its rounds alone, and alone rounds are quicker than averaged ones, so
+c runs ahead of them in round number with θ that holds only its own data. When the link comes
+back, c must go back to a and b's state (`resynced`) and average with them, and a and b must
+never adopt c's state (before the partition rule in `resync_target`, they did: c had the
+newest round, so they counted themselves behind and downloaded it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import netns
+from tests.swarm_procs import Swarm, wait_until
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 for network namespaces"),
+]
+
+
+def statuses(node, after: int) -> list[tuple[int, str]]:
+    return [(r["round"], r["status"]) for r in node.records() if r["round"] > after]
+
+
+def test_partitioned_node_rejoins_without_pulling_the_swarm_back(tmp_path):
+    with netns.Hosts(4, rate_mbit=50) as hosts:
+        swarm = Swarm(tmp_path, seed_host=hosts[0])
+        try:
+            opts = ["train.max_rounds=60", "sync.target_group_size=3"]
+            a, b = (swarm.node(name, opts, host=hosts[i + 1]) for i, name in enumerate("ab"))
+            # c gives up on matchmaking sooner (a per-node setting), so once cut off it ends its
+            # alone rounds quicker than a and b average theirs and gets ahead of them in round number
+            c = swarm.node("c", [*opts, "sync.matchmaking_timeout=2"], host=hosts[3])
+            swarm.release(a, b, c)
+            wait_until(lambda: any(r["group_size"] == 3 and r["status"] == "committed" for r in c.records()), 90,
+                       "the three nodes to average together", a, b, c)
+
+            hosts.cut(3)
+            cut_at = max(a.by_round())
+            # a and b keep averaging as two; c (still running) ends rounds alone
+            def pair_went_on() -> bool:
+                return all(sum(1 for rnd, st in statuses(n, cut_at + 1) if st == "committed") >= 2 for n in (a, b))
+
+            wait_until(pair_went_on, 150, "a and b to average two rounds without c", a, b, c)
+            wait_until(lambda: max(c.by_round()) > max(a.by_round(), default=0) + 1, 150,
+                       "c, cut off, to run ahead of a in round number", a, b, c)
+            for rnd, rec in a.by_round().items():
+                if rnd > cut_at + 1 and rec["status"] == "committed":
+                    assert rec["group_size"] == 2 and rec["params_sha256"] == b.by_round()[rnd]["params_sha256"]
+            healed_at = len(c.records())
+
+            hosts.heal(3)
+
+            def c_rejoined() -> bool:
+                later = c.records()[healed_at:]
+                back = [i for i, r in enumerate(later) if r["status"] == "resynced"]
+                if not back:
+                    return False
+                ours, theirs = a.by_round(), b.by_round()
+                return any(r["status"] == "committed" and r["params_sha256"] == ours.get(r["round"], {}).get("params_sha256")
+                           == theirs.get(r["round"], {}).get("params_sha256") for r in later[back[0]:])
+
+            wait_until(c_rejoined, 120, "c to go back to the swarm's state and average with it", a, b, c)
+        finally:
+            swarm.close()
+
+    lone_hashes = {r["params_sha256"] for r in c.records() if r["status"] == "alone"}
+    assert lone_hashes, "c never ended a round alone: the partition did not happen"
+    for node in (a, b):
+        adopted = [r for r in node.records() if r["params_sha256"] in lone_hashes]
+        assert not adopted, f"{node.run_dir.name} adopted the cut-off node's state: {adopted[:1]}"
+    back = next(r for r in c.records()[healed_at:] if r["status"] == "resynced")
+    # c was ahead in round number and went back to the averaged state, dropping its own rounds
+    assert back["dropped_round"] > back["round"]
+    assert back["donor"] != ""
