@@ -1,4 +1,4 @@
-"""Single-node DiLoCo (M=1, outer Nesterov lr 0.7, momentum 0.9) vs plain AdamW on the same tokens.
+"""Single-node DiLoCo (M=1, the config's outer Nesterov step) vs plain AdamW on the same tokens.
 
 With outer.lr=1 and outer.momentum=0 the outer step copies the inner parameters back, so the
 run is plain AdamW. Both runs use the same config, seed and data order; the script prints the
