@@ -30,7 +30,8 @@ namespace at start and refuses to join a run whose nodes have another local worl
 
 Hooks used from `SwarmSync` (kept to its public surface except where noted): its constructor,
 `before_round`/`average`/`after_round`/`close`, and, to download a shard at a given round when
-another rank asked for it, its `dht`, `p2p`, `loop`, `run_id`, `resync_exclude` and `_interruptible`.
+another rank asked for it, its `dht`, `p2p`, `loop`, `run_id`, `resync_exclude`, `adopted` and
+`_interruptible`.
 """
 
 from __future__ import annotations
@@ -216,6 +217,7 @@ class ShardSync:
             log.warning("could not download our shard at round %d (%s)", round_, e)
             return None
         tensors, meta = unpack_state(fetched.blob)
+        self.inner.adopted(meta)
         return tensors, int(meta["round"])
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> SyncOutcome:

@@ -78,6 +78,7 @@ class ProgressRecord(pydantic.BaseModel):
     group_size: Count
     joined_at_round: Count
     resyncs: Count
+    averaged_round: Optional[Count] = None  # the last round its θ came out of a group (None: none yet)
     version: pydantic.constr(strict=True, min_length=1, max_length=64)
     updated: NonNegFloat
 
@@ -103,6 +104,7 @@ class ProgressRecord(pydantic.BaseModel):
         group_size: int = 0,
         joined_at_round: int = 0,
         resyncs: int = 0,
+        averaged_round: int | None = None,
         updated: float | None = None,
         version: str = __version__,
     ) -> ProgressRecord:
@@ -127,6 +129,7 @@ class ProgressRecord(pydantic.BaseModel):
             group_size=int(group_size),
             joined_at_round=int(joined_at_round),
             resyncs=int(resyncs),
+            averaged_round=None if averaged_round is None else int(averaged_round),
             version=version,
             updated=float(get_dht_time() if updated is None else updated),
         )
@@ -287,18 +290,28 @@ def round_majorities(records: Mapping[str, ProgressRecord]) -> dict[int, str]:
     return {rnd: majority(hashes) for rnd, hashes in by_round.items()}  # type: ignore[misc]
 
 
-# Statuses whose holder speaks for the swarm's state: it averaged its last round in a group, or
-# adopted a state that came from such a group. A node that ended its last round alone or failed
-# holds its own progress only.
-BACKED = ("committed", "resynced")
-# Rounds a node may end without a group while ahead of the averaging nodes before it concludes
-# it was cut off from them (one such round happens when a group forms without it).
+# Rounds a node may end without a group, while others average, before it concludes it was cut
+# off from them (one such round happens when a group forms without it).
 MAX_UNBACKED_ROUNDS = 2
 
 
+def _averaged(r: ProgressRecord) -> int:
+    return -1 if r.averaged_round is None else r.averaged_round
+
+
 def reference_records(others: Mapping[str, ProgressRecord]) -> dict[str, ProgressRecord]:
-    """The records that speak for the swarm's state: the backed ones, or all if none is."""
-    return {peer: r for peer, r in others.items() if r.status in BACKED} or dict(others)
+    """The records that speak for the swarm's state: those whose θ was averaged most recently.
+
+    Each record carries `averaged_round`: the last round its θ came out of a group (committed,
+    or resynced from a state that did; a node that ends rounds alone keeps the old value). A
+    record whose `averaged_round` is below the newest one is *superseded*: other nodes averaged
+    after its θ last did, so the swarm went on without it (a node cut off by a partition, or one
+    that restarted and has not averaged yet). It does not count, even with a newer round
+    number: alone rounds are often quicker than averaged ones. A node training on alone because
+    every other node died is not superseded (the records those nodes left behind are no newer
+    than its last averaged round). With no averaging anywhere yet, every record counts."""
+    newest = max(map(_averaged, others.values()), default=-1)
+    return {peer: r for peer, r in others.items() if _averaged(r) >= newest}
 
 
 @dataclass(frozen=True)
@@ -311,28 +324,18 @@ class Resync:
 
 
 def resync_target(
-    others: Mapping[str, ProgressRecord], our_round: int, our_hash: str, last_backed_round: int | None = None
+    others: Mapping[str, ProgressRecord], our_round: int, our_hash: str, averaged_round: int | None = None
 ) -> Resync | None:
-    """Whether a node at (`our_round`, `our_hash`) must adopt the swarm's state, and which.
+    """Whether a node at (`our_round`, `our_hash`), whose θ was last averaged at round
+    `averaged_round` (None: not since it started), must adopt the swarm's state, and which.
 
-    `last_backed_round`: the last round this node ended committed or resynced (None: none since
-    it started; every round since ended alone or failed).
-
-    The swarm's state is read from the *backed* records (`BACKED`) when there are any: a node cut
-    off from the others (a partition, a dead uplink) ends its rounds alone, and alone rounds are
-    often quicker than averaged ones, so it can run ahead of the swarm in round number while its
-    θ holds only its own data. Counting it would make the averaging majority download the
-    lone node's state when the partition heals. Only when no node averages (every record
-    alone, failed or just started) do all records count. Then, with `top` the newest round of
-    those records:
+    The swarm's state is that of the `reference_records`; with `top` their newest round:
 
     - behind (`top` > ours): download a state of round >= `top`;
     - same round, our hash not the majority's (ties to the smallest hash): download;
-    - cut off: we ended `MAX_UNBACKED_ROUNDS` or more rounds without a group while other nodes
-      averaged rounds after our last averaged one, and we are now ahead of them: our rounds
-      since are our own data only, so go back to the swarm's state. Only records of rounds
-      after `last_backed_round` count here: a record left by a node that is itself cut off
-      (it cannot refresh it until its TTL ends) is older than that and must not pull us back.
+    - cut off: the reference nodes averaged after our θ last did, we ended
+      `MAX_UNBACKED_ROUNDS` or more rounds since without a group, and we are ahead of them in
+      round number: our rounds since hold our own data only, so go back to their state.
 
     Nodes whose records do not count are never asked for the state (`exclude`). The rule reads
     the same records the same way on every node, so a fork heals deterministically.
@@ -345,18 +348,17 @@ def resync_target(
     if top > our_round:
         return Resync(top, f"behind: swarm at round {top}, we are at {our_round}", exclude)
     same_round = [r.params_sha256 for r in reference.values() if r.round == our_round]
-    if top == our_round and majority([*same_round, our_hash]) != our_hash:
+    if top == our_round:
+        if majority([*same_round, our_hash]) == our_hash:
+            return None
         theirs = round_majorities(reference)[top]
         return Resync(top, f"our parameters {our_hash[:12]} differ from the swarm's {theirs[:12]} at round {top}",
                       exclude)
-    if top == our_round:
-        return None
-    since = -1 if last_backed_round is None else last_backed_round
-    averaged_since = [r.round for r in reference.values() if r.status in BACKED and since < r.round < our_round]
-    if averaged_since and our_round - since >= MAX_UNBACKED_ROUNDS:
-        top = max(averaged_since)
-        return Resync(top, f"our rounds {since + 1}..{our_round} ended without a group while {len(averaged_since)} "
-                           f"node(s) averaged up to round {top}: we were cut off; back to the swarm's state", exclude)
+    ours = -1 if averaged_round is None else averaged_round
+    theirs = _averaged(next(iter(reference.values())))
+    if theirs > ours and our_round - ours >= MAX_UNBACKED_ROUNDS:
+        return Resync(top, f"our rounds {ours + 1}..{our_round} ended without a group while {len(reference)} "
+                           f"node(s) averaged up to round {theirs}: we were cut off; back to the swarm's state", exclude)
     return None
 
 

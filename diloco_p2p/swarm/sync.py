@@ -38,7 +38,6 @@ from diloco_p2p.swarm.allreduce import AllreduceService
 from diloco_p2p.swarm.dht import dht_peer_count, start_dht
 from diloco_p2p.swarm.matchmaking import Matchmaker
 from diloco_p2p.swarm.records import (
-    BACKED,
     ProgressRecord,
     check_config,
     progress_validator,
@@ -82,7 +81,9 @@ class SwarmSync:
         self.config_hash = config.swarm_hash()
         self.last_record: dict[str, Any] = {}
         self.agreement: dict[str, bool] = {}
-        self.last_backed_round: int | None = None  # our last round committed or resynced (`resync_target`)
+        # The last round our θ came out of a group, directly or via a resync (`reference_records`).
+        self.averaged_round: int | None = None
+        self._adopted_averaged_round: int | None = None
         self.resync_exclude: frozenset[str] = frozenset()  # peers whose state is not the swarm's
         # hivemind forks the DHT process: create it before any thread of ours.
         validators = [progress_validator(self.run_id), state_validator(self.run_id)]
@@ -129,7 +130,7 @@ class SwarmSync:
         self.agreement = {"params_agree": all(h == ours for h in same_round),
                           "config_agree": all(r.config_hash == self.config_hash for r in others.values())}
         self.resync_exclude = frozenset(others) - frozenset(reference_records(others))
-        target = resync_target(others, node.round, ours, self.last_backed_round)
+        target = resync_target(others, node.round, ours, self.averaged_round)
         if target is None:
             return None
         log.warning("%s; downloading the swarm's state", target.reason)
@@ -148,12 +149,18 @@ class SwarmSync:
         tensors, meta = unpack_state(fetched.blob)
         dropped = node.round
         node.adopt_state(tensors, int(meta["round"]))
+        self.adopted(meta)
         return {
             "status": "resynced", "group_size": 0, "average": None,
             "extra": {"state_bytes": fetched.bytes, "state_seconds": time.perf_counter() - start,
                       "donor": fetched.donor, "dropped_round": dropped, "resyncs": node.resyncs,
                       "joined_at_round": node.joined_at_round, **self.agreement},
         }
+
+    def adopted(self, meta: dict[str, Any]) -> None:
+        """We took a downloaded state: our θ's averaging history is now the donor's."""
+        value = meta.get("averaged_round")
+        self._adopted_averaged_round = value if isinstance(value, int) and value >= 0 else None
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> SyncOutcome:
         self.faults.fire("delta", round)
@@ -230,12 +237,15 @@ class SwarmSync:
                                              ttl=PROGRESS_TTL), timeout=30)
 
     def after_round(self, node: Node, record: dict[str, Any]) -> None:
-        if record.get("status") in BACKED:
-            self.last_backed_round = node.round
+        if record.get("status") == "committed":
+            self.averaged_round = node.round
+        elif record.get("status") == "resynced":
+            self.averaged_round = self._adopted_averaged_round
         self.last_record = self._progress(node, record)
         self.loop.run(publish_progress_async(self.dht, self.run_id, ProgressRecord.build(**self.last_record),
                                              ttl=PROGRESS_TTL), timeout=30)
         tensors, meta = node.shared_state()
+        meta = dict(meta, averaged_round=self.averaged_round)
         self.loop.run(self.state_server.set_state(node.round, pack_state(tensors, meta), meta["params_sha256"]),
                       timeout=60)
 
@@ -246,7 +256,8 @@ class SwarmSync:
             config_hash=self.config_hash, config_view=self.swarm_view,
             status=record.get("status", "started"), train_loss=record.get("train_loss"),
             eval_loss=record.get("eval_loss"), group_size=record.get("group_size", 0),
-            joined_at_round=node.joined_at_round or 0, resyncs=node.resyncs, version=__version__,
+            joined_at_round=node.joined_at_round or 0, resyncs=node.resyncs, averaged_round=self.averaged_round,
+            version=__version__,
         )
 
     async def _publish_forever(self) -> None:

@@ -258,39 +258,55 @@ def test_a_node_cut_off_and_ahead_does_not_pull_the_averaging_nodes_back():
     """A partitioned node ended rounds 3..9 alone and is 'ahead' of the two nodes that kept
     averaging (round 8). They must not download its state; it must go back to theirs."""
     lone = PEERS[2]
-    seen_by_a = {PEERS[1]: make(PEERS[1], round=8, params_sha256=H["b"], status="committed", group_size=2),
-                 lone: make(lone, round=9, params_sha256=H["e"], status="alone", group_size=1)}
-    assert resync_target(seen_by_a, 8, H["b"], last_backed_round=8) is None
+    seen_by_a = {PEERS[1]: make(PEERS[1], round=8, params_sha256=H["b"], averaged_round=8),
+                 lone: make(lone, round=9, params_sha256=H["e"], status="alone", group_size=1, averaged_round=2)}
+    assert resync_target(seen_by_a, 8, H["b"], averaged_round=8) is None
     assert reference_records(seen_by_a).keys() == {PEERS[1]}
     # a at round 7 (it just fell behind b): catches up with b, and never from the lone node
-    target = resync_target(seen_by_a, 7, H["a"], last_backed_round=7)
+    target = resync_target(seen_by_a, 7, H["a"], averaged_round=7)
     assert target is not None and target.min_round == 8 and target.exclude == {lone}
 
-    seen_by_lone = {PEERS[0]: make(PEERS[0], round=8, params_sha256=H["b"], status="committed", group_size=2),
-                    PEERS[1]: make(PEERS[1], round=8, params_sha256=H["b"], status="committed", group_size=2)}
+    seen_by_lone = {p: make(p, round=8, params_sha256=H["b"], averaged_round=8) for p in PEERS[:2]}
     # one round alone can be a group that formed without us: no step back yet
-    assert resync_target(seen_by_lone, 9, H["e"], last_backed_round=8) is None
-    target = resync_target(seen_by_lone, 9, H["e"], last_backed_round=2)
-    assert target is not None and target.min_round == 8 and "cut off" in target.reason
+    assert resync_target(seen_by_lone, 9, H["e"], averaged_round=8) is None
+    target = resync_target(seen_by_lone, 9, H["e"], averaged_round=2)
+    assert target is not None and target.min_round == 8 and target.exclude == frozenset()
+    assert "cut off" in target.reason
+
+
+def test_the_last_node_standing_is_the_swarm():
+    """B died after round 2 (its committed record lingers until its TTL); A trains on alone.
+    A joiner must take A's state, and A must not go back to B's."""
+    dead = make(PEERS[1], round=2, params_sha256=H["b"], averaged_round=2)
+    alive = make(PEERS[0], round=4, params_sha256=H["a"], status="alone", group_size=1, averaged_round=2)
+    records = {PEERS[0]: alive, PEERS[1]: dead}
+    target = resync_target(records, 0, H["f"])
+    assert target is not None and target.min_round == 4 and target.exclude == frozenset()
+    assert resync_target({PEERS[1]: dead}, 4, H["a"], averaged_round=2) is None
+    # the joiner resynced from A: it inherits A's averaged round, so it does not supersede A
+    # (if it did, A would go back to the joiner's copy of A's own state, and the two leapfrog)
+    joiner = make(PEERS[2], round=4, params_sha256=H["a"], status="resynced", group_size=0, averaged_round=2)
+    assert resync_target({PEERS[1]: dead, PEERS[2]: joiner}, 5, H["c"], averaged_round=2) is None
 
 
 def test_a_stale_record_of_a_cut_off_node_does_not_pull_us_back():
     """The lone node's last record (committed at round 2) stays in the DHT until its TTL ends.
-    For the two nodes still averaging it is old news, not a swarm to go back to, even when they
-    themselves ended a few rounds alone (say, they lost each other for a while)."""
-    stale = {PEERS[2]: make(PEERS[2], round=2, params_sha256=H["c"], status="committed", group_size=3),
-             PEERS[1]: make(PEERS[1], round=8, params_sha256=H["d"], status="alone", group_size=1)}
-    assert resync_target(stale, 8, H["a"], last_backed_round=5) is None
-    # and a node whose every round since it started ended alone goes back to an averaging swarm
-    fresh = {PEERS[1]: make(PEERS[1], round=4, params_sha256=H["d"], status="committed", group_size=2)}
-    target = resync_target(fresh, 6, H["a"], last_backed_round=None)
+    For the two nodes still averaging it is old news, even when they themselves ended a few
+    rounds alone (say, they lost each other for a while)."""
+    stale = {PEERS[2]: make(PEERS[2], round=2, params_sha256=H["c"], averaged_round=2),
+             PEERS[1]: make(PEERS[1], round=8, params_sha256=H["d"], status="alone", group_size=1, averaged_round=5)}
+    assert resync_target(stale, 8, H["a"], averaged_round=5) is None
+    # a node that has not averaged since it started goes back to an averaging swarm
+    fresh = {PEERS[1]: make(PEERS[1], round=4, params_sha256=H["d"], averaged_round=4)}
+    target = resync_target(fresh, 6, H["a"], averaged_round=None)
     assert target is not None and target.min_round == 4
-    # ...but not when the averaging nodes hold our own round and hash
-    assert resync_target({PEERS[1]: make(PEERS[1], round=6, params_sha256=H["a"])}, 6, H["a"]) is None
+    # ...but not when the swarm holds our own round and hash
+    same = {PEERS[1]: make(PEERS[1], round=6, params_sha256=H["a"], averaged_round=6)}
+    assert resync_target(same, 6, H["a"]) is None
 
 
 def test_without_averaging_nodes_every_record_counts():
-    """Nobody averages (a swarm just started, or every node alone): the newest round leads."""
+    """Nobody averaged yet (a swarm just started, or every node alone): the newest round leads."""
     records = {PEERS[0]: make(PEERS[0], round=9, params_sha256=H["e"], status="alone", group_size=1),
                PEERS[1]: make(PEERS[1], round=0, params_sha256=H["a"], status="started", group_size=0)}
     target = resync_target(records, 4, H["c"])
