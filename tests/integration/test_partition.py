@@ -32,10 +32,12 @@ def test_partitioned_node_rejoins_without_pulling_the_swarm_back(tmp_path):
         swarm = Swarm(tmp_path, seed_host=hosts[0])
         try:
             opts = ["train.max_rounds=60", "sync.target_group_size=3"]
-            a, b = (swarm.node(name, opts, host=hosts[i + 1]) for i, name in enumerate("ab"))
-            # c gives up on matchmaking sooner (a per-node setting), so once cut off it ends its
-            # alone rounds quicker than a and b average theirs and gets ahead of them in round number
-            c = swarm.node("c", [*opts, "sync.matchmaking_timeout=2"], host=hosts[3])
+            a, b = (swarm.node(name, [*opts, "sync.matchmaking_timeout=8"], host=hosts[i + 1])
+                    for i, name in enumerate("ab"))
+            # c gives up on matchmaking sooner (a per-node setting): once cut off, it ends its alone
+            # rounds quicker than a and b (who wait for a third member) average theirs, and gets
+            # ahead of them in round number, as a cut-off node often does
+            c = swarm.node("c", [*opts, "sync.matchmaking_timeout=3"], host=hosts[3])
             swarm.release(a, b, c)
             wait_until(lambda: any(r["group_size"] == 3 and r["status"] == "committed" for r in c.records()), 90,
                        "the three nodes to average together", a, b, c)
