@@ -125,11 +125,12 @@ class SwarmSync:
         averaging nodes (`resync_target`); returns the round's outcome then."""
         others = self.records()
         ours = node.outer.params_sha256()
-        # For the round's record: do the nodes at our round hold our θ, and every node our config?
-        same_round = [r.params_sha256 for r in others.values() if r.round == node.round]
+        reference = reference_records(others)  # the nodes that speak for the swarm's state
+        self.resync_exclude = frozenset(others) - frozenset(reference)
+        # For the round's record: do those at our round hold our θ, and every node our config?
+        same_round = [r.params_sha256 for r in reference.values() if r.round == node.round]
         self.agreement = {"params_agree": all(h == ours for h in same_round),
                           "config_agree": all(r.config_hash == self.config_hash for r in others.values())}
-        self.resync_exclude = frozenset(others) - frozenset(reference_records(others))
         target = resync_target(others, node.round, ours, self.averaged_round)
         if target is None:
             return None
