@@ -111,6 +111,9 @@ class SyncConfig(_Section):
     allreduce_timeout: float = Field(
         60.0, gt=0, description="Seconds the all-reduce may take; peers silent past it are left out."
     )
+    state_timeout: float = Field(
+        3600.0, gt=0, description="Seconds a resync or join may spend downloading the swarm's state (θ and momentum: 8 bytes per parameter); a donor silent for 10 s is left for the next one well before this."
+    )
     max_weight_ratio: float = Field(
         64.0, gt=1, description="Reject a weight above this multiple of the lower median of the weights offered for the same part (a peer claiming to have trained far more than the others)."
     )

@@ -208,7 +208,7 @@ class ShardSync:
         from diloco_p2p.swarm.state_sharing import StateUnavailable, fetch_state, unpack_state
         from diloco_p2p.swarm.sync import Interrupted
 
-        timeout = self.inner.cfg.allreduce_timeout * 2
+        timeout = self.inner.cfg.state_timeout
         try:
             fetched = self.inner._interruptible(
                 fetch_state(self.inner.dht, self.inner.p2p, run_id=self.inner.run_id, min_round=round_,

@@ -22,7 +22,7 @@ from tests.netns import Host
 # A tiny swarm: 5 inner steps a round, short network timeouts so a fault costs seconds.
 SWARM = TINY + [
     "run_id=swarm-test", "p2p.host_maddrs=['/ip4/127.0.0.1/tcp/0']", "p2p.connect_timeout=20",
-    "sync.min_group_size=2", "sync.matchmaking_timeout=6", "sync.allreduce_timeout=8",
+    "sync.min_group_size=2", "sync.matchmaking_timeout=6", "sync.allreduce_timeout=8", "sync.state_timeout=16",
 ]
 
 

@@ -141,8 +141,8 @@ class SwarmSync:
         try:
             fetched = self._interruptible(
                 fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=target.min_round,
-                            exclude=target.exclude, timeout=self.cfg.allreduce_timeout * 2),
-                timeout=self.cfg.allreduce_timeout * 2 + 10,
+                            exclude=target.exclude, timeout=self.cfg.state_timeout),
+                timeout=self.cfg.state_timeout + 10,
             )
         except (StateUnavailable, TimeoutError, Interrupted) as e:
             log.warning("could not download the swarm's state (%s); training on from our own", e)

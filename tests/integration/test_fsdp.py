@@ -214,7 +214,7 @@ def _swarm_overrides(seed_addr: str, name: str) -> list[str]:
     return COMMON + [
         "run_id=fsdp-swarm", f"data.order_key=node-{name}", f"inner.batch_size={PER_RANK_BATCH}",
         "train.max_rounds=1000", "sync.min_group_size=2", "sync.target_group_size=2", "sync.matchmaking_timeout=30",
-        "sync.allreduce_timeout=30", "sync.compression=fp32", "p2p.host_maddrs=['/ip4/127.0.0.1/tcp/0']",
+        "sync.allreduce_timeout=30", "sync.state_timeout=60", "sync.compression=fp32", "p2p.host_maddrs=['/ip4/127.0.0.1/tcp/0']",
         "p2p.connect_timeout=60", f"p2p.initial_peers=['{seed_addr}']",
     ]
 
