@@ -10,12 +10,14 @@ a stopped process; a cut link answers nothing).
 
 Needs root and iproute2 (`ip`, `tc`); `available()` says whether this machine has them. Every
 namespace is deleted on exit (deleting a namespace removes its interfaces and qdiscs), also
-after a failed test.
+after a failed test; namespaces left by a test process that was killed outright (their names
+carry its pid) are deleted by the next `Hosts`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -64,8 +66,18 @@ class Host:
         return f"/ip4/{self.ip}/tcp/{port}"
 
 
+def _remove_orphans() -> None:
+    """Delete namespaces of ours whose test process is gone."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listing.splitlines() if line.strip()):
+        m = re.fullmatch(r"dlp(\d+)-\w+", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 class Hosts:
     def __init__(self, n: int, rate_mbit: float | None = None):
+        _remove_orphans()
         self.tag = f"dlp{os.getpid()}"
         self.hub = f"{self.tag}-hub"
         self.hosts: list[Host] = []

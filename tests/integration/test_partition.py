@@ -51,9 +51,13 @@ def test_partitioned_node_rejoins_without_pulling_the_swarm_back(tmp_path):
             wait_until(pair_went_on, 150, "a and b to average two rounds without c", a, b, c)
             wait_until(lambda: max(c.by_round()) > max(a.by_round(), default=0) + 1, 150,
                        "c, cut off, to run ahead of a in round number", a, b, c)
-            for rnd, rec in a.by_round().items():
-                if rnd > cut_at + 1 and rec["status"] == "committed":
-                    assert rec["group_size"] == 2 and rec["params_sha256"] == b.by_round()[rnd]["params_sha256"]
+            a_rounds, b_rounds = a.by_round(), b.by_round()
+            both = [rnd for rnd in a_rounds if rnd > cut_at + 1 and a_rounds[rnd]["status"] == "committed"
+                    and b_rounds.get(rnd, {}).get("status") == "committed"]
+            assert both, f"a and b committed no round together while c was cut off: {statuses(a, cut_at)}"
+            for rnd in both:
+                assert a_rounds[rnd]["group_size"] == 2
+                assert a_rounds[rnd]["params_sha256"] == b_rounds[rnd]["params_sha256"]
             healed_at = len(c.records())
 
             hosts.heal(3)
