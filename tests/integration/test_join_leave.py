@@ -19,7 +19,7 @@ from tests.conftest import run_cli
 from tests.swarm_procs import Node, Swarm, wait_until
 
 # Rounds of two nodes wait sync.matchmaking_timeout for a third; max_rounds only bounds a leak.
-OVERRIDES = ["train.max_rounds=200", "sync.target_group_size=3", "sync.matchmaking_timeout=3"]
+OVERRIDES = ["train.max_rounds=1000", "sync.target_group_size=3", "sync.matchmaking_timeout=3"]
 
 
 @pytest.fixture(scope="module")
