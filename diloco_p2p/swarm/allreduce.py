@@ -78,9 +78,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.p2p import P2P, PeerID
 
-from diloco_p2p.swarm import wire
+from diloco_p2p.swarm import streams, wire
+from diloco_p2p.swarm.streams import NETWORK_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,6 @@ SCATTER_FRACTION = 0.4
 GATHER_FRACTION = 0.7
 GO, NO_GO = b"\x01", b"\x00"
 _LINGER_TIMEOUT = 5.0  # how long a receiver keeps a stream open after its last byte, for the sender to close it
-_NETWORK_ERRORS = (OSError, asyncio.IncompleteReadError, P2PDaemonError)
 
 PhaseHook = Callable[[str], object]  # may return an awaitable
 
@@ -212,7 +212,7 @@ class AllreduceService:
             return
         self._running = False
         self._registered.discard((id(self.p2p), self.handler_name))
-        with suppress(*_NETWORK_ERRORS):
+        with suppress(*NETWORK_ERRORS):
             await self.p2p.remove_binary_stream_handler(self.handler_name)
         now = asyncio.get_running_loop().time()
         for s in self._sessions.values():
@@ -404,26 +404,26 @@ class AllreduceService:
             log.debug("allreduce %s: member %s is gone (%r)", s.group_id, s.names[j], e.__cause__)
             s.gone.add(j)
             await s.notify()
-        except (TimeoutError, *_NETWORK_ERRORS) as e:
+        except (TimeoutError, *NETWORK_ERRORS) as e:
             log.debug("allreduce %s: %s to %s failed: %r", s.group_id, header["kind"], s.names[j], e)
         return False
 
     async def _send_stream(self, s: _Session, j: int, header: dict, frames: Iterable[bytes]) -> bool:
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(s.peer_ids[j], self.handler_name)
-        except _NETWORK_ERRORS as e:
+        except NETWORK_ERRORS as e:
             raise _PeerGone() from e
         try:
             try:
-                s.bytes_sent += wire.write_frame(writer, wire.pack_header(header))
+                s.bytes_sent += streams.write_frame(writer, wire.pack_header(header))
                 await writer.drain()
                 go = await reader.readexactly(1)
-            except _NETWORK_ERRORS as e:  # the remote daemon could not hand the stream to a live handler
+            except NETWORK_ERRORS as e:  # the remote daemon could not hand the stream to a live handler
                 raise _PeerGone() from e
             if go != GO:
                 return False
             for data in frames:
-                s.bytes_sent += wire.write_frame(writer, data)
+                s.bytes_sent += streams.write_frame(writer, data)
                 await writer.drain()
             return await reader.readexactly(1) == GO
         finally:
@@ -453,12 +453,8 @@ class AllreduceService:
             self._handlers.add(task)
         try:
             await self._serve(info.peer_id.to_base58(), reader, writer)
-            # Keep the stream open until the sender, having read our last byte, closes it: closing
-            # right after the write lost that byte under CPU load (the sender read 0 bytes and took a
-            # live member for gone), as in matchmaking's `_send_last`.
-            with suppress(TimeoutError, *_NETWORK_ERRORS):
-                await asyncio.wait_for(reader.read(1), _LINGER_TIMEOUT)
-        except (*_NETWORK_ERRORS, TimeoutError, wire.WireError) as e:
+            await streams.linger(reader, _LINGER_TIMEOUT)  # until the sender has read our last byte
+        except (*NETWORK_ERRORS, TimeoutError, wire.WireError) as e:
             log.debug("allreduce: dropped a message from %s: %r", info.peer_id, e)
         except Exception:
             log.exception("allreduce: handler failed on a message from %s", info.peer_id)
@@ -467,7 +463,7 @@ class AllreduceService:
             self._handlers.discard(task)
 
     async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        raw = await asyncio.wait_for(wire.read_frame(reader, wire.MAX_HEADER_BYTES), self.buffer_ttl)
+        raw = await asyncio.wait_for(streams.read_frame(reader, wire.MAX_HEADER_BYTES), self.buffer_ttl)
         h = wire.parse_header(raw)
         if h["kind"] == "ping":  # liveness only: go + accepted, without touching any session
             writer.write(GO + GO)
@@ -484,7 +480,7 @@ class AllreduceService:
         if j is None or j == s.me or j in s.excluded:
             writer.write(NO_GO)
             return
-        s.bytes_received += wire.LENGTH_PREFIX + len(raw)
+        s.bytes_received += streams.LENGTH_PREFIX + len(raw)
         if h["digest"] != s.digest:
             s.excluded.add(j)
             if h["kind"] == "scatter" and not s.reduced:
@@ -574,8 +570,8 @@ class AllreduceService:
         """Read, decode and check the chunks announced by `h`; (frames, None) or (partial, reason)."""
         frames: list[bytes] = []
         for a, b in wire.chunk_ranges(h["numel"], h["chunk"]):
-            data = await wire.read_frame(reader, wire.encoded_size(b - a, h["comp"]))
-            s.bytes_received += wire.LENGTH_PREFIX + len(data)
+            data = await streams.read_frame(reader, wire.encoded_size(b - a, h["comp"]))
+            s.bytes_received += streams.LENGTH_PREFIX + len(data)
             try:
                 values = wire.decode(data, b - a, h["comp"])
             except wire.WireError:

@@ -75,7 +75,6 @@ import itertools
 import json
 import logging
 import math
-import struct
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -85,10 +84,12 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
+from diloco_p2p.swarm import streams
+
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-_FRAME_HEADER = struct.Struct(">I")
+_LENGTH_PREFIX = 4  # bytes of a join frame's big-endian length
 _MAX_FRAME_BYTES = 1 << 20  # a member list of thousands of peers fits; anything bigger is hostile
 _MAX_WEIGHT = 1e18
 _FINISHED_MEMORY = 64  # how many finished rounds we still answer "closed: <reason>" for
@@ -130,33 +131,19 @@ def default_request_timeout(timeout: float) -> float:
 
 
 async def _send_frame(writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
-    data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
-    writer.write(_FRAME_HEADER.pack(len(data)) + data)
+    streams.write_json(writer, obj, prefix=_LENGTH_PREFIX, allow_nan=False)
     await writer.drain()
 
 
 async def _recv_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
-    (size,) = _FRAME_HEADER.unpack(await reader.readexactly(_FRAME_HEADER.size))
-    if size > _MAX_FRAME_BYTES:
-        raise ValueError(f"frame of {size} bytes is over the {_MAX_FRAME_BYTES} limit")
-    obj = json.loads(await reader.readexactly(size))
-    if not isinstance(obj, dict):
-        raise ValueError("frame is not a JSON object")
-    return obj
+    return await streams.read_json(reader, _MAX_FRAME_BYTES, prefix=_LENGTH_PREFIX)
 
 
 async def _send_last(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
-    """Send a stream's last frame, then keep the stream open until the other side closes it (bounded).
-
-    Closing right after the write lost the frame under CPU load: the follower read EOF with 0
-    bytes while the leader had written and drained its answer. The follower closes as soon as it
-    has read the answer, so waiting for its EOF costs nothing when it listens.
-    """
+    """Send a stream's last frame, then keep the stream open until the follower closes it
+    (`streams.linger`, at most `_LINGER_TIMEOUT`)."""
     await _send_frame(writer, obj)
-    try:
-        await asyncio.wait_for(reader.read(1), _LINGER_TIMEOUT)
-    except (TimeoutError, ConnectionError, OSError):
-        pass
+    await streams.linger(reader, _LINGER_TIMEOUT)
 
 
 def _finite_number(x: Any) -> bool:

@@ -1,8 +1,7 @@
 """Wire format of the pseudo-gradient all-reduce: partitioning, compression, framing, headers
 and the checks a receiver applies at the boundary.
 
-Everything here is a pure function of bytes and tensors (no sockets, no event loop beyond the
-two frame helpers), so the precision and validation rules are unit-tested on their own; the
+Everything here is a pure function of bytes and tensors (no sockets, no event loop), so the precision and validation rules are unit-tested on their own; the
 protocol that moves these bytes is `diloco_p2p.swarm.allreduce`.
 
 Compression (`fp32 | fp16 | int8`) is applied chunk by chunk, so a part of any size streams in
@@ -21,17 +20,13 @@ bounded memory:
   from crushing the resolution of the rest of the vector (the scheme of LLM.int8 / bitsandbytes
   blockwise quantization, Dettmers et al. 2022). Overhead: 4 bytes per 1024 elements (0.4%).
 
-Messages are length-prefixed frames in the same format as hivemind's `P2P.send_raw_data`
-(8-byte big-endian length, then the bytes), but read with an upper bound on the length so a
-hostile peer cannot make us allocate what it likes. The first frame of a message is a small
-JSON header (never pickle); the following frames are the compressed chunks.
+Messages are length-prefixed frames (`diloco_p2p.swarm.streams`): the first frame of a message
+is a small JSON header (never pickle); the following frames are the compressed chunks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,19 +34,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from diloco_p2p.swarm.streams import WireError, dump_json, load_json
+
 COMPRESSIONS = ("fp32", "fp16", "int8")
 INT8_BLOCK = 1024
 DEFAULT_CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32, 2 MiB of fp16, ~1 MiB of int8 per frame
 MAX_CHUNK_ELEMENTS = 1 << 24
 MAX_HEADER_BYTES = 1 << 16
-LENGTH_PREFIX = 8  # = hivemind P2P.HEADER_LEN, big-endian like P2P.BYTEORDER
 PROTOCOL_VERSION = 1
 REJECT_REASONS = ("nan", "shape", "weight", "timeout", "compression", "group")
 KINDS = ("scatter", "gather", "mask", "ping")
-
-
-class WireError(ValueError):
-    """Bytes from a peer that do not follow the wire format."""
 
 
 # ----------------------------------------------------------------------------- partitioning
@@ -184,7 +176,7 @@ def _is_int(v: Any) -> bool:
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
-    data = json.dumps({"v": PROTOCOL_VERSION, **header}, separators=(",", ":")).encode()
+    data = dump_json(header, version=PROTOCOL_VERSION)
     if len(data) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
     return data
@@ -196,12 +188,7 @@ def parse_header(raw: bytes) -> dict[str, Any]:
     Checks types and ranges that do not depend on the session; the session checks the values
     against its own view (sizes, part index, compression, digest).
     """
-    try:
-        h = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError(f"header is not JSON: {e}") from None
-    if not isinstance(h, dict) or h.get("v") != PROTOCOL_VERSION:
-        raise WireError("header is not a v1 object")
+    h = load_json(raw, version=PROTOCOL_VERSION)
     kind = h.get("kind")
     if kind not in KINDS:
         raise WireError(f"unknown message kind {kind!r}")
@@ -273,21 +260,3 @@ def reduce_part(
     if not is_finite(values):  # overflow of the sum or of fp16: this part carries no update
         return [], heavy, None, None
     return accepted, heavy, encoded, values
-
-
-# ----------------------------------------------------------------------------- framing
-
-
-def write_frame(writer: asyncio.StreamWriter, data: bytes) -> int:
-    """Queue one frame on `writer` (caller drains); returns the bytes queued."""
-    writer.write(len(data).to_bytes(LENGTH_PREFIX, "big"))
-    writer.write(data)
-    return LENGTH_PREFIX + len(data)
-
-
-async def read_frame(reader: asyncio.StreamReader, max_len: int) -> bytes:
-    """Read one frame, refusing (WireError) a declared length above `max_len` before reading it."""
-    length = int.from_bytes(await reader.readexactly(LENGTH_PREFIX), "big")
-    if length > max_len:
-        raise WireError(f"frame of {length} bytes exceeds the {max_len} expected")
-    return await reader.readexactly(length)

@@ -1,0 +1,92 @@
+"""Framing on hivemind's libp2p streams, shared by matchmaking, the all-reduce and state sharing.
+
+A message is a sequence of length-prefixed frames, as hivemind's `P2P.send_raw_data` writes
+them (big-endian length, then the bytes; 8-byte lengths like `P2P.HEADER_LEN`, matchmaking's
+join frames use 4). Every read states an upper bound and refuses a larger declared length
+before reading it, so a hostile peer cannot make us allocate what it likes. JSON frames carry
+headers and small answers (never pickle).
+
+The linger close. A side that writes the last bytes of a stream and closes it at once can lose
+them: under CPU load the other side read end-of-stream with 0 bytes (a matchmaking follower
+ended alone while its leader counted it in; an all-reduce sender took a live member for gone).
+So the side that answers last keeps the stream open until the other side, having read the
+answer, closes it (`linger`), bounded by a timeout; a peer that listens costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import suppress
+from typing import Any
+
+from hivemind.p2p import P2PDaemonError
+
+LENGTH_PREFIX = 8  # = hivemind P2P.HEADER_LEN
+# What a stream operation raises when the peer or its daemon goes away mid-way.
+NETWORK_ERRORS = (OSError, asyncio.IncompleteReadError, P2PDaemonError)
+
+
+class WireError(ValueError):
+    """Bytes from a peer that do not follow our wire format."""
+
+
+def write_frame(writer: asyncio.StreamWriter, data: bytes, *, prefix: int = LENGTH_PREFIX) -> int:
+    """Queue one frame on `writer` (the caller drains); returns the bytes queued."""
+    writer.write(len(data).to_bytes(prefix, "big"))
+    writer.write(data)  # not concatenated: a chunk of the all-reduce is megabytes
+    return prefix + len(data)
+
+
+async def read_frame(reader: asyncio.StreamReader, max_len: int, *, prefix: int = LENGTH_PREFIX) -> bytes:
+    """Read one frame, refusing (WireError) a declared length above `max_len` before reading it."""
+    length = int.from_bytes(await reader.readexactly(prefix), "big")
+    if length > max_len:
+        raise WireError(f"frame of {length} bytes exceeds the {max_len} expected")
+    return await reader.readexactly(length)
+
+
+def dump_json(obj: dict[str, Any], *, version: int | None = None, allow_nan: bool = True) -> bytes:
+    """Compact JSON bytes of `obj`, with ``"v": version`` first when a version is given."""
+    if version is not None:
+        obj = {"v": version, **obj}
+    return json.dumps(obj, separators=(",", ":"), allow_nan=allow_nan).encode()
+
+
+def load_json(raw: bytes, *, version: int | None = None) -> dict[str, Any]:
+    """The JSON object in `raw` (with ``"v": version`` when a version is given), else WireError."""
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise WireError("frame is not JSON") from None
+    if not isinstance(obj, dict):
+        raise WireError("frame is not a JSON object")
+    if version is not None and obj.get("v") != version:
+        raise WireError(f"frame is not a v{version} object")
+    return obj
+
+
+def write_json(
+    writer: asyncio.StreamWriter,
+    obj: dict[str, Any],
+    *,
+    prefix: int = LENGTH_PREFIX,
+    version: int | None = None,
+    allow_nan: bool = True,
+) -> int:
+    """Queue `obj` as one JSON frame (see `dump_json`); returns the bytes queued."""
+    return write_frame(writer, dump_json(obj, version=version, allow_nan=allow_nan), prefix=prefix)
+
+
+async def read_json(
+    reader: asyncio.StreamReader, max_len: int, *, prefix: int = LENGTH_PREFIX, version: int | None = None
+) -> dict[str, Any]:
+    """Read one JSON-object frame of at most `max_len` bytes (see `load_json`)."""
+    return load_json(await read_frame(reader, max_len, prefix=prefix), version=version)
+
+
+async def linger(reader: asyncio.StreamReader, timeout: float) -> None:
+    """Keep the stream open until the peer closes it (or sends anything), at most `timeout`
+    seconds; the caller closes its end afterwards. See the module docstring for why."""
+    with suppress(TimeoutError, *NETWORK_ERRORS):
+        await asyncio.wait_for(reader.read(1), timeout)

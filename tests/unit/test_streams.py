@@ -1,0 +1,119 @@
+"""Framing shared by matchmaking, the all-reduce and state sharing: exact bytes, bounded reads,
+JSON frames with and without a version, and the linger close."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import struct
+
+import pytest
+
+from diloco_p2p.swarm import streams, wire
+from diloco_p2p.swarm.streams import WireError
+
+
+class _Writer:
+    """Collects what a protocol writes (an asyncio.StreamWriter needs a transport)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+
+def _reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if eof:
+        reader.feed_eof()
+    return reader
+
+
+def test_frames_are_hivemind_frames_8_byte_big_endian_length_then_bytes():
+    w = _Writer()
+    assert streams.write_frame(w, b"abc") == 11
+    assert bytes(w.data) == b"\x00\x00\x00\x00\x00\x00\x00\x03abc"
+
+
+def test_matchmaking_join_frames_keep_their_4_byte_length():
+    w = _Writer()
+    streams.write_json(w, {"s": "wait"}, prefix=4, allow_nan=False)
+    assert bytes(w.data) == struct.pack(">I", 12) + b'{"s":"wait"}'
+    with pytest.raises(ValueError):  # matchmaking never puts NaN on the wire
+        streams.write_json(_Writer(), {"w": math.nan}, prefix=4, allow_nan=False)
+
+
+def test_versioned_json_puts_v_first_and_compact():
+    w = _Writer()
+    streams.write_json(w, {"ok": True, "size": 7}, version=1)
+    assert bytes(w.data[8:]) == b'{"v":1,"ok":true,"size":7}'
+    assert wire.pack_header({"kind": "ping"}) == b'{"v":1,"kind":"ping"}'  # the all-reduce's headers alike
+
+
+def test_read_frame_refuses_an_oversized_declared_length_before_reading_it():
+    async def scenario():
+        with pytest.raises(WireError, match="exceeds"):
+            await streams.read_frame(_reader((10**12).to_bytes(8, "big"), eof=False), 1024)
+        assert await streams.read_frame(_reader((3).to_bytes(8, "big") + b"abc"), 1024) == b"abc"
+        assert await streams.read_frame(_reader(b"\x00\x03abc"), 3, prefix=2) == b"abc"
+        with pytest.raises(asyncio.IncompleteReadError):  # the peer died mid-frame
+            await streams.read_frame(_reader((5).to_bytes(8, "big") + b"abc"), 1024)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("raw", "version", "error"),
+    [
+        (b"not json", None, "not JSON"),
+        (b"\xff\xfe", None, "not JSON"),
+        (b"[1, 2]", None, "not a JSON object"),
+        (b'{"v": 2}', 1, "not a v1 object"),
+        (b'{"ok": true}', 1, "not a v1 object"),
+    ],
+)
+def test_load_json_refuses_what_is_not_our_object(raw, version, error):
+    with pytest.raises(WireError, match=error):
+        streams.load_json(raw, version=version)
+
+
+def test_json_frames_round_trip():
+    async def scenario():
+        w = _Writer()
+        streams.write_json(w, {"sha256": "a" * 64, "offset": 3}, version=1)
+        streams.write_json(w, {"s": "group", "w": {"p": 1.5}})
+        reader = _reader(bytes(w.data))
+        first = await streams.read_json(reader, 4096, version=1)
+        second = await streams.read_json(reader, 4096)
+        return first, second
+
+    assert asyncio.run(scenario()) == ({"v": 1, "sha256": "a" * 64, "offset": 3}, {"s": "group", "w": {"p": 1.5}})
+
+
+def test_json_frame_over_the_bound_is_refused():
+    async def scenario():
+        data = json.dumps({"x": "y" * 100}).encode()
+        with pytest.raises(WireError):
+            await streams.read_json(_reader(len(data).to_bytes(8, "big") + data), 64)
+
+    asyncio.run(scenario())
+
+
+def test_linger_returns_when_the_peer_closes_and_otherwise_at_the_timeout():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        loop.call_later(0.05, reader.feed_eof)
+        t0 = loop.time()
+        await streams.linger(reader, 10.0)
+        closed_after = loop.time() - t0
+        t0 = loop.time()
+        await streams.linger(asyncio.StreamReader(), 0.1)  # a peer that never closes
+        return closed_after, loop.time() - t0
+
+    closed_after, timed_out_after = asyncio.run(scenario())
+    assert closed_after < 5.0
+    assert 0.09 <= timed_out_after < 5.0
