@@ -18,8 +18,10 @@ from hivemind.utils import get_dht_time
 
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.errors import UserError
+from diloco_p2p.logs import short_peer
 from diloco_p2p.swarm.dht import start_dht
-from diloco_p2p.swarm.records import ProgressRecord, majority, read_progress, round_majorities
+from diloco_p2p.swarm.records import ProgressRecord, read_progress
+from diloco_p2p.swarm.resync import majority, round_majorities
 
 # A client needs no reachable address; listening on loopback only exposes nothing.
 CLIENT_HOST_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
@@ -105,11 +107,6 @@ def status_rows(records: dict[str, ProgressRecord], now: float) -> list[dict[str
             }
         )
     return rows
-
-
-def short_peer(peer_id: str) -> str:
-    """The tail of a peer id: every id starts alike ("12D3KooW", "Qm"), the tail tells them apart."""
-    return "..." + peer_id[-8:]
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -10,7 +10,8 @@ import pytest
 from hivemind.p2p import P2P
 
 from diloco_p2p.config import Config, P2PConfig
-from diloco_p2p.status import run_status, short_peer
+from diloco_p2p.logs import short_peer
+from diloco_p2p.status import run_status
 from diloco_p2p.swarm.dht import peer_id_of, start_dht, visible_maddrs
 from diloco_p2p.swarm.records import (
     ProgressRecord,

@@ -1,4 +1,4 @@
-"""Progress records: the strict schema, what readers drop, config refusal, the swarm's round."""
+"""Progress records: the strict schema, what readers drop, tombstones."""
 
 from __future__ import annotations
 
@@ -12,45 +12,15 @@ from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from diloco_p2p.config import Config
-from diloco_p2p.errors import UserError
 from diloco_p2p.swarm.records import (
     DEFAULT_TTL,
     ProgressRecord,
     _tombstone_expiration,
-    check_config,
-    majority,
     parse_progress,
     progress_key,
     progress_validator,
-    reference_records,
-    resync_target,
-    round_majorities,
 )
-
-PEERS = [f"12D3KooW{c * 44}" for c in "ABCDEFG"]
-NOW = 1_000_000.0
-
-
-def make(peer: str = PEERS[0], cfg: Config | None = None, **kw) -> ProgressRecord:
-    cfg = cfg or Config(run_id="r")
-    fields = dict(
-        peer_id=peer,
-        round=3,
-        step=30,
-        tokens=3840,
-        tokens_per_s=12.5,
-        params_sha256="a" * 64,
-        config_hash=cfg.swarm_hash(),
-        config_view=cfg.swarm_view(),
-        status="committed",
-        train_loss=4.25,
-        eval_loss=4.5,
-        group_size=3,
-        updated=NOW,
-    )
-    fields.update(kw)
-    return ProgressRecord.build(**fields)
+from tests.unit.progress_records import NOW, PEERS, make
 
 
 def wire(**overrides) -> dict:
@@ -165,157 +135,3 @@ def test_tombstone_outlives_our_record_but_not_by_much():
     # our record not visible: outlive anything published with the default ttl
     exp = _tombstone_expiration(_found({PEERS[1]: (make(PEERS[1]).dict(), record_exp)}), PEERS[0])
     assert exp >= get_dht_time() + DEFAULT_TTL - 1
-
-
-# ---------------------------------------------------------------- config refusal
-
-
-def test_check_config_lists_differing_fields():
-    theirs = Config(run_id="r", outer={"lr": 0.5})
-    ours = Config(run_id="r")
-    records = {p: make(p, cfg=theirs) for p in PEERS[:3]}
-    records[PEERS[3]] = make(PEERS[3], cfg=ours)  # a minority agrees with us
-    with pytest.raises(UserError) as e:
-        check_config(records, ours.swarm_view(), ours.swarm_hash(), our_peer=PEERS[6])
-    msg = str(e.value)
-    assert msg.startswith("config differs from the swarm's (3 peers): outer.lr: 0.7 != 0.5")
-    assert "\n" not in msg
-
-
-def test_check_config_lists_every_differing_field():
-    theirs = Config(run_id="r", outer={"lr": 0.5, "inner_steps": 20}, sync={"compression": "int8"})
-    ours = Config(run_id="r")
-    with pytest.raises(UserError) as e:
-        check_config({PEERS[0]: make(PEERS[0], cfg=theirs)}, ours.swarm_view(), ours.swarm_hash(), PEERS[6])
-    msg = str(e.value)
-    for part in (
-        "outer.lr: 0.7 != 0.5",
-        "outer.inner_steps: 500 != 20",
-        "sync.compression: 'fp16' != 'int8'",
-    ):
-        assert part in msg
-    assert "inner.batch_size" not in msg  # not a swarm field
-
-
-def test_check_config_accepts_agreement_solitude_and_ties():
-    ours, other = Config(run_id="r"), Config(run_id="r", seed=1)
-    view, h = ours.swarm_view(), ours.swarm_hash()
-    check_config({}, view, h, PEERS[0])
-    # our own (stale) record with another config is not "the swarm"
-    check_config({PEERS[0]: make(PEERS[0], cfg=other)}, view, h, PEERS[0])
-    check_config({p: make(p, cfg=ours) for p in PEERS[1:3]}, view, h, PEERS[0])
-    check_config({PEERS[1]: make(PEERS[1], cfg=ours), PEERS[2]: make(PEERS[2], cfg=other)}, view, h, PEERS[0])
-
-
-def test_check_config_same_fields_different_hash_blames_versions():
-    ours = Config(run_id="r")
-    rec = make(PEERS[1], cfg=ours, config_hash="b" * 64, version="9.9.9")
-    with pytest.raises(UserError, match="another diloco-p2p version.*9.9.9"):
-        check_config({PEERS[1]: rec}, ours.swarm_view(), ours.swarm_hash(), PEERS[0])
-
-
-# ---------------------------------------------------------------- majorities
-
-
-def test_round_majorities_per_round():
-    records = {
-        PEERS[0]: make(PEERS[0], round=3, params_sha256="c" * 64),
-        PEERS[1]: make(PEERS[1], round=3, params_sha256="b" * 64),
-        PEERS[2]: make(PEERS[2], round=3, params_sha256="c" * 64),
-        PEERS[3]: make(PEERS[3], round=2, params_sha256="d" * 64),
-    }
-    assert round_majorities(records) == {3: "c" * 64, 2: "d" * 64}
-
-
-H = {c: c * 64 for c in "abcdef"}
-
-
-def test_resync_when_behind_even_if_more_nodes_agree_on_an_older_round():
-    records = {
-        PEERS[0]: make(PEERS[0], round=3, params_sha256=H["c"]),
-        PEERS[1]: make(PEERS[1], round=2, params_sha256=H["d"]),
-        PEERS[2]: make(PEERS[2], round=2, params_sha256=H["d"]),
-    }
-    target = resync_target(records, 2, H["d"])
-    assert target is not None and target.min_round == 3 and target.exclude == frozenset()
-    assert "behind" in target.reason
-    assert resync_target(records, 3, H["c"]) is None
-    assert resync_target({}, 0, H["a"]) is None
-
-
-def test_resync_when_in_a_minority_at_our_round():
-    records = {PEERS[0]: make(PEERS[0], round=3, params_sha256=H["c"]),
-               PEERS[1]: make(PEERS[1], round=3, params_sha256=H["c"])}
-    target = resync_target(records, 3, H["b"])
-    assert target is not None and target.min_round == 3 and "differ" in target.reason
-    # one against one: ties go to the smaller hash, so exactly one of the two moves
-    one = {PEERS[0]: make(PEERS[0], round=3, params_sha256=H["c"])}
-    assert resync_target(one, 3, H["b"]) is None
-    assert resync_target({PEERS[1]: make(PEERS[1], round=3, params_sha256=H["b"])}, 3, H["c"]) is not None
-
-
-def test_a_node_cut_off_and_ahead_does_not_pull_the_averaging_nodes_back():
-    """A partitioned node ended rounds 3..9 alone and is 'ahead' of the two nodes that kept
-    averaging (round 8). They must not download its state; it must go back to theirs."""
-    lone = PEERS[2]
-    seen_by_a = {PEERS[1]: make(PEERS[1], round=8, params_sha256=H["b"], averaged_round=8),
-                 lone: make(lone, round=9, params_sha256=H["e"], status="alone", group_size=1, averaged_round=2)}
-    assert resync_target(seen_by_a, 8, H["b"], averaged_round=8) is None
-    assert reference_records(seen_by_a).keys() == {PEERS[1]}
-    # a at round 7 (it just fell behind b): catches up with b, and never from the lone node
-    target = resync_target(seen_by_a, 7, H["a"], averaged_round=7)
-    assert target is not None and target.min_round == 8 and target.exclude == {lone}
-
-    seen_by_lone = {p: make(p, round=8, params_sha256=H["b"], averaged_round=8) for p in PEERS[:2]}
-    # one round alone can be a group that formed without us: no step back yet
-    assert resync_target(seen_by_lone, 9, H["e"], averaged_round=8) is None
-    target = resync_target(seen_by_lone, 9, H["e"], averaged_round=2)
-    assert target is not None and target.min_round == 8 and target.exclude == frozenset()
-    assert "cut off" in target.reason
-
-
-def test_the_last_node_standing_is_the_swarm():
-    """B died after round 2 (its committed record lingers until its TTL); A trains on alone.
-    A joiner must take A's state, and A must not go back to B's."""
-    dead = make(PEERS[1], round=2, params_sha256=H["b"], averaged_round=2)
-    alive = make(PEERS[0], round=4, params_sha256=H["a"], status="alone", group_size=1, averaged_round=2)
-    records = {PEERS[0]: alive, PEERS[1]: dead}
-    target = resync_target(records, 0, H["f"])
-    assert target is not None and target.min_round == 4 and target.exclude == frozenset()
-    assert resync_target({PEERS[1]: dead}, 4, H["a"], averaged_round=2) is None
-    # the joiner resynced from A: it inherits A's averaged round, so it does not supersede A
-    # (if it did, A would go back to the joiner's copy of A's own state, and the two leapfrog)
-    joiner = make(PEERS[2], round=4, params_sha256=H["a"], status="resynced", group_size=0, averaged_round=2)
-    assert resync_target({PEERS[1]: dead, PEERS[2]: joiner}, 5, H["c"], averaged_round=2) is None
-
-
-def test_a_stale_record_of_a_cut_off_node_does_not_pull_us_back():
-    """The lone node's last record (committed at round 2) stays in the DHT until its TTL ends.
-    For the two nodes still averaging it is old news, even when they themselves ended a few
-    rounds alone (say, they lost each other for a while)."""
-    stale = {PEERS[2]: make(PEERS[2], round=2, params_sha256=H["c"], averaged_round=2),
-             PEERS[1]: make(PEERS[1], round=8, params_sha256=H["d"], status="alone", group_size=1, averaged_round=5)}
-    assert resync_target(stale, 8, H["a"], averaged_round=5) is None
-    # a node that has not averaged since it started goes back to an averaging swarm
-    fresh = {PEERS[1]: make(PEERS[1], round=4, params_sha256=H["d"], averaged_round=4)}
-    target = resync_target(fresh, 6, H["a"], averaged_round=None)
-    assert target is not None and target.min_round == 4
-    # ...but not when the swarm holds our own round and hash
-    same = {PEERS[1]: make(PEERS[1], round=6, params_sha256=H["a"], averaged_round=6)}
-    assert resync_target(same, 6, H["a"]) is None
-
-
-def test_without_averaging_nodes_every_record_counts():
-    """Nobody averaged yet (a swarm just started, or every node alone): the newest round leads."""
-    records = {PEERS[0]: make(PEERS[0], round=9, params_sha256=H["e"], status="alone", group_size=1),
-               PEERS[1]: make(PEERS[1], round=0, params_sha256=H["a"], status="started", group_size=0)}
-    target = resync_target(records, 4, H["c"])
-    assert target is not None and target.min_round == 9 and target.exclude == frozenset()
-    # ahead of everyone and nobody averages: nothing to go back to
-    assert resync_target(records, 12, H["c"]) is None
-
-
-def test_majority_ties_break_the_same_way_everywhere():
-    assert majority(["f", "e", "f", "e"]) == "e"
-    assert majority(["e", "f", "f", "e"]) == "e"
-    assert majority([]) is None

@@ -1,0 +1,228 @@
+"""What a node concludes from the swarm's progress records: config refusal, majorities, resync."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco_p2p.config import Config
+from diloco_p2p.errors import UserError
+from diloco_p2p.swarm.resync import (
+    MAX_UNBACKED_ROUNDS,
+    Resync,
+    check_config,
+    majority,
+    reference_records,
+    resync_target,
+    round_majorities,
+)
+from tests.unit.progress_records import PEERS, make
+
+# ---------------------------------------------------------------- config refusal
+
+
+def test_check_config_lists_differing_fields():
+    theirs = Config(run_id="r", outer={"lr": 0.5})
+    ours = Config(run_id="r")
+    records = {p: make(p, cfg=theirs) for p in PEERS[:3]}
+    records[PEERS[3]] = make(PEERS[3], cfg=ours)  # a minority agrees with us
+    with pytest.raises(UserError) as e:
+        check_config(records, ours.swarm_view(), ours.swarm_hash(), our_peer=PEERS[6])
+    msg = str(e.value)
+    assert msg.startswith("config differs from the swarm's (3 peers): outer.lr: 0.7 != 0.5")
+    assert "\n" not in msg
+
+
+def test_check_config_lists_every_differing_field():
+    theirs = Config(run_id="r", outer={"lr": 0.5, "inner_steps": 20}, sync={"compression": "int8"})
+    ours = Config(run_id="r")
+    with pytest.raises(UserError) as e:
+        check_config({PEERS[0]: make(PEERS[0], cfg=theirs)}, ours.swarm_view(), ours.swarm_hash(), PEERS[6])
+    msg = str(e.value)
+    for part in (
+        "outer.lr: 0.7 != 0.5",
+        "outer.inner_steps: 500 != 20",
+        "sync.compression: 'fp16' != 'int8'",
+    ):
+        assert part in msg
+    assert "inner.batch_size" not in msg  # not a swarm field
+
+
+def test_check_config_accepts_agreement_solitude_and_ties():
+    ours, other = Config(run_id="r"), Config(run_id="r", seed=1)
+    view, h = ours.swarm_view(), ours.swarm_hash()
+    check_config({}, view, h, PEERS[0])
+    # our own (stale) record with another config is not "the swarm"
+    check_config({PEERS[0]: make(PEERS[0], cfg=other)}, view, h, PEERS[0])
+    check_config({p: make(p, cfg=ours) for p in PEERS[1:3]}, view, h, PEERS[0])
+    check_config({PEERS[1]: make(PEERS[1], cfg=ours), PEERS[2]: make(PEERS[2], cfg=other)}, view, h, PEERS[0])
+
+
+def test_check_config_same_fields_different_hash_blames_versions():
+    ours = Config(run_id="r")
+    rec = make(PEERS[1], cfg=ours, config_hash="b" * 64, version="9.9.9")
+    with pytest.raises(UserError, match="another diloco-p2p version.*9.9.9"):
+        check_config({PEERS[1]: rec}, ours.swarm_view(), ours.swarm_hash(), PEERS[0])
+
+
+# ---------------------------------------------------------------- majorities
+
+
+def test_round_majorities_per_round():
+    records = {
+        PEERS[0]: make(PEERS[0], round=3, params_sha256="c" * 64),
+        PEERS[1]: make(PEERS[1], round=3, params_sha256="b" * 64),
+        PEERS[2]: make(PEERS[2], round=3, params_sha256="c" * 64),
+        PEERS[3]: make(PEERS[3], round=2, params_sha256="d" * 64),
+    }
+    assert round_majorities(records) == {3: "c" * 64, 2: "d" * 64}
+
+
+H = {c: c * 64 for c in "abcdef"}
+
+
+def test_resync_when_behind_even_if_more_nodes_agree_on_an_older_round():
+    records = {
+        PEERS[0]: make(PEERS[0], round=3, params_sha256=H["c"]),
+        PEERS[1]: make(PEERS[1], round=2, params_sha256=H["d"]),
+        PEERS[2]: make(PEERS[2], round=2, params_sha256=H["d"]),
+    }
+    target = resync_target(records, 2, H["d"])
+    assert target is not None and target.min_round == 3 and target.exclude == frozenset()
+    assert "behind" in target.reason
+    assert resync_target(records, 3, H["c"]) is None
+    assert resync_target({}, 0, H["a"]) is None
+
+
+def test_resync_when_in_a_minority_at_our_round():
+    records = {PEERS[0]: make(PEERS[0], round=3, params_sha256=H["c"]),
+               PEERS[1]: make(PEERS[1], round=3, params_sha256=H["c"])}
+    target = resync_target(records, 3, H["b"])
+    assert target is not None and target.min_round == 3 and "differ" in target.reason
+    # one against one: ties go to the smaller hash, so exactly one of the two moves
+    one = {PEERS[0]: make(PEERS[0], round=3, params_sha256=H["c"])}
+    assert resync_target(one, 3, H["b"]) is None
+    assert resync_target({PEERS[1]: make(PEERS[1], round=3, params_sha256=H["b"])}, 3, H["c"]) is not None
+
+
+def test_a_node_cut_off_and_ahead_does_not_pull_the_averaging_nodes_back():
+    """A partitioned node ended rounds 3..9 alone and is 'ahead' of the two nodes that kept
+    averaging (round 8). They must not download its state; it must go back to theirs."""
+    lone = PEERS[2]
+    seen_by_a = {PEERS[1]: make(PEERS[1], round=8, params_sha256=H["b"], averaged_round=8),
+                 lone: make(lone, round=9, params_sha256=H["e"], status="alone", group_size=1, averaged_round=2)}
+    assert resync_target(seen_by_a, 8, H["b"], averaged_round=8) is None
+    assert reference_records(seen_by_a).keys() == {PEERS[1]}
+    # a at round 7 (it just fell behind b): catches up with b, and never from the lone node
+    target = resync_target(seen_by_a, 7, H["a"], averaged_round=7)
+    assert target is not None and target.min_round == 8 and target.exclude == {lone}
+
+    seen_by_lone = {p: make(p, round=8, params_sha256=H["b"], averaged_round=8) for p in PEERS[:2]}
+    # one round alone can be a group that formed without us: no step back yet
+    assert resync_target(seen_by_lone, 9, H["e"], averaged_round=8) is None
+    target = resync_target(seen_by_lone, 9, H["e"], averaged_round=2)
+    assert target is not None and target.min_round == 8 and target.exclude == frozenset()
+    assert "cut off" in target.reason
+
+
+def test_the_last_node_standing_is_the_swarm():
+    """B died after round 2 (its committed record lingers until its TTL); A trains on alone.
+    A joiner must take A's state, and A must not go back to B's."""
+    dead = make(PEERS[1], round=2, params_sha256=H["b"], averaged_round=2)
+    alive = make(PEERS[0], round=4, params_sha256=H["a"], status="alone", group_size=1, averaged_round=2)
+    records = {PEERS[0]: alive, PEERS[1]: dead}
+    target = resync_target(records, 0, H["f"])
+    assert target is not None and target.min_round == 4 and target.exclude == frozenset()
+    assert resync_target({PEERS[1]: dead}, 4, H["a"], averaged_round=2) is None
+    # the joiner resynced from A: it inherits A's averaged round, so it does not supersede A
+    # (if it did, A would go back to the joiner's copy of A's own state, and the two leapfrog)
+    joiner = make(PEERS[2], round=4, params_sha256=H["a"], status="resynced", group_size=0, averaged_round=2)
+    assert resync_target({PEERS[1]: dead, PEERS[2]: joiner}, 5, H["c"], averaged_round=2) is None
+
+
+def test_a_stale_record_of_a_cut_off_node_does_not_pull_us_back():
+    """The lone node's last record (committed at round 2) stays in the DHT until its TTL ends.
+    For the two nodes still averaging it is old news, even when they themselves ended a few
+    rounds alone (say, they lost each other for a while)."""
+    stale = {PEERS[2]: make(PEERS[2], round=2, params_sha256=H["c"], averaged_round=2),
+             PEERS[1]: make(PEERS[1], round=8, params_sha256=H["d"], status="alone", group_size=1, averaged_round=5)}
+    assert resync_target(stale, 8, H["a"], averaged_round=5) is None
+    # a node that has not averaged since it started goes back to an averaging swarm
+    fresh = {PEERS[1]: make(PEERS[1], round=4, params_sha256=H["d"], averaged_round=4)}
+    target = resync_target(fresh, 6, H["a"], averaged_round=None)
+    assert target is not None and target.min_round == 4
+    # ...but not when the swarm holds our own round and hash
+    same = {PEERS[1]: make(PEERS[1], round=6, params_sha256=H["a"], averaged_round=6)}
+    assert resync_target(same, 6, H["a"]) is None
+
+
+def test_without_averaging_nodes_every_record_counts():
+    """Nobody averaged yet (a swarm just started, or every node alone): the newest round leads."""
+    records = {PEERS[0]: make(PEERS[0], round=9, params_sha256=H["e"], status="alone", group_size=1),
+               PEERS[1]: make(PEERS[1], round=0, params_sha256=H["a"], status="started", group_size=0)}
+    target = resync_target(records, 4, H["c"])
+    assert target is not None and target.min_round == 9 and target.exclude == frozenset()
+    # ahead of everyone and nobody averages: nothing to go back to
+    assert resync_target(records, 12, H["c"]) is None
+
+
+def test_majority_ties_break_the_same_way_everywhere():
+    assert majority(["f", "e", "f", "e"]) == "e"
+    assert majority(["e", "f", "f", "e"]) == "e"
+    assert majority([]) is None
+
+
+# ---------------------------------------------------------------- one case per rule
+
+SWARM_AT_5 = {p: make(p, round=5, params_sha256=H["c"], averaged_round=5) for p in PEERS[:2]}
+
+
+@pytest.mark.parametrize(
+    ("others", "ours", "expected"),
+    [
+        pytest.param(  # two rounds behind: download a state of the swarm's round
+            SWARM_AT_5, dict(our_round=3, our_hash=H["a"], averaged_round=3),
+            Resync(5, "behind: swarm at round 5, we are at 3", frozenset()),
+            id="behind",
+        ),
+        pytest.param(  # c, c against our d at our round: the majority wins
+            {**SWARM_AT_5, PEERS[2]: make(PEERS[2], round=5, params_sha256=H["b"], averaged_round=5)},
+            dict(our_round=5, our_hash=H["d"], averaged_round=5),
+            Resync(5, f"our parameters {H['d'][:12]} differ from the swarm's {H['c'][:12]} at round 5", frozenset()),
+            id="minority-hash",
+        ),
+        pytest.param(  # ahead in rounds, but averaged last at 2 while the swarm averaged at 5
+            {**SWARM_AT_5, PEERS[3]: make(PEERS[3], round=3, params_sha256=H["e"], averaged_round=1)},
+            dict(our_round=2 + MAX_UNBACKED_ROUNDS + 4, our_hash=H["f"], averaged_round=2),
+            Resync(
+                5,
+                "our rounds 3..8 ended without a group while 2 node(s) averaged up to round 5: "
+                "we were cut off; back to the swarm's state",
+                frozenset({PEERS[3]}),  # superseded too: never a donor
+            ),
+            id="cut-off",
+        ),
+        pytest.param(  # one against one at our round: the smaller hash stays
+            {PEERS[0]: make(PEERS[0], round=5, params_sha256=H["b"], averaged_round=5)},
+            dict(our_round=5, our_hash=H["a"], averaged_round=5), None,
+            id="tie-we-hold-the-smaller-hash",
+        ),
+        pytest.param(
+            {PEERS[0]: make(PEERS[0], round=5, params_sha256=H["b"], averaged_round=5)},
+            dict(our_round=5, our_hash=H["c"], averaged_round=5),
+            Resync(5, f"our parameters {H['c'][:12]} differ from the swarm's {H['b'][:12]} at round 5", frozenset()),
+            id="tie-they-hold-the-smaller-hash",
+        ),
+        pytest.param(SWARM_AT_5, dict(our_round=5, our_hash=H["c"], averaged_round=5), None, id="in-step"),
+        pytest.param(  # one round alone past the swarm: may be a group that formed without us
+            SWARM_AT_5, dict(our_round=6, our_hash=H["e"], averaged_round=5), None, id="one-round-alone",
+        ),
+        pytest.param({}, dict(our_round=0, our_hash=H["a"]), None, id="nobody-else"),
+    ],
+)
+def test_resync_target_rules(others, ours, expected):
+    assert resync_target(others, **ours) == expected
+
+
+def test_ties_are_broken_by_the_smallest_value():
+    assert majority(["b", "a"]) == majority(["a", "b"]) == "a"
+    assert majority(["b", "b", "a"]) == "b"  # a tie only when the counts are equal
