@@ -33,9 +33,11 @@ def fetch(initial_peers: Sequence[str], run_id: str, out: Path, timeout: float =
     from diloco_p2p.config import P2PConfig
     from diloco_p2p.status import CLIENT_HOST_MADDRS
     from diloco_p2p.swarm.dht import start_dht
-    from diloco_p2p.swarm.records import majority, read_progress_async
+    from diloco_p2p.swarm.records import read_progress_async
+    from diloco_p2p.swarm.resync import majority
     from diloco_p2p.swarm.runner import BackgroundLoop
-    from diloco_p2p.swarm.state_sharing import StateUnavailable, fetch_state, unpack_state
+    from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
+    from diloco_p2p.swarm.state.codec import unpack_state
 
     if (out / "checkpoints" / "latest.json").exists():
         raise UserError(f"--out {out} already holds a checkpoint; pick an empty directory")

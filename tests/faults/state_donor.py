@@ -16,7 +16,7 @@ import hivemind
 import torch
 
 from diloco_p2p.swarm.runner import BackgroundLoop
-from diloco_p2p.swarm.state_sharing import StateServer
+from diloco_p2p.swarm.state.server import StateServer
 
 
 def main() -> None:

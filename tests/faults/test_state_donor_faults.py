@@ -26,7 +26,9 @@ import pytest
 import torch
 
 from diloco_p2p.swarm.runner import BackgroundLoop
-from diloco_p2p.swarm.state_sharing import StateServer, StateUnavailable, fetch_state, pack_state
+from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
+from diloco_p2p.swarm.state.codec import pack_state
+from diloco_p2p.swarm.state.server import StateServer
 from tests.dht_cluster import loopback_dhts
 
 REPO = Path(__file__).resolve().parents[2]

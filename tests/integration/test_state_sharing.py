@@ -20,15 +20,10 @@ import torch
 from hivemind.utils import get_dht_time
 
 from diloco_p2p.swarm.runner import BackgroundLoop
-from diloco_p2p.swarm.state_sharing import (
-    StateServer,
-    StateUnavailable,
-    fetch_state,
-    list_donors,
-    pack_state,
-    state_key,
-    unpack_state,
-)
+from diloco_p2p.swarm.state.announcements import list_donors, state_key
+from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
+from diloco_p2p.swarm.state.codec import pack_state, unpack_state
+from diloco_p2p.swarm.state.server import StateServer
 from tests.dht_cluster import loopback_dhts
 
 _run_ids = itertools.count()

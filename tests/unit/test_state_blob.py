@@ -8,7 +8,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from diloco_p2p.swarm.state_sharing import StateError, pack_state, unpack_state
+from diloco_p2p.swarm.state.codec import StateError, pack_state, unpack_state
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 
-from diloco_p2p.swarm.state_sharing import (
+from diloco_p2p.swarm.state.announcements import (
     StateAnnouncement,
     order_candidates,
     parse_announcements,

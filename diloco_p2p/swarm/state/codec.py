@@ -1,0 +1,60 @@
+"""The state blob: safetensors bytes of named tensors with our JSON metadata (no pickle).
+
+See `diloco_p2p.swarm.state` for what goes in it and why the bytes are deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import safetensors.torch
+import torch
+
+MAX_SAFETENSORS_HEADER = 100 << 20  # what safetensors itself accepts
+_HEADER_LENGTH = 8  # safetensors starts with its JSON header's length, 8 bytes little-endian
+
+
+class StateError(ValueError):
+    """A state blob that is not a well-formed diloco-p2p state."""
+
+
+def pack_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> bytes:
+    """Safetensors bytes of `tensors` with `meta` as JSON under the ``diloco`` metadata key.
+
+    Tensors are stored as they are (dtype and shape; non-contiguous or GPU tensors are copied to
+    contiguous CPU tensors first); `meta` must be JSON-serializable without NaN/Inf."""
+    if not isinstance(meta, Mapping):
+        raise TypeError(f"meta must be a mapping, not {type(meta).__name__}")
+    flat = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    return safetensors.torch.save(flat, metadata={"diloco": json.dumps(dict(meta), sort_keys=True, allow_nan=False)})
+
+
+def unpack_state(blob: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Inverse of `pack_state`. Raises `StateError` for anything that is not a complete
+    diloco-p2p state (truncated, garbage, a safetensors file without our metadata)."""
+    data = bytes(blob)
+    if len(data) < _HEADER_LENGTH:
+        raise StateError(f"state of {len(data)} bytes is truncated: no safetensors header")
+    n = int.from_bytes(data[:_HEADER_LENGTH], "little")
+    if n > MAX_SAFETENSORS_HEADER or _HEADER_LENGTH + n > len(data):
+        raise StateError(f"state of {len(data)} bytes is truncated or not safetensors (header length {n})")
+    try:
+        header = json.loads(data[_HEADER_LENGTH : _HEADER_LENGTH + n])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise StateError("state is not safetensors: its header is not JSON") from None
+    raw_meta = header.get("__metadata__", {}).get("diloco") if isinstance(header, dict) else None
+    if not isinstance(raw_meta, str):
+        raise StateError("not a diloco-p2p state: the safetensors metadata has no 'diloco' entry")
+    try:
+        meta = json.loads(raw_meta)
+    except json.JSONDecodeError:
+        raise StateError("state metadata 'diloco' is not JSON") from None
+    if not isinstance(meta, dict):
+        raise StateError("state metadata 'diloco' is not a JSON object")
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as e:  # safetensors raises its own Rust-side error types
+        raise StateError(f"state tensors do not load: {' '.join(str(e).split()) or type(e).__name__}") from None
+    return tensors, meta
