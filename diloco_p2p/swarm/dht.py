@@ -15,6 +15,9 @@ traceback or a hang:
   packets the dial can take much longer, so we never wait unbounded: past the deadline we stop
   the DHT process and its p2pd (carefully, see `_stop_failed_dht`) and the user gets the same
   kind of line.
+- The DHT process and its p2pd die with the process that started them (`_OwnedDHT`): a
+  ``kill -9`` of a node (what the OOM killer does) would otherwise leave both running, and the
+  restart would find its own identity "already used by a running peer".
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -40,6 +45,8 @@ MADDR_EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."
 STARTUP_TIMEOUT = 30.0
 # How long a DHT process whose start failed gets to exit by itself before we terminate it.
 STOP_GRACE = 5.0
+# How often the DHT process checks that the process that started it is still alive.
+PARENT_POLL_SECONDS = 0.5
 
 
 def validate_maddrs(addrs: Sequence[str], what: str, *, require_peer_id: bool = False) -> list[str]:
@@ -142,13 +149,8 @@ def start_dht(
         kwargs["identity_path"] = str(load_or_create_identity(Path(identity_path)))
 
     timeout = p2p_cfg.connect_timeout if initial else STARTUP_TIMEOUT
-    dht = hivemind.DHT(
-        initial_peers=initial or None,
-        start=True,
-        await_ready=False,
-        record_validators=list(record_validators),
-        **kwargs,
-    )
+    dht = _OwnedDHT(initial_peers=initial or None, start=False, record_validators=list(record_validators), **kwargs)
+    dht.run_in_background(await_ready=False)
     try:
         dht.wait_until_ready(timeout=timeout)
     except TimeoutError:
@@ -164,6 +166,39 @@ def start_dht(
         _stop_failed_dht(dht, reported=True)
         raise _explain_start_failure(e, initial, host, identity_path) from None
     return dht
+
+
+class _OwnedDHT(hivemind.DHT):
+    """hivemind's DHT process, made to die with the process that started it.
+
+    Linux gives no process-wide parent-death signal (``PR_SET_PDEATHSIG`` fires when the
+    *thread* that forked exits), so a watchdog thread in the DHT process polls its parent and,
+    once it is gone, stops p2pd (SIGTERM: it exits and removes its socket) and exits.
+    """
+
+    def start(self) -> None:
+        self._owner_pid = os.getpid()
+        super().start()
+
+    def run(self) -> None:
+        # Our callers install their stop handlers before forking us (the node's `StopRequested`);
+        # inherited here they would make this process ignore SIGTERM and `terminate()`.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        threading.Thread(target=_exit_with_parent, args=(self._owner_pid,), name="dht-watchdog", daemon=True).start()
+        super().run()
+
+
+def _exit_with_parent(owner: int) -> None:
+    """In the DHT process: wait until `owner` is gone, then stop our p2pd and exit."""
+    while os.getppid() == owner:
+        time.sleep(PARENT_POLL_SECONDS)
+    daemons = _p2pd_pids(os.getpid())
+    _terminate_pids(daemons)
+    deadline = time.monotonic() + STOP_GRACE
+    while (left := [p for p in daemons if _is_p2pd(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _terminate_pids(left, signal.SIGKILL)
+    os._exit(1)
 
 
 def _explain_start_failure(
@@ -222,17 +257,19 @@ def _p2pd_pids(pid: int) -> list[int]:
 
 
 def _is_p2pd(pid: int) -> bool:
+    """Whether `pid` is a running p2pd (a zombie that exited but is not reaped yet is not)."""
     try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip() == "p2pd"
-    except OSError:
+        with open(f"/proc/{pid}/stat") as f:
+            head, tail = f.read().rsplit(")", 1)
+    except (OSError, ValueError):
         return False
+    return head.split("(", 1)[-1] == "p2pd" and tail.split()[:1] != ["Z"]
 
 
-def _terminate_pids(pids: Iterable[int]) -> None:
+def _terminate_pids(pids: Iterable[int], sig: int = signal.SIGTERM) -> None:
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
 
