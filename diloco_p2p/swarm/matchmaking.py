@@ -70,14 +70,10 @@ sends is validated by the all-reduce.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
-import json
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import hivemind
@@ -85,37 +81,40 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from diloco_p2p.swarm import streams
+from diloco_p2p.swarm.grouping import (
+    ABORTED,
+    ALONE,
+    GROUP,
+    LATE,
+    MAX_WEIGHT,
+    PROTOCOL_VERSION,
+    TIMEOUT,
+    VOID,
+    Entry,
+    Epoch,
+    Final,
+    Group,
+    Redirect,
+    Session,
+    finite_number,
+    parse_view,
+    valid_weight,
+)
+
+# The outcomes `Matchmaker.last_outcome` reports and the `Group` it returns live in `grouping`
+# (its pure rules produce them); callers read them from here, with the matchmaker.
+__all__ = [
+    "ABORTED", "ALONE", "GROUP", "LATE", "TIMEOUT", "VOID",
+    "Group", "Matchmaker", "default_request_timeout", "matchmaking_key",
+]
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
 _LENGTH_PREFIX = 4  # bytes of a join frame's big-endian length
 _MAX_FRAME_BYTES = 1 << 20  # a member list of thousands of peers fits; anything bigger is hostile
-_MAX_WEIGHT = 1e18
 _FINISHED_MEMORY = 64  # how many finished rounds we still answer "closed: <reason>" for
 _REQUEST_READ_TIMEOUT = 10.0  # a stream that sends no join request within this is dropped
 _LINGER_TIMEOUT = 10.0  # how long a leader keeps a stream open after its last frame, for the follower to close it
-
-# Why form_group returned None (or "group"): `Matchmaker.last_outcome`.
-# group: a Group; alone: nobody joined; void: closed below min_group_size; late: the round's group
-# closed at its deadline before we arrived; timeout: our leader vanished; aborted: stop() was called
-# or the form_group task was cancelled.
-GROUP, ALONE, VOID, LATE, TIMEOUT, ABORTED = "group", "alone", "void", "late", "timeout", "aborted"
-
-
-@dataclass
-class Group:
-    """A closed group, identical on every member (`peers` in the same order everywhere)."""
-
-    group_id: str
-    peers: list[PeerID]
-    my_index: int
-    weights: dict[str, float] | None = None  # base58 peer id -> weight the member announced
-    leader: PeerID | None = None
-
-    @property
-    def size(self) -> int:
-        return len(self.peers)
 
 
 def matchmaking_key(run_id: str, round: int, params_hash: str) -> str:
@@ -146,83 +145,6 @@ async def _send_last(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     await streams.linger(reader, _LINGER_TIMEOUT)
 
 
-def _finite_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _valid_weight(w: Any) -> bool:
-    return _finite_number(w) and 0 <= w <= _MAX_WEIGHT
-
-
-# ---------------------------------------------------------------- per-round state
-
-
-@dataclass
-class _Entry:
-    """A registration read from the DHT."""
-
-    peer: str
-    t: float
-    w: float
-    done: str | None
-
-
-@dataclass
-class _Epoch:
-    """A stretch of time during which this node leads: its members and the one answer all get."""
-
-    members: dict[str, tuple[float, int]]  # peer -> (weight, token of the stream that joined it)
-    answer: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    close_reason: str | None = None  # "full" or "expired" once closed with a group
-
-
-@dataclass
-class _Session:
-    key: str
-    round: int
-    params_hash: str
-    me: str
-    t: float
-    weight: float
-    min_size: int
-    target: int
-    timeout: float
-    request_timeout: float
-    epoch: _Epoch | None = None
-    following: tuple[str, float] | None = None  # (leader, its t) while following or trying to
-
-    @property
-    def close_at(self) -> float:
-        return self.t + self.timeout
-
-    @property
-    def deadline(self) -> float:
-        return self.t + self.timeout + self.request_timeout
-
-    def lead(self) -> _Epoch:
-        self.epoch, self.following = _Epoch({self.me: (self.weight, 0)}), None
-        return self.epoch
-
-    def follow(self, leader: str, leader_t: float) -> None:
-        """Forfeit leadership (redirecting current followers) and follow `leader`."""
-        if self.epoch is not None and not self.epoch.answer.done():
-            self.epoch.answer.set_result({"s": "redirect", "to": leader, "t": leader_t})
-        self.epoch, self.following = None, (leader, leader_t)
-
-
-@dataclass
-class _Final:
-    group: Group | None
-    outcome: str
-    close_reason: str | None = None
-
-
-@dataclass
-class _Redirect:
-    to: str
-    t: float
-
-
 class Matchmaker:
     """Forms one group per round over the DHT and P2P streams; see the module docstring."""
 
@@ -231,7 +153,7 @@ class Matchmaker:
         self.me = p2p.peer_id.to_base58()
         self.protocol = f"/diloco-p2p/{run_id}/matchmaking/{PROTOCOL_VERSION}"
         self.last_outcome: str | None = None
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._handler_tasks: set[asyncio.Task] = set()
         self._background: set[asyncio.Task] = set()
@@ -282,29 +204,29 @@ class Matchmaker:
         """
         if not self._started:
             raise RuntimeError("Matchmaker.start() must be awaited before form_group()")
-        if not _valid_weight(weight):
-            raise ValueError(f"weight must be a finite number in [0, {_MAX_WEIGHT:g}], got {weight!r}")
+        if not valid_weight(weight):
+            raise ValueError(f"weight must be a finite number in [0, {MAX_WEIGHT:g}], got {weight!r}")
         if not (1 <= min_group_size <= target_group_size) or not timeout > 0:
             raise ValueError("need 1 <= min_group_size <= target_group_size and timeout > 0")
         request_timeout = default_request_timeout(timeout) if request_timeout is None else request_timeout
         key = matchmaking_key(self.run_id, round, params_hash)
         if key in self._sessions:
             raise RuntimeError(f"form_group for {key} is already running")
-        session = _Session(
+        session = Session(
             key=key, round=int(round), params_hash=params_hash, me=self.me, t=get_dht_time(),
             weight=float(weight), min_size=min_group_size, target=target_group_size,
             timeout=timeout, request_timeout=request_timeout,
         )
         session.lead()  # serve join requests from the start: they may arrive before our first read
         self._sessions[key] = session
-        final = _Final(None, TIMEOUT)
+        final = Final(None, TIMEOUT)
         try:
             final = await asyncio.wait_for(self._run(session), session.deadline - get_dht_time())
         except TimeoutError:
             logger.debug("%s: matchmaking deadline fired", key)
             final = self._closed_epoch(session) or final
         except asyncio.CancelledError:
-            final = _Final(None, ABORTED)
+            final = Final(None, ABORTED)
             raise
         finally:
             if session.epoch is not None and not session.epoch.answer.done():
@@ -319,14 +241,14 @@ class Matchmaker:
         logger.debug("%s: %s (%s)", key, final.outcome, final.group and final.group.group_id)
         return final.group
 
-    async def _run(self, session: _Session) -> _Final:
+    async def _run(self, session: Session) -> Final:
         if self._before_register is not None:
             await self._before_register()
         await self._register(session)
         if self._after_register is not None:
             await self._after_register()
         excluded: set[str] = set()
-        view: dict[str, _Entry] = {}
+        view: dict[str, Entry] = {}
         first = True
         while True:
             view = await self._read_view(session) or view
@@ -334,12 +256,12 @@ class Matchmaker:
             if closed is not None:
                 return closed  # joiners filled our group while we read: they hold its answer, so it binds us
             if first and any(e.done == "expired" for p, e in view.items() if p != self.me):
-                return _Final(None, LATE)  # a committed group of this round closed at its deadline
+                return Final(None, LATE)  # a committed group of this round closed at its deadline
             first = False
-            best = self._best_candidate(session, view, excluded)
+            best = session.best_candidate(view, excluded)
             if best is None:
                 result = await self._lead(session, excluded)
-                if isinstance(result, _Final):
+                if isinstance(result, Final):
                     return result
                 target = result  # _lead forfeited to this candidate
             else:
@@ -347,48 +269,39 @@ class Matchmaker:
                 target = best
             while True:
                 outcome = await self._follow(session, target.peer)
-                if isinstance(outcome, _Final):
+                if isinstance(outcome, Final):
                     return outcome
                 if (
-                    isinstance(outcome, _Redirect)
+                    isinstance(outcome, Redirect)
                     and outcome.to not in excluded
                     and outcome.to != self.me
                     and (outcome.t, outcome.to) < (session.t, self.me)
                 ):
-                    target = _Entry(outcome.to, outcome.t, 0.0, None)
+                    target = Entry(outcome.to, outcome.t, 0.0, None)
                     session.follow(outcome.to, outcome.t)
                     continue
                 excluded.add(target.peer)
                 break
             session.lead()  # lead again while we look at the view: arrivals are served meanwhile
 
-    def _best_candidate(self, session: _Session, view: dict[str, _Entry], excluded: set[str]) -> _Entry | None:
-        """The live registration that precedes us in (t, peer id), or None if we are the best."""
-        best: _Entry | None = None
-        for e in view.values():
-            if e.done is None and e.peer != self.me and e.peer not in excluded:
-                if (e.t, e.peer) < (session.t, self.me) and (best is None or (e.t, e.peer) < (best.t, best.peer)):
-                    best = e
-        return best
-
-    def _closed_epoch(self, session: _Session) -> _Final | None:
+    def _closed_epoch(self, session: Session) -> Final | None:
         """Our result if the group we lead has already closed (its members got the answer), else None."""
         epoch = session.epoch
         if epoch is None or not epoch.answer.done():
             return None
-        return self._final_from_answer(epoch.answer.result(), own=True)
+        return session.final(epoch.answer.result(), own=True)
 
-    async def _lead(self, session: _Session, excluded: set[str]) -> _Final | _Entry:
-        """Lead until our group closes (a `_Final`), or forfeit to a better candidate (returned)."""
+    async def _lead(self, session: Session, excluded: set[str]) -> Final | Entry:
+        """Lead until our group closes (a `Final`), or forfeit to a better candidate (returned)."""
         epoch = session.epoch
         assert epoch is not None
         poll = session.request_timeout / 2
         if len(epoch.members) >= session.target:
-            self._close(session, epoch, "full")
+            session.close(epoch, self.run_id, "full", get_dht_time())
         while not epoch.answer.done():
             remaining = session.close_at - get_dht_time()
             if remaining <= 0:
-                self._close(session, epoch, "expired")
+                session.close(epoch, self.run_id, "expired", get_dht_time())
                 break
             await asyncio.wait({epoch.answer}, timeout=min(poll, remaining))
             if epoch.answer.done():
@@ -396,63 +309,15 @@ class Matchmaker:
             # Bounded by the time left, so a slow DHT cannot push our close past `close_at`.
             remaining = session.close_at - get_dht_time()
             view = await self._read_view(session, timeout=min(session.request_timeout, max(remaining, 0.01)))
-            best = self._best_candidate(session, view or {}, excluded)
+            best = session.best_candidate(view or {}, excluded)
             if best is not None and not epoch.answer.done():
                 logger.debug("%s: forfeiting leadership to %s", session.key, best.peer)
                 session.follow(best.peer, best.t)
                 return best
         # Our own answer is well formed; anything else means stop() aborted the round.
-        return self._final_from_answer(epoch.answer.result(), own=True) or _Final(None, ABORTED)
+        return session.final(epoch.answer.result(), own=True) or Final(None, ABORTED)
 
-    def _close(self, session: _Session, epoch: _Epoch, reason: str) -> None:
-        """Close the open group: one answer object, handed to every member."""
-        if epoch.answer.done():
-            return
-        peers = sorted(epoch.members)
-        if len(peers) < max(2, session.min_size):
-            epoch.answer.set_result({"s": "void", "n": len(peers)})
-            return
-        close_time = get_dht_time()
-        digest = hashlib.sha256(
-            json.dumps([self.run_id, session.round, session.params_hash, self.me, close_time, peers]).encode()
-        ).hexdigest()[:32]
-        epoch.close_reason = reason
-        epoch.answer.set_result({
-            "s": "group", "id": digest, "leader": self.me, "why": reason, "peers": peers,
-            "w": {p: epoch.members[p][0] for p in peers},
-        })
-
-    def _final_from_answer(self, answer: dict[str, Any], *, own: bool) -> _Final | None:
-        """Turn a leader's answer (`own`: our own) into our result; None if malformed or not naming us."""
-        if answer.get("s") == "void":
-            return _Final(None, ALONE if own and answer.get("n") == 1 else VOID)
-        if answer.get("s") != "group":
-            return None
-        peers, weights, group_id, why = answer.get("peers"), answer.get("w"), answer.get("id"), answer.get("why")
-        leader = answer.get("leader")
-        if not (
-            isinstance(group_id, str)
-            and isinstance(leader, str)
-            and isinstance(peers, list)
-            and len(peers) >= 2
-            and all(isinstance(p, str) for p in peers)
-            and len(set(peers)) == len(peers)
-            and self.me in peers
-            and leader in peers
-            and isinstance(weights, dict)
-            and set(weights) == set(peers)
-            and all(_valid_weight(w) for w in weights.values())
-        ):
-            return None
-        try:
-            peer_ids = [PeerID.from_base58(p) for p in peers]
-            leader_id = PeerID.from_base58(leader)
-        except Exception:
-            return None
-        group = Group(group_id, peer_ids, peers.index(self.me), {p: float(w) for p, w in weights.items()}, leader_id)
-        return _Final(group, GROUP, why if why in ("full", "expired") else None)
-
-    async def _follow(self, session: _Session, leader: str) -> _Final | _Redirect | None:
+    async def _follow(self, session: Session, leader: str) -> Final | Redirect | None:
         """Ask `leader` to take us in; a final result, a redirect, or None (give up on this leader)."""
         rt = session.request_timeout
         writer: asyncio.StreamWriter | None = None
@@ -467,23 +332,23 @@ class Matchmaker:
             while True:
                 remaining = session.deadline - get_dht_time()
                 if remaining <= 0:
-                    return _Final(None, TIMEOUT)
+                    return Final(None, TIMEOUT)
                 try:
                     msg = await asyncio.wait_for(_recv_frame(reader), min(rt, remaining))
                 except TimeoutError:
                     if session.deadline - get_dht_time() <= 0:
-                        return _Final(None, TIMEOUT)
+                        return Final(None, TIMEOUT)
                     logger.debug("%s: leader %s went silent", session.key, leader)
                     return None
                 status = msg.get("s")
                 if status == "wait":
                     continue
                 if status in ("group", "void"):
-                    return self._final_from_answer(msg, own=False)
-                if status == "redirect" and isinstance(msg.get("to"), str) and _finite_number(msg.get("t")):
-                    return _Redirect(msg["to"], float(msg["t"]))
+                    return session.final(msg, own=False)
+                if status == "redirect" and isinstance(msg.get("to"), str) and finite_number(msg.get("t")):
+                    return Redirect(msg["to"], float(msg["t"]))
                 if status == "closed" and msg.get("reason") == "expired":
-                    return _Final(None, LATE)
+                    return Final(None, LATE)
                 logger.debug("%s: leader %s answered %s", session.key, leader, msg)
                 return None
         except asyncio.CancelledError:
@@ -521,13 +386,7 @@ class Matchmaker:
             reason = self._finished.get(key, "unknown") if isinstance(key, str) else "bad_request"
             await _send_last(reader, writer, {"s": "closed", "reason": reason})
             return
-        if (
-            request.get("v") != PROTOCOL_VERSION
-            or request.get("h") != session.params_hash
-            or not _valid_weight(request.get("w"))
-            or not _finite_number(hb)
-            or follower == self.me
-        ):
+        if session.rejects(request, follower):
             await _send_last(reader, writer, {"s": "closed", "reason": "bad_request"})
             return
         hb = min(max(float(hb), 0.05), 10.0)
@@ -550,7 +409,7 @@ class Matchmaker:
         try:
             await _send_frame(writer, {"s": "wait"})
             if len(epoch.members) >= session.target:
-                self._close(session, epoch, "full")
+                session.close(epoch, self.run_id, "full", get_dht_time())
             while not epoch.answer.done():
                 await asyncio.wait({epoch.answer, gone}, timeout=hb, return_when=asyncio.FIRST_COMPLETED)
                 if epoch.answer.done():
@@ -574,14 +433,14 @@ class Matchmaker:
                 self._drop(epoch, follower, token)
 
     @staticmethod
-    def _drop(epoch: _Epoch, follower: str, token: int) -> None:
+    def _drop(epoch: Epoch, follower: str, token: int) -> None:
         """Remove a follower that left before the group closed (only the stream that added it)."""
         if not epoch.answer.done() and epoch.members.get(follower, (0.0, -1))[1] == token:
             del epoch.members[follower]
 
     # ------------------------------------------------------------ DHT
 
-    async def _register(self, session: _Session) -> None:
+    async def _register(self, session: Session) -> None:
         value = {"t": session.t, "w": session.weight}
         ok = await self._dht_call(
             self.dht.store, session.key, value, self._expiration(session), subkey=self.me,
@@ -590,7 +449,7 @@ class Matchmaker:
         if not ok:
             logger.warning("%s: could not register for matchmaking in the DHT; others may not find us", session.key)
 
-    async def _withdraw(self, session: _Session, reason: str) -> None:
+    async def _withdraw(self, session: Session, reason: str) -> None:
         value = {"t": session.t, "w": session.weight, "done": reason}
         # A later expiration than the registration's: hivemind keeps the newest value of a subkey.
         await self._dht_call(
@@ -599,26 +458,14 @@ class Matchmaker:
         )
 
     @staticmethod
-    def _expiration(session: _Session) -> float:
+    def _expiration(session: Session) -> float:
         return session.t + 2 * (session.timeout + session.request_timeout)
 
-    async def _read_view(self, session: _Session, timeout: float | None = None) -> dict[str, _Entry] | None:
+    async def _read_view(self, session: Session, timeout: float | None = None) -> dict[str, Entry] | None:
         """The registrations under our key, or None if the DHT did not answer in time."""
         timeout = session.request_timeout if timeout is None else timeout
         result = await self._dht_call(self.dht.get, session.key, latest=True, timeout=timeout)
-        if result is False:
-            return None
-        view: dict[str, _Entry] = {}
-        if result is None or not isinstance(result.value, dict):
-            return view
-        for peer, item in result.value.items():
-            value = getattr(item, "value", None)
-            if not isinstance(peer, str) or not isinstance(value, dict):
-                continue
-            t, w, done = value.get("t"), value.get("w"), value.get("done")
-            if _finite_number(t) and _valid_weight(w) and (done is None or isinstance(done, str)):
-                view[peer] = _Entry(peer, float(t), float(w), done)
-        return view
+        return None if result is False else parse_view(result)
 
     @staticmethod
     async def _dht_call(method: Callable[..., Any], *args: Any, timeout: float, **kwargs: Any) -> Any:
