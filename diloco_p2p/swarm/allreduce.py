@@ -74,104 +74,25 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from contextlib import suppress
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
 from diloco_p2p.swarm import streams, wire
+from diloco_p2p.swarm.allreduce_state import AllreduceResult, Session, conclude
 from diloco_p2p.swarm.streams import NETWORK_ERRORS
 
 log = logging.getLogger(__name__)
 
-SCATTER_FRACTION = 0.4
-GATHER_FRACTION = 0.7
 GO, NO_GO = b"\x01", b"\x00"
 _LINGER_TIMEOUT = 5.0  # how long a receiver keeps a stream open after its last byte, for the sender to close it
 
 PhaseHook = Callable[[str], object]  # may return an awaitable
 
 
-@dataclass
-class AllreduceResult:
-    average: torch.Tensor  # flat fp32, identical on every member that returns "ok"/"partial"
-    status: str  # "ok" (all parts committed) | "partial" (some parts zeroed) | "failed" (nothing usable)
-    committed_parts: list[int]
-    num_parts: int
-    contributors: list[str]  # base58 ids whose contributions entered at least one committed part
-    rejected: dict[str, str]  # base58 id -> nan | shape | weight | timeout | compression | group
-    bytes_sent: int  # frame bytes written to streams by the time the call returned
-    bytes_received: int  # frame bytes parsed for this group
-    seconds: float
-    part_contributors: dict[int, list[str]] = field(default_factory=dict)  # committed part -> contributors
-    agreed_with: list[str] = field(default_factory=list)  # members whose masks entered the intersection
-
-
 class _PeerGone(Exception):
     """The stream could not be opened, or the remote closed it before accepting our header."""
-
-
-class _Session:
-    """One all-reduce on this peer. Created by `allreduce()` or by the first message naming its
-    group_id, whichever comes first; messages wait on `started` until the local call begins."""
-
-    def __init__(self, group_id: str, now: float):
-        self.group_id, self.touched = group_id, now
-        self.started = asyncio.Event()
-        self.changed = asyncio.Condition()
-        self.finished, self.finished_at = False, 0.0
-
-    def start(
-        self, peer_ids: list[PeerID], me: int, n: int, compression: str, chunk: int, t0: float, T: float
-    ):
-        self.peer_ids, self.names = peer_ids, [p.to_base58() for p in peer_ids]
-        self.me, self.k, self.n = me, len(peer_ids), n
-        self.index = {name: i for i, name in enumerate(self.names)}
-        self.others = [j for j in range(self.k) if j != me]
-        self.bounds = wire.partition(n, self.k)
-        self.compression, self.chunk = compression, chunk
-        self.digest = wire.peers_digest(self.names)
-        self.d_scatter, self.d_gather, self.d_end = (
-            t0 + SCATTER_FRACTION * T,
-            t0 + GATHER_FRACTION * T,
-            t0 + T,
-        )
-        self.result: torch.Tensor | None = torch.zeros(n, dtype=torch.float32)
-        self.contribs: dict[int, tuple[float, list[bytes]]] = {}
-        self.rejected: dict[int, str] = {}  # reasons for contributions to *our* part
-        self.gathered: dict[int, dict[str, Any]] = {}  # part -> its (validated, complete) gather header
-        self.masks: dict[int, list[int]] = {}
-        self.heard: set[int] = set()
-        self.probing: set[int] = set()
-        self.gone: set[int] = set()
-        self.excluded: set[int] = set()  # sent us a message that contradicts our view (sizes, group, format)
-        self.reduced = self.mask_fixed = False
-        self.bytes_sent = self.bytes_received = 0
-        self.started.set()
-
-    def header(self, kind: str, **fields: Any) -> dict[str, Any]:
-        return {"kind": kind, "group": self.group_id, "digest": self.digest, **fields}
-
-    def pending(self, done: Iterable[int], only_heard: bool) -> list[int]:
-        """Live members still expected to deliver what `done` is keyed by."""
-        skip = self.gone | self.excluded | set(done)
-        return [j for j in self.others if j not in skip and (j in self.heard or not only_heard)]
-
-    async def notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
-
-    async def wait_until(self, predicate: Callable[[], bool], deadline: float) -> None:
-        async with self.changed:
-            with suppress(TimeoutError):
-                async with asyncio.timeout_at(deadline):
-                    await self.changed.wait_for(predicate)
-
-    def finish(self, now: float) -> None:
-        self.finished, self.finished_at = True, now
-        self.started.set()  # wakes messages still waiting for a start that will not come
-        self.result, self.contribs = None, {}
 
 
 class AllreduceService:
@@ -194,7 +115,7 @@ class AllreduceService:
         self.p2p, self.handler_name = p2p, f"{prefix}.allreduce.v1"
         self.chunk_elements, self.buffer_ttl = chunk_elements, buffer_ttl
         self.max_pending_sessions, self.probe_interval = max_pending_sessions, probe_interval
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._background: set[asyncio.Task] = set()  # sends
         self._handlers: set[asyncio.Task] = set()  # incoming streams being served
         self._running = False
@@ -287,7 +208,7 @@ class AllreduceService:
             mask = s.header("mask", mask=s.masks[s.me])
             later_tasks += [self._spawn(self._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone]
             await self._wait(s, lambda: s.pending(s.masks, only_heard=True), s.d_end)
-            result = self._conclude(s, time.perf_counter() - started)
+            result = conclude(s, time.perf_counter() - started)
             clean = True
             return result
         finally:
@@ -295,7 +216,7 @@ class AllreduceService:
             for task in scatter_tasks + ([] if clean else later_tasks):
                 task.cancel()  # gather/mask sends of a clean run finish in the background by d_end
 
-    def _scatter(self, s: _Session, tensor: torch.Tensor, weight: float) -> list[asyncio.Task]:
+    def _scatter(self, s: Session, tensor: torch.Tensor, weight: float) -> list[asyncio.Task]:
         # A sender whose vector is non-finite anywhere says so, and every reducer drops it, not just the
         # one whose part holds the NaN; a sender that lies about it is still caught part by part.
         finite, tasks = wire.is_finite(tensor), []
@@ -318,7 +239,7 @@ class AllreduceService:
             s.contribs[s.me] = (weight, own)
         return tasks
 
-    async def _wait(self, s: _Session, pending: Callable[[], list[int]], deadline: float) -> None:
+    async def _wait(self, s: Session, pending: Callable[[], list[int]], deadline: float) -> None:
         """Wait until nobody is `pending()` or `deadline`. Every `probe_interval` the silent members
         get a ping: a SIGKILLed peer (its stream is reset) or a vanished daemon (cannot open) becomes
         gone and is no longer waited for; a stalled one just times out the ping."""
@@ -332,7 +253,7 @@ class AllreduceService:
                 )
                 self._spawn(ping).add_done_callback(lambda _, j=j: s.probing.discard(j))
 
-    async def _reduce(self, s: _Session, max_ratio: float) -> tuple[dict[str, Any], list[bytes] | None]:
+    async def _reduce(self, s: Session, max_ratio: float) -> tuple[dict[str, Any], list[bytes] | None]:
         s.reduced = True  # from here on, contributions still in flight are late
         snapshot = dict(s.contribs)
         for j in range(s.k):
@@ -351,40 +272,6 @@ class AllreduceService:
         s.gathered[s.me] = header
         return header, frames
 
-    def _conclude(self, s: _Session, seconds: float) -> AllreduceResult:
-        assert s.result is not None
-        masks = {j: mask for j, mask in s.masks.items() if j not in s.excluded}
-        committed = [p for p in range(s.k) if all(mask[p] for mask in masks.values())]
-        agreed = sorted(masks)
-        average = s.result
-        if len(agreed) < 2 or not committed:  # nobody confirmed anything with us
-            status, committed, average = "failed", [], torch.zeros(s.n, dtype=torch.float32)
-        else:
-            status = "ok" if len(committed) == s.k else "partial"
-            for p in set(range(s.k)) - set(committed):
-                average[s.bounds[p][0] : s.bounds[p][1]] = 0.0
-        part_contributors = {p: [s.names[c] for c in s.gathered[p]["contributors"]] for p in committed}
-        contributors = sorted({c for p in committed for c in s.gathered[p]["contributors"]})
-        rejected: dict[str, str] = {}
-        for p in committed or sorted(s.gathered):
-            for j, reason in s.gathered[p]["rejected"].items():
-                if rejected.get(s.names[int(j)], "timeout") == "timeout":  # a specific reason beats "timeout"
-                    rejected[s.names[int(j)]] = reason
-        log.debug("allreduce %s: %s, parts %s/%d, rejected %s", s.group_id, status, committed, s.k, rejected)
-        return AllreduceResult(
-            average=average,
-            status=status,
-            committed_parts=committed,
-            num_parts=s.k,
-            contributors=[s.names[c] for c in contributors],
-            rejected=rejected,
-            bytes_sent=s.bytes_sent,
-            bytes_received=s.bytes_received,
-            seconds=seconds,
-            part_contributors=part_contributors,
-            agreed_with=[s.names[j] for j in agreed],
-        )
-
     # ------------------------------------------------------------------------- sending
 
     def _spawn(self, coro: Awaitable[bool]) -> asyncio.Task:
@@ -394,7 +281,7 @@ class AllreduceService:
         return task
 
     async def _send(
-        self, s: _Session, j: int, header: dict, frames: Iterable[bytes], deadline: float
+        self, s: Session, j: int, header: dict, frames: Iterable[bytes], deadline: float
     ) -> bool:
         """Deliver one message to member j before `deadline`; True iff the receiver accepted it."""
         try:
@@ -408,7 +295,7 @@ class AllreduceService:
             log.debug("allreduce %s: %s to %s failed: %r", s.group_id, header["kind"], s.names[j], e)
         return False
 
-    async def _send_stream(self, s: _Session, j: int, header: dict, frames: Iterable[bytes]) -> bool:
+    async def _send_stream(self, s: Session, j: int, header: dict, frames: Iterable[bytes]) -> bool:
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(s.peer_ids[j], self.handler_name)
         except NETWORK_ERRORS as e:
@@ -431,7 +318,7 @@ class AllreduceService:
 
     # ------------------------------------------------------------------------- receiving
 
-    def _session(self, group_id: str, local: bool) -> _Session | None:
+    def _session(self, group_id: str, local: bool) -> Session | None:
         now = asyncio.get_running_loop().time()
         s = self._sessions.get(group_id)
         if s is None:
@@ -443,7 +330,7 @@ class AllreduceService:
             pending = sum(not x.started.is_set() for x in self._sessions.values())
             if not local and pending >= self.max_pending_sessions:
                 return None
-            s = self._sessions[group_id] = _Session(group_id, now)
+            s = self._sessions[group_id] = Session(group_id, now)
         s.touched = now
         return s
 
@@ -498,7 +385,7 @@ class AllreduceService:
         finally:
             await s.notify()
 
-    async def _recv_scatter(self, s: _Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
+    async def _recv_scatter(self, s: Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
         lo, hi = s.bounds[s.me]
         if j in s.contribs or j in s.rejected or s.reduced:
             writer.write(NO_GO)
@@ -527,7 +414,7 @@ class AllreduceService:
         s.contribs[j] = (float(h["weight"]), frames)
         return True
 
-    async def _recv_gather(self, s: _Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
+    async def _recv_gather(self, s: Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
         lo, hi = s.bounds[j]
         valid = (
             h["part"] == j
@@ -555,7 +442,7 @@ class AllreduceService:
         s.gathered[j] = h
         return True
 
-    async def _recv_mask(self, s: _Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
+    async def _recv_mask(self, s: Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
         if len(h["mask"]) != s.k:
             s.excluded.add(j)
         accepted = len(h["mask"]) == s.k and j not in s.masks and not s.finished
@@ -565,7 +452,7 @@ class AllreduceService:
         return accepted
 
     async def _read_payload(
-        self, s: _Session, h: dict, reader, store: Callable
+        self, s: Session, h: dict, reader, store: Callable
     ) -> tuple[list[bytes], str | None]:
         """Read, decode and check the chunks announced by `h`; (frames, None) or (partial, reason)."""
         frames: list[bytes] = []

@@ -1,0 +1,138 @@
+"""One all-reduce's bookkeeping on one peer: its parts and deadlines, what arrived from whom,
+and the commit rule that turns the masks members exchanged into the result. No sockets here;
+the protocol that fills a `Session` is `diloco_p2p.swarm.allreduce` (its docstring describes
+the steps and the deadlines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+
+from diloco_p2p.swarm import wire
+
+log = logging.getLogger("diloco_p2p.swarm.allreduce")
+
+SCATTER_FRACTION = 0.4
+GATHER_FRACTION = 0.7
+
+
+@dataclass
+class AllreduceResult:
+    average: torch.Tensor  # flat fp32, identical on every member that returns "ok"/"partial"
+    status: str  # "ok" (all parts committed) | "partial" (some parts zeroed) | "failed" (nothing usable)
+    committed_parts: list[int]
+    num_parts: int
+    contributors: list[str]  # base58 ids whose contributions entered at least one committed part
+    rejected: dict[str, str]  # base58 id -> nan | shape | weight | timeout | compression | group
+    bytes_sent: int  # frame bytes written to streams by the time the call returned
+    bytes_received: int  # frame bytes parsed for this group
+    seconds: float
+    part_contributors: dict[int, list[str]] = field(default_factory=dict)  # committed part -> contributors
+    agreed_with: list[str] = field(default_factory=list)  # members whose masks entered the intersection
+
+
+class Session:
+    """One all-reduce on this peer. Created by `allreduce()` or by the first message naming its
+    group_id, whichever comes first; messages wait on `started` until the local call begins."""
+
+    def __init__(self, group_id: str, now: float):
+        self.group_id, self.touched = group_id, now
+        self.started = asyncio.Event()
+        self.changed = asyncio.Condition()
+        self.finished, self.finished_at = False, 0.0
+
+    def start(
+        self, peer_ids: list[PeerID], me: int, n: int, compression: str, chunk: int, t0: float, T: float
+    ):
+        self.peer_ids, self.names = peer_ids, [p.to_base58() for p in peer_ids]
+        self.me, self.k, self.n = me, len(peer_ids), n
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.others = [j for j in range(self.k) if j != me]
+        self.bounds = wire.partition(n, self.k)
+        self.compression, self.chunk = compression, chunk
+        self.digest = wire.peers_digest(self.names)
+        self.d_scatter, self.d_gather, self.d_end = (
+            t0 + SCATTER_FRACTION * T,
+            t0 + GATHER_FRACTION * T,
+            t0 + T,
+        )
+        self.result: torch.Tensor | None = torch.zeros(n, dtype=torch.float32)
+        self.contribs: dict[int, tuple[float, list[bytes]]] = {}
+        self.rejected: dict[int, str] = {}  # reasons for contributions to *our* part
+        self.gathered: dict[int, dict[str, Any]] = {}  # part -> its (validated, complete) gather header
+        self.masks: dict[int, list[int]] = {}
+        self.heard: set[int] = set()
+        self.probing: set[int] = set()
+        self.gone: set[int] = set()
+        self.excluded: set[int] = set()  # sent us a message that contradicts our view (sizes, group, format)
+        self.reduced = self.mask_fixed = False
+        self.bytes_sent = self.bytes_received = 0
+        self.started.set()
+
+    def header(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"kind": kind, "group": self.group_id, "digest": self.digest, **fields}
+
+    def pending(self, done: Iterable[int], only_heard: bool) -> list[int]:
+        """Live members still expected to deliver what `done` is keyed by."""
+        skip = self.gone | self.excluded | set(done)
+        return [j for j in self.others if j not in skip and (j in self.heard or not only_heard)]
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def wait_until(self, predicate: Callable[[], bool], deadline: float) -> None:
+        async with self.changed:
+            with suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self.changed.wait_for(predicate)
+
+    def finish(self, now: float) -> None:
+        self.finished, self.finished_at = True, now
+        self.started.set()  # wakes messages still waiting for a start that will not come
+        self.result, self.contribs = None, {}
+
+
+def conclude(s: Session, seconds: float) -> AllreduceResult:
+    """The result once the masks are in: committed parts = those every heard mask holds; the
+    other parts are zero; "failed" (all zeros) when no other member confirmed anything."""
+    assert s.result is not None
+    masks = {j: mask for j, mask in s.masks.items() if j not in s.excluded}
+    committed = [p for p in range(s.k) if all(mask[p] for mask in masks.values())]
+    agreed = sorted(masks)
+    average = s.result
+    if len(agreed) < 2 or not committed:  # nobody confirmed anything with us
+        status, committed, average = "failed", [], torch.zeros(s.n, dtype=torch.float32)
+    else:
+        status = "ok" if len(committed) == s.k else "partial"
+        for p in set(range(s.k)) - set(committed):
+            average[s.bounds[p][0] : s.bounds[p][1]] = 0.0
+    part_contributors = {p: [s.names[c] for c in s.gathered[p]["contributors"]] for p in committed}
+    contributors = sorted({c for p in committed for c in s.gathered[p]["contributors"]})
+    rejected: dict[str, str] = {}
+    for p in committed or sorted(s.gathered):
+        for j, reason in s.gathered[p]["rejected"].items():
+            if rejected.get(s.names[int(j)], "timeout") == "timeout":  # a specific reason beats "timeout"
+                rejected[s.names[int(j)]] = reason
+    log.debug("allreduce %s: %s, parts %s/%d, rejected %s", s.group_id, status, committed, s.k, rejected)
+    return AllreduceResult(
+        average=average,
+        status=status,
+        committed_parts=committed,
+        num_parts=s.k,
+        contributors=[s.names[c] for c in contributors],
+        rejected=rejected,
+        bytes_sent=s.bytes_sent,
+        bytes_received=s.bytes_received,
+        seconds=seconds,
+        part_contributors=part_contributors,
+        agreed_with=[s.names[j] for j in agreed],
+    )
