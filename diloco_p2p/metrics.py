@@ -37,6 +37,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from diloco_p2p.errors import UserError
+
 log = logging.getLogger(__name__)
 
 # The round outcomes a node reports (issue 3's round record `status`, plus `resynced` after a
@@ -260,12 +262,21 @@ class SeedMetrics:
 
 
 class MetricsServer:
-    """A running HTTP endpoint (a daemon thread); `shutdown()` stops it and frees the port."""
+    """A running HTTP endpoint (a daemon thread); `shutdown()` stops it and frees the port.
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int):
+    A port that cannot be bound (in use, privileged, bad host) is the user's to fix: `UserError`
+    naming the address and `option`, the setting that chooses the port."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, option: str = "metrics.port"):
         self.registry = registry
         self.host = host
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            raise UserError(
+                f"cannot serve metrics on {host}:{port} ({e.strerror or e}); choose a free port with {option} "
+                "(or 0 to turn metrics off)"
+            ) from None
         self.port: int = self._httpd.server_port
 
     def shutdown(self) -> None:
@@ -281,7 +292,7 @@ class SeedMetricsServer(MetricsServer):
         self.metrics = metrics
         self._stop = threading.Event()
         self._refresher = threading.Thread(target=self._run, args=(interval,), name="seed-metrics", daemon=True)
-        super().__init__(metrics.registry, host, port)
+        super().__init__(metrics.registry, host, port, option="--metrics-port")
         self._refresher.start()
 
     def _run(self, interval: float) -> None:
@@ -297,7 +308,8 @@ class SeedMetricsServer(MetricsServer):
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
     """Serve `registry` at http://host:port/metrics. Port 0 binds an ephemeral port (read it
-    from `.port`); whether 0 means "off" is the caller's decision (config: it does)."""
+    from `.port`); whether 0 means "off" is the caller's decision (config: it does). A port
+    that cannot be bound raises `UserError` naming it and ``metrics.port``."""
     return MetricsServer(registry, host, port)
 
 

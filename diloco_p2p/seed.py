@@ -131,11 +131,6 @@ def _start_metrics(host: str, port: int, dht: Any) -> Any:
 
     if not port:
         return None
-    try:
-        server = start_seed_metrics(host, max(port, 0), dht)
-    except OSError as e:
-        raise UserError(
-            f"cannot serve metrics on {host}:{port} ({e.strerror or e}); choose a free --metrics-port"
-        ) from None
+    server = start_seed_metrics(host, max(port, 0), dht)  # a busy port: UserError naming --metrics-port
     logger.info("metrics on http://%s:%d/metrics", host, server.port)
     return server

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import shutil
+import socket
 import subprocess
 import time
 import urllib.request
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from diloco_p2p import __version__
+from diloco_p2p.errors import UserError
 from diloco_p2p.metrics import (
     ALLREDUCE_BUCKETS,
     ROUND_STATUSES,
@@ -227,6 +229,22 @@ def test_serve_metrics_returns_the_bound_port():
     port = serve_metrics(m.registry, "127.0.0.1", 0)
     m.observe_inner_step(64, 1.5)
     assert "diloco_tokens_total 64.0" in scrape(port)
+
+
+@pytest.mark.parametrize("start, option", [
+    (lambda port: serve_metrics(NodeMetrics().registry, "127.0.0.1", port), "metrics.port"),
+    (lambda port: start_seed_metrics("127.0.0.1", port, dht=None), "--metrics-port"),
+])
+def test_a_port_in_use_is_one_line_naming_it_and_the_setting(start, option):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError) as e:
+            start(port)
+    msg = str(e.value)
+    assert msg.startswith(f"cannot serve metrics on 127.0.0.1:{port} (") and "\n" not in msg
+    assert f"choose a free port with {option}" in msg and e.value.exit_code == 2
 
 
 def test_start_seed_metrics_reads_the_dht():
