@@ -6,9 +6,6 @@ import math
 
 import pydantic.v1 as pydantic
 import pytest
-from hivemind.dht.crypto import DHTRecord
-from hivemind.dht.protocol import DHTProtocol
-from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
@@ -20,7 +17,7 @@ from diloco_p2p.swarm.records import (
     progress_key,
     progress_validator,
 )
-from tests.unit.progress_records import NOW, PEERS, make
+from tests.unit.dht_fixtures import NOW, PEERS, dht_record, make
 
 
 def wire(**overrides) -> dict:
@@ -74,25 +71,15 @@ def test_schema_rejects_missing_field(field):
         ProgressRecord.parse_obj(d)
 
 
-def _dht_record(run_id: str, subkey: str, value) -> DHTRecord:
-    ser = DHTProtocol.serializer
-    return DHTRecord(
-        key=DHTID.generate(source=progress_key(run_id)).to_bytes(),
-        subkey=ser.dumps(subkey),
-        value=ser.dumps(value),
-        expiration_time=NOW + 60,
-    )
-
-
 def test_hivemind_validator_accepts_records_and_tombstones_and_rejects_the_rest():
     v = progress_validator("r")
-    assert v.validate(_dht_record("r", PEERS[0], make().dict()))
-    assert v.validate(_dht_record("r", PEERS[0], None))  # tombstone
-    assert not v.validate(_dht_record("r", PEERS[0], wire(tokens_per_s=5)))  # needs a conversion
-    assert not v.validate(_dht_record("r", PEERS[0], wire(round=-1)))
-    assert not v.validate(_dht_record("r", "not a peer id!", make().dict()))
+    assert v.validate(dht_record(progress_key("r"), PEERS[0], make().dict()))
+    assert v.validate(dht_record(progress_key("r"), PEERS[0], None))  # tombstone
+    assert not v.validate(dht_record(progress_key("r"), PEERS[0], wire(tokens_per_s=5)))  # needs a conversion
+    assert not v.validate(dht_record(progress_key("r"), PEERS[0], wire(round=-1)))
+    assert not v.validate(dht_record(progress_key("r"), "not a peer id!", make().dict()))
     # other keys (other runs, other components) are not ours to judge
-    assert v.validate(_dht_record("other-run", PEERS[0], {"anything": 1}))
+    assert v.validate(dht_record(progress_key("other-run"), PEERS[0], {"anything": 1}))
 
 
 def test_validator_does_not_touch_pydantic_global_config():

@@ -15,7 +15,7 @@ from diloco_p2p.swarm.resync import (
     resync_target,
     round_majorities,
 )
-from tests.unit.progress_records import PEERS, make
+from tests.unit.dht_fixtures import PEERS, make
 
 # ---------------------------------------------------------------- config refusal
 

@@ -8,9 +8,6 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pydantic.v1 as pydantic
-from hivemind.dht.crypto import DHTRecord
-from hivemind.dht.protocol import DHTProtocol
-from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 
 from diloco_p2p.swarm.state.announcements import (
@@ -21,8 +18,9 @@ from diloco_p2p.swarm.state.announcements import (
     state_key,
     state_validator,
 )
+from tests.unit.dht_fixtures import dht_record
 
-NOW = 1_000_000.0
+NOW = 1_000_000.0  # the same as dht_fixtures.NOW: its records expire at NOW + 60
 # Valid base58 peer ids (sha2-256 multihashes of fixed bytes: "Qm..."), deterministic.
 PEERS = [PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()).to_base58() for i in range(40)]
 SHA_A, SHA_B, THETA = "a" * 64, "b" * 64, "c" * 64
@@ -58,25 +56,15 @@ def test_parse_keeps_valid_entries_newest_first_and_drops_the_rest():
     assert parse_announcements(SimpleNamespace(value="junk"), now=NOW) == []
 
 
-def _dht_record(run_id: str, subkey, value) -> DHTRecord:
-    ser = DHTProtocol.serializer
-    return DHTRecord(
-        key=DHTID.generate(source=state_key(run_id)).to_bytes(),
-        subkey=ser.dumps(subkey),
-        value=ser.dumps(value),
-        expiration_time=NOW + 60,
-    )
-
-
 def test_hivemind_validator_accepts_announcements_and_tombstones_only():
     v = state_validator("r")
-    assert v.validate(_dht_record("r", PEERS[0], _value()))
-    assert v.validate(_dht_record("r", PEERS[0], _value(params_hash=None)))
-    assert v.validate(_dht_record("r", PEERS[0], None))
-    assert not v.validate(_dht_record("r", PEERS[0], _value(size=-5)))
-    assert not v.validate(_dht_record("r", PEERS[0], {**_value(), "how": "pickle"}))
-    assert not v.validate(_dht_record("r", "nonsense!", _value()))
-    assert v.validate(_dht_record("another-run", PEERS[0], {"whatever": 1}))
+    assert v.validate(dht_record(state_key("r"), PEERS[0], _value()))
+    assert v.validate(dht_record(state_key("r"), PEERS[0], _value(params_hash=None)))
+    assert v.validate(dht_record(state_key("r"), PEERS[0], None))
+    assert not v.validate(dht_record(state_key("r"), PEERS[0], _value(size=-5)))
+    assert not v.validate(dht_record(state_key("r"), PEERS[0], {**_value(), "how": "pickle"}))
+    assert not v.validate(dht_record(state_key("r"), "nonsense!", _value()))
+    assert v.validate(dht_record(state_key("another-run"), PEERS[0], {"whatever": 1}))
     assert pydantic.BaseConfig.extra == pydantic.Extra.ignore  # the global config is untouched
 
 

@@ -1,6 +1,13 @@
-"""Progress records for unit tests: `make(peer, **fields)` with sensible defaults."""
+"""DHT values for unit tests: progress records (`make(peer, **fields)` with sensible defaults)
+and the signed-less `DHTRecord` a storing peer's validator sees (`dht_record`)."""
 
 from __future__ import annotations
+
+from typing import Any
+
+from hivemind.dht.crypto import DHTRecord
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
 
 from diloco_p2p.config import Config
 from diloco_p2p.swarm.records import ProgressRecord
@@ -28,3 +35,14 @@ def make(peer: str = PEERS[0], cfg: Config | None = None, **kw) -> ProgressRecor
     )
     fields.update(kw)
     return ProgressRecord.build(**fields)
+
+
+def dht_record(key: str, subkey: Any, value: Any, expiration: float = NOW + 60) -> DHTRecord:
+    """`value` under `key`/`subkey`, serialized as hivemind stores it."""
+    ser = DHTProtocol.serializer
+    return DHTRecord(
+        key=DHTID.generate(source=key).to_bytes(),
+        subkey=ser.dumps(subkey),
+        value=ser.dumps(value),
+        expiration_time=expiration,
+    )
