@@ -10,9 +10,11 @@ into tensors (safetensors) and a JSON skeleton that points at them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,7 @@ from diloco_p2p.errors import UserError
 
 FORMAT = "diloco-p2p/checkpoint-v1"
 KEEP = 2
+LATEST = "latest.json"
 
 
 def split_tensors(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
@@ -88,42 +91,130 @@ def _sha256_file(path: Path) -> str:
 
 
 def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write `ckpt` as ``round-NNNNNN.{safetensors,json}``, then point ``latest.json`` at it.
+
+    A write that fails (disk full, read-only disk) raises `UserError` naming the file: the files
+    of this round are removed and ``latest.json`` still points at the previous checkpoint.
+    """
     stem = f"round-{ckpt.round:06d}"
-    tensor_path = directory / f"{stem}.safetensors"
-    _atomic_write(tensor_path, lambda tmp: save_file(ckpt.tensors, tmp))
-    meta = dict(ckpt.meta, format=FORMAT, round=ckpt.round, step=ckpt.step, tokens=ckpt.tokens,
-                tensors_file=tensor_path.name, tensors_sha256=_sha256_file(tensor_path))
-    meta_path = directory / f"{stem}.json"
-    _atomic_write(meta_path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
-    _atomic_write(directory / "latest.json", lambda tmp: Path(tmp).write_text(json.dumps({"meta": meta_path.name})))
+    tensor_path, meta_path, pointer = directory / f"{stem}.safetensors", directory / f"{stem}.json", directory / LATEST
+    writing = tensor_path
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(tensor_path, lambda tmp: save_file(ckpt.tensors, tmp))
+        meta = dict(ckpt.meta, format=FORMAT, round=ckpt.round, step=ckpt.step, tokens=ckpt.tokens,
+                    tensors_file=tensor_path.name, tensors_sha256=_sha256_file(tensor_path))
+        writing = meta_path
+        _atomic_write(meta_path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
+        writing = pointer
+        _atomic_write(pointer, lambda tmp: Path(tmp).write_text(json.dumps({"meta": meta_path.name})))
+    except (OSError, SafetensorError) as e:
+        if _pointed_at(directory) != meta_path.name:  # never remove what latest.json points at
+            for path in (tensor_path, meta_path):
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+        raise UserError(
+            f"cannot write checkpoint {writing} ({_io_reason(e)}); free space there or choose another --run-dir, "
+            "then run the same command again: it resumes from the last complete checkpoint"
+        ) from None
     for old in sorted(directory.glob("round-*.json"))[:-KEEP]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)
     return meta_path
 
 
-def load_checkpoint(directory: Path, swarm_view: dict[str, Any] | None = None) -> Checkpoint | None:
-    """The latest checkpoint in `directory`, or None if there is none. Bad files raise UserError."""
-    pointer = directory / "latest.json"
-    if not pointer.exists():
-        return None
+def _io_reason(e: Exception) -> str:
+    """The operating system's words for a failed write ("No space left on device")."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    # safetensors: "Error while serializing: I/O error: No space left on device (os error 28)"
+    return re.sub(r" \(os error \d+\)$", "", str(e).rsplit("I/O error: ", 1)[-1])
+
+
+def _pointed_at(directory: Path) -> str | None:
     try:
-        meta_path = directory / json.loads(pointer.read_text())["meta"]
+        return json.loads((directory / LATEST).read_text())["meta"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class _Damaged(Exception):
+    """A checkpoint's files are missing, unreadable or do not match their recorded sha256."""
+
+
+def _verified(meta_path: Path) -> tuple[dict[str, Any], Path]:
+    """The metadata of the checkpoint `meta_path` and its tensor file, whose sha256 matches.
+
+    Raises `_Damaged` with the reason, or `UserError` for a checkpoint of another format."""
+    try:
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != FORMAT:
             raise UserError(f"checkpoint {meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}")
-        tensor_path = directory / meta["tensors_file"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(
-            f"checkpoint in {directory} is unreadable ({type(e).__name__}: {e}); "
-            "restore it or start with a new --run-dir"
-        ) from None
-    if not tensor_path.is_file() or _sha256_file(tensor_path) != meta["tensors_sha256"]:
-        raise UserError(
-            f"checkpoint {tensor_path} is missing or corrupt (sha256 mismatch); "
-            "restore it or start with a new --run-dir"
+        tensor_path = meta_path.parent / meta["tensors_file"]
+        sha256 = meta["tensors_sha256"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _Damaged(f"{meta_path} is unreadable ({type(e).__name__}: {e})") from None
+    try:
+        if _sha256_file(tensor_path) != sha256:
+            raise _Damaged(f"{tensor_path} is corrupt (sha256 mismatch)")
+    except OSError as e:
+        raise _Damaged(f"{tensor_path} is missing or unreadable ({e.strerror or e})") from None
+    return meta, tensor_path
+
+
+def _round_of(meta_path: Path) -> int | None:
+    try:
+        return int(meta_path.stem.removeprefix("round-"))
+    except ValueError:
+        return None
+
+
+def _rounds(directory: Path) -> list[int]:
+    """Rounds that have a checkpoint metadata file in `directory`, ascending."""
+    return sorted(r for p in directory.glob("round-*.json") if (r := _round_of(p)) is not None)
+
+
+def _damaged_error(directory: Path, reason: str, below: int | None) -> UserError:
+    """The line for a damaged checkpoint; names the newest intact one older than round `below`."""
+    for r in reversed(_rounds(directory)):
+        if below is not None and r >= below:
+            continue
+        try:
+            _verified(directory / f"round-{r:06d}.json")
+        except (_Damaged, UserError):
+            continue
+        return UserError(
+            f"checkpoint {reason}; the older checkpoint of round {r} beside it is intact: resume from it with "
+            f"--set train.resume_round={r} (the rounds after it are trained again), or restore the damaged file"
         )
+    return UserError(f"checkpoint {reason}; restore it or start with a new --run-dir")
+
+
+def load_checkpoint(
+    directory: Path, swarm_view: dict[str, Any] | None = None, round: int | None = None
+) -> Checkpoint | None:
+    """The latest checkpoint in `directory`, or that of `round` (``train.resume_round``); None if
+    there is none. A damaged one raises `UserError`, which names an older intact checkpoint and
+    how to resume from it when there is one; so does a checkpoint written with another config."""
+    if round is None:
+        pointer = directory / LATEST
+        if not pointer.exists():
+            return None
+        name = _pointed_at(directory)
+        if name is None:
+            raise _damaged_error(directory, f"pointer {pointer} is unreadable", below=None)
+        meta_path = directory / name
+    else:
+        meta_path = directory / f"round-{round:06d}.json"
+        if not meta_path.exists():
+            raise UserError(
+                f"train.resume_round={round}: {directory} has no checkpoint of round {round} (it has rounds "
+                f"{_rounds(directory) or 'none'}); pick one of those, or unset it to resume from the latest"
+            )
+    try:
+        meta, tensor_path = _verified(meta_path)
+    except _Damaged as e:
+        raise _damaged_error(directory, str(e), below=_round_of(meta_path)) from None
     if swarm_view is not None and meta.get("swarm_view") != swarm_view:
         diffs = diff_swarm_fields(swarm_view, meta.get("swarm_view") or {})
         raise UserError(
@@ -133,5 +224,6 @@ def load_checkpoint(directory: Path, swarm_view: dict[str, Any] | None = None) -
     try:
         tensors = load_file(str(tensor_path))
     except (SafetensorError, OSError) as e:
-        raise UserError(f"checkpoint {tensor_path} is not a valid safetensors file ({e}); use a new --run-dir") from None
+        reason = f"{tensor_path} is not a valid safetensors file ({e})"
+        raise _damaged_error(directory, reason, below=_round_of(meta_path)) from None
     return Checkpoint(round=meta["round"], step=meta["step"], tokens=meta["tokens"], tensors=tensors, meta=meta)

@@ -97,6 +97,11 @@ class TrainConfig(_Section):
         "auto", description="`auto` = bf16 autocast on CUDA, fp32 on CPU."
     )
     num_threads: int | None = Field(None, gt=0, description="torch CPU threads; unset = torch's default.")
+    resume_round: int | None = Field(
+        None, ge=0,
+        description="Resume from this round's local checkpoint instead of the latest (e.g. when the latest is "
+        "corrupt); unset = the latest.",
+    )
 
 
 class SyncConfig(_Section):
@@ -252,24 +257,41 @@ def apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build the config from defaults, then the file (if any), then ``--set`` overrides."""
+    """Build the config from defaults, then the file (if any), then ``--set`` overrides.
+
+    An invalid value is attributed to the ``--set`` argument that gave it, else to the file."""
     tree: dict[str, Any] = _read_file(Path(path)) if path else {}
+    sources: dict[tuple[str, ...], str] = {}
     for item in overrides:
-        apply_override(tree, *parse_override(item))
-    return validate_config(tree, source=str(path) if path else "--set")
+        keys, value = parse_override(item)
+        apply_override(tree, keys, value)
+        sources[tuple(keys)] = f"--set {item}"
+    return validate_config(tree, source=str(path) if path else "config", sources=sources)
 
 
-def validate_config(tree: dict[str, Any], source: str = "config") -> Config:
+def validate_config(tree: dict[str, Any], source: str = "config",
+                    sources: dict[tuple[str, ...], str] | None = None) -> Config:
+    """`Config` from a tree, or `UserError` naming the field and where its value came from:
+    `source`, unless `sources` (a field path -> the argument that set it) covers the field."""
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = tuple(str(p) for p in err["loc"])
+        where = ".".join(loc) or "(top level)"
+        source = _source_of(loc, sources or {}, source)
         if err["type"] == "extra_forbidden":
             raise UserError(
                 f"{source}: unknown field {where!r}; check the spelling against the config reference in README.md"
             ) from None
         raise UserError(f"{source}: field {where!r}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def _source_of(loc: tuple[str, ...], sources: dict[tuple[str, ...], str], default: str) -> str:
+    """The last ``--set`` that gave the field at `loc`, a value inside it, or the section holding it
+    (a cross-field check fails on the section); else `default`."""
+    hits = [arg for keys, arg in sources.items() if keys[:len(loc)] == loc or loc[:len(keys)] == keys]
+    return hits[-1] if hits else default
 
 
 def save_config(config: Config, path: Path) -> None:

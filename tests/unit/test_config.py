@@ -42,6 +42,30 @@ def test_bad_config_is_one_clear_line(overrides, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_bad_set_is_named_not_the_config_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("inner:\n  batch_size: 3\nsync:\n  target_group_size: 4\n")
+    cases = {
+        "inner.batch_size=many": "--set inner.batch_size=many: field 'inner.batch_size': ",
+        "outer.lrr=1": "--set outer.lrr=1: unknown field 'outer.lrr'",
+        "sync.min_group_size=5": "--set sync.min_group_size=5: field 'sync': Value error, sync.target_group_size",
+    }
+    for item, start in cases.items():
+        with pytest.raises(UserError) as e:
+            load_config(f, ["outer.lr=0.5", item, "train.max_rounds=3"])
+        assert str(e.value).startswith(start) and str(f) not in str(e.value)
+    f.write_text("inner:\n  batch_size: many\n")
+    with pytest.raises(UserError, match=rf"^{f}: field 'inner.batch_size': "):
+        load_config(f, ["inner.lr=0.1"])
+
+
+def test_resume_round_is_unset_by_default_and_checked():
+    assert Config().train.resume_round is None
+    assert load_config(None, ["train.resume_round=3"]).train.resume_round == 3
+    with pytest.raises(UserError, match="--set train.resume_round=-1: field 'train.resume_round'"):
+        load_config(None, ["train.resume_round=-1"])
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
