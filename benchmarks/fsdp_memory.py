@@ -60,11 +60,11 @@ def memory_table(nprocs: list[int]) -> None:
 def rank_main(args: argparse.Namespace) -> None:
     """One rank of the throughput run (or the whole run when WORLD_SIZE is 1)."""
     from diloco_p2p.data import build_dataset
-    from diloco_p2p.fsdp import ShardedInnerTrainer, ShardedOuterOptimizer, StridedBatches, shard_model
+    from diloco_p2p.fsdp import ShardLayout, shard_model
     from diloco_p2p.inner import InnerTrainer
-    from diloco_p2p.launch import init_local_ranks
     from diloco_p2p.model import build_model
     from diloco_p2p.outer import OuterOptimizer
+    from diloco_p2p.ranks import Ranks
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -76,17 +76,19 @@ def rank_main(args: argparse.Namespace) -> None:
     tok = ByteTokenizer()
     model = build_model(cfg.model, tok.vocab_size, cfg.seed)
     data = build_dataset(cfg.data, tok, cfg.inner.seq_len, "bench")
-    ranks = init_local_ranks(cfg.train)
+    ranks = Ranks.from_env(cfg.train.device)  # one rank: no process group, every collective a no-op
     total = args.warmup + args.steps
-    if ranks is None:
-        trainer = InnerTrainer(model, cfg.inner, total, torch.device("cpu"))
-        outer = OuterOptimizer(list(model.parameters()), cfg.outer)
-        batches, rank = data, 0
-    else:
+    if ranks.sharded:
         model = shard_model(model, ranks)
-        trainer = ShardedInnerTrainer(model, cfg.inner, total, ranks)
-        outer = ShardedOuterOptimizer(list(model.parameters()), cfg.outer, ranks)
-        batches, rank = StridedBatches(data, ranks.rank, ranks.world_size), ranks.rank
+    trainer = InnerTrainer(model, cfg.inner, total, ranks.device, ranks=ranks)
+    outer = OuterOptimizer(ShardLayout(list(model.parameters()), ranks).local_views(), cfg.outer)
+    rank, n = ranks.rank, ranks.world_size
+
+    class batches:  # rank r's rows of the node's next N·b windows, as the node takes them
+        @staticmethod
+        def next_batch(b: int) -> torch.Tensor:
+            return data.next_batch(b * n)[rank::n]
+
     for _ in range(args.warmup):
         trainer.step(lambda: batches.next_batch(cfg.inner.batch_size))
     start, tokens = time.perf_counter(), 0
@@ -94,9 +96,8 @@ def rank_main(args: argparse.Namespace) -> None:
         tokens += trainer.step(lambda: batches.next_batch(cfg.inner.batch_size)).tokens  # node-wide tokens
     seconds = time.perf_counter() - start
     outer_bytes = outer.theta.nbytes + outer.momentum.nbytes
-    if ranks is not None:
-        outer_bytes = int(ranks.all_reduce([outer_bytes], "max")[0])
-        ranks.close()
+    outer_bytes = int(ranks.all_reduce([outer_bytes], "max")[0])
+    ranks.close()
     if rank == 0:
         print(json.dumps({"world": world, "tokens_per_s": tokens / seconds, "outer_bytes_max_rank": outer_bytes,
                           "batch_per_rank": cfg.inner.batch_size}), flush=True)

@@ -7,14 +7,17 @@ Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: the process freezes with its soc
 a stalled machine would; the test sends SIGCONT), ``hold`` (block the training loop there
 for good while the process stays reachable: its metrics endpoint, DHT records and state server
 keep answering, so a test reads a node parked at a known round), ``nan`` (poison the
-pseudo-gradient), ``exit`` (raise SystemExit, for a local rank dying inside a multi-rank node).
+pseudo-gradient), ``exit`` (raise SystemExit, for a local rank dying inside a multi-rank node),
+``keep`` (no fault: keep each round's Δ and the average applied, so a test can recompute the
+mean itself; ``keep@average`` with no round means every round, saved as safetensors under
+``<run dir>/deltas/``).
 Points: ``delta`` (the round's pseudo-gradient is computed, before matchmaking), ``group`` (a
 group formed), ``allreduce`` (our parts are sent), and in a multi-rank node ``rankR.step``
 (local rank R is about to take inner step N, the number after the colon). Each item fires at
 most once. A misspelt item is an error at start, not a fault that silently never fires.
 Nothing here is active unless the variable is set.
 
-``DILOCO_P2P_START_GATE=PATH`` is the tests' start barrier: once a node has joined the swarm
+``DILOCO_P2P_START_GATE=PATH`` is the tests' start barrier (`Faults.start_gate`): once a node has joined the swarm
 it writes ``PATH.ready-<pid>`` and waits for ``PATH`` to exist before its first round, so a test
 starts several nodes' rounds together instead of hoping they start within a timeout.
 """
@@ -33,8 +36,9 @@ import torch
 log = logging.getLogger(__name__)
 ENV = "DILOCO_P2P_FAULTS"
 GATE_ENV = "DILOCO_P2P_START_GATE"
-ACTIONS = ("kill", "stop", "hold", "nan", "exit")
+ACTIONS = ("kill", "stop", "hold", "nan", "exit", "keep")
 POINT = re.compile(r"delta|group|allreduce|rank\d+\.step")
+EVERY_ROUND = -1
 
 
 def wait_at_start_gate(timeout: float = 300.0) -> None:
@@ -58,13 +62,32 @@ class Faults:
         for item in filter(None, (s.strip() for s in spec.split(","))):
             action, _, rest = item.partition("@")
             point, _, round_ = rest.partition(":")
+            if item == "keep@average":
+                self.pending.add(("keep", "average", EVERY_ROUND))
+                continue
             if action not in ACTIONS or not POINT.fullmatch(point) or not round_.isdigit():
                 raise ValueError(f"{ENV}: bad item {item!r}; expected ACTION@POINT:ROUND with ACTION one of "
                                  f"{', '.join(ACTIONS)} and POINT delta, group, allreduce or rankR.step, "
-                                 "e.g. kill@allreduce:2")
+                                 "e.g. kill@allreduce:2 (or keep@average)")
+            if action == "keep":
+                raise ValueError(f"{ENV}: bad item {item!r}; keep takes no point or round of its own: keep@average")
             if action == "nan" and point != "delta":
                 raise ValueError(f"{ENV}: bad item {item!r}; nan poisons the pseudo-gradient, so its point is delta")
             self.pending.add((action, point, int(round_)))
+
+    def start_gate(self) -> None:
+        """The tests' start barrier, once the node has joined (see the module docstring)."""
+        wait_at_start_gate()
+
+    def keep(self, directory: Path, round_: int, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        """With ``keep@average``: save this round's tensors under `directory`/deltas."""
+        if ("keep", "average", EVERY_ROUND) not in self.pending:
+            return
+        from safetensors.torch import save_file
+
+        (directory / "deltas").mkdir(parents=True, exist_ok=True)
+        save_file({k: t.contiguous() for k, t in tensors.items()},
+                  str(directory / "deltas" / f"round-{round_:06d}.safetensors"), metadata=meta)
 
     def _take(self, point: str, round_: int, actions: tuple[str, ...]) -> str | None:
         for action in actions:

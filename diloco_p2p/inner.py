@@ -1,5 +1,9 @@
 """The inner optimizer: AdamW steps on this node's own data.
 
+On a node of N local ranks the model is FSDP-sharded (`diloco_p2p.fsdp`): AdamW runs on the
+sharded parameters, and each step's loss and tokens are made node-wide with one small
+all-reduce, so every rank reports the node's mean loss and total tokens.
+
 Warmup + cosine schedule over the whole run, global-norm clipping, gradient accumulation,
 bf16 autocast on CUDA and fp32 on CPU. The AdamW state is local to the node and persists
 across rounds (DiLoCo resets only the parameters to θ at the start of a round).
@@ -15,16 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from diloco_p2p.config import InnerConfig
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        from diloco_p2p.errors import UserError
-
-        raise UserError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
-    return torch.device(name)
+from diloco_p2p.faults import Faults
+from diloco_p2p.ranks import Ranks
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
@@ -44,9 +40,13 @@ class StepStats:
 
 
 class InnerTrainer:
+    """AdamW with its schedule. Fault point for tests: ``rank{R}.step:{S}`` fires on local rank R
+    before global inner step S (`diloco_p2p.faults`)."""
+
     def __init__(self, model: torch.nn.Module, cfg: InnerConfig, total_steps: int, device: torch.device,
-                 precision: str = "auto"):
+                 precision: str = "auto", ranks: Ranks | None = None, faults: Faults | None = None):
         self.model, self.cfg, self.device = model, cfg, device
+        self.ranks, self.faults = ranks or Ranks(device), faults or Faults()
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -68,7 +68,8 @@ class InnerTrainer:
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
     def step(self, next_batch: Callable[[], torch.Tensor]) -> StepStats:
-        """One optimizer step over `grad_accum` micro-batches."""
+        """One optimizer step over `grad_accum` micro-batches; loss and tokens are the node's."""
+        self.faults.fire(f"rank{self.ranks.rank}.step", self.scheduler.last_epoch + 1)
         self.model.train()
         total = torch.zeros((), device=self.device)
         tokens = 0
@@ -83,7 +84,9 @@ class InnerTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss=float(total), tokens=tokens)  # float() is a device sync point, once per step
+        # float() is a device sync point, once per step; on N ranks so is the all-reduce.
+        loss_sum, node_tokens = self.ranks.all_reduce([float(total), float(tokens)])
+        return StepStats(loss=loss_sum / self.ranks.world_size, tokens=int(node_tokens))
 
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float | None:

@@ -1,4 +1,4 @@
-"""Local ranks of one node: spawning them, and joining them into a process group.
+"""Spawning the local ranks of one node (a small torchrun).
 
 A node may be N processes on one machine (one per GPU) that shard the model with FSDP2 and
 behave as one DiLoCo node towards the swarm (see `diloco_p2p.fsdp`). Two ways to start them:
@@ -8,9 +8,8 @@ behave as one DiLoCo node towards the swarm (see `diloco_p2p.fsdp`). Two ways to
   (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and waits.
 - ``torchrun --nproc-per-node N -m diloco_p2p train ...``: torchrun sets the same variables.
 
-Either way each rank calls `init_local_ranks`, which reads those variables and joins the
-process group (NCCL on CUDA, gloo on CPU). Every collective runs under a timeout so a peer
-rank that stalls does not hang the others forever.
+Either way each rank runs the same train command as a 1-rank node; `Ranks.from_env`
+(`diloco_p2p.ranks`) reads those variables and joins the process group.
 
 When one rank dies the node cannot go on: the FSDP collectives of the others would wait for
 it. The launcher then stops the other ranks (SIGTERM, then SIGKILL after `grace_s`) and exits
@@ -36,28 +35,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from diloco_p2p.errors import UserError
-
-if TYPE_CHECKING:
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from diloco_p2p.config import TrainConfig
+from diloco_p2p.ranks import NPROC_FLAG
 
 log = logging.getLogger(__name__)
 
-NPROC_FLAG = "--nproc-per-node"
-# How long a collective may wait for a peer rank. It must exceed the longest stretch one rank
-# spends alone: a checkpoint write on rank 0, or a swarm round (matchmaking + all-reduce +
-# state download) that each rank runs for its own shard while the others wait at the next
-# collective. A rank that is dead, rather than stalled, is caught much sooner by the launcher.
-DEFAULT_TIMEOUT_S = 900.0
 DEFAULT_GRACE_S = 5.0
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 # -- the launcher ---------------------------------------------------------------------------
@@ -83,11 +68,6 @@ def split_nproc_arg(argv: Sequence[str]) -> tuple[list[str], int | None]:
     return rest, nproc
 
 
-def launched_as_rank() -> bool:
-    """True inside a rank started by `launch_local_ranks` or torchrun."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago (the usual torchrun way)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -111,7 +91,7 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-class _Ranks:
+class _RankProcs:
     """The spawned rank processes and their exit codes."""
 
     def __init__(self, procs: list[subprocess.Popen]):
@@ -171,7 +151,7 @@ def launch_local_ranks(argv: Sequence[str], nproc: int, *, module: str = "diloco
         procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                                       start_new_session=True, preexec_fn=_die_with_parent))
         log.info("started local rank %d of %d (pid %d)", rank, nproc, procs[-1].pid)
-    ranks = _Ranks(procs)
+    ranks = _RankProcs(procs)
 
     def forward(signum: int, frame: Any) -> None:
         log.info("launcher got %s: asking the local ranks to stop", signal.Signals(signum).name)
@@ -192,7 +172,7 @@ def launch_local_ranks(argv: Sequence[str], nproc: int, *, module: str = "diloco
         ranks.close()
 
 
-def _fail(ranks: _Ranks, rank: int, grace_s: float) -> int:
+def _fail(ranks: _RankProcs, rank: int, grace_s: float) -> int:
     code = ranks.codes[rank]
     others = ranks.live()
     print(f"error: local rank {rank} of {len(ranks.procs)} {_describe(code)}; "
@@ -206,186 +186,3 @@ def _fail(ranks: _Ranks, rank: int, grace_s: float) -> int:
         while ranks.live():
             ranks.wait_any(None)
     return code if code > 0 else 128 - code
-
-
-# -- inside a rank ------------------------------------------------------------------------------
-
-
-@dataclass
-class LocalRanks:
-    """This process's place in its node, and the few small collectives the node loop needs."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    mesh: DeviceMesh
-
-    @property
-    def comm_device(self) -> torch.device:
-        return self.device  # NCCL wants CUDA tensors, gloo CPU tensors
-
-    def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.comm_device)
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-        return t.tolist()
-
-    def any(self, flag: bool) -> bool:
-        """True on every rank if `flag` is true on any rank (a node-wide decision)."""
-        return self.all_reduce([1.0 if flag else 0.0], "max")[0] > 0
-
-    def broadcast_str(self, value: str, src: int = 0) -> str:
-        """`value` of rank `src` on every rank, as raw bytes (no pickle)."""
-        import torch
-        import torch.distributed as dist
-
-        data = value.encode() if self.rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self.comm_device)
-        dist.broadcast(size, src)
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.comm_device)
-        if self.rank == src and data:
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        dist.broadcast(buf, src)
-        return bytes(buf.cpu().tolist()).decode()
-
-    def all_gather_fixed(self, data: bytes) -> list[bytes]:
-        """Every rank's `data` (all the same length), in rank order (no pickle)."""
-        import torch
-        import torch.distributed as dist
-
-        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.comm_device)
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine)
-        return [bytes(t.cpu().tolist()) for t in out]
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def local_world_size() -> int:
-    """WORLD_SIZE from the environment (1 outside torchrun and our launcher)."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise UserError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number") from None
-
-
-def init_local_ranks(train_cfg: TrainConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> LocalRanks | None:
-    """Join this node's process group if we are one of several local ranks; None otherwise.
-
-    NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU. `timeout_s` bounds every collective
-    and the rendezvous, so a peer rank that stalls ends in an error here instead of a hang.
-    """
-    world = local_world_size()
-    if world <= 1:
-        return None
-    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        raise UserError(f"WORLD_SIZE={world} but {', '.join(missing)} unset; start the node with "
-                        f"`diloco-p2p train {NPROC_FLAG} N` or torchrun")
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from diloco_p2p.inner import resolve_device
-
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    device = resolve_device(train_cfg.device)
-    if device.type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise UserError(f"local rank {local_rank} needs a GPU but only {torch.cuda.device_count()} are visible; "
-                            f"use {NPROC_FLAG} {torch.cuda.device_count()}")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    mesh = init_device_mesh(device.type, (world,))
-    log.debug("local rank %d of %d on %s (%s)", rank, world, device, backend)
-    return LocalRanks(rank=rank, world_size=world, local_rank=local_rank, device=device, mesh=mesh)
-
-
-def peer_rank_failed(e: BaseException) -> bool:
-    """Whether `e` is a collective failing because another rank died or stalled.
-
-    NCCL raises `DistError`s; gloo raises plain RuntimeErrors, told apart by their message.
-    """
-    import torch.distributed as dist
-
-    if isinstance(e, dist.DistError):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out")
-    )
-
-
-# -- entry point ----------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m diloco_p2p.launch train [--nproc-per-node N] ...``: the train command with local
-    ranks; what ``diloco-p2p train`` does once `cli.cmd_train` delegates here (see `train`)."""
-    from diloco_p2p.cli import build_parser
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        rest, nproc = split_nproc_arg(argv[1:] if argv[:1] == ["train"] else argv)
-        args = build_parser().parse_args(["train", *rest])
-        return train(args, rest, nproc or 1, module="diloco_p2p.launch")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-
-
-def train(args: Any, argv: Sequence[str], nproc: int, *, module: str = "diloco_p2p") -> int:
-    """The train command: be the launcher of `nproc` ranks, one of the ranks, or a plain node."""
-    from pathlib import Path
-
-    from diloco_p2p import cli
-
-    config = cli._config_from_args(args)  # a bad config fails here, once, before any rank starts
-    cli._setup_logging(config.log.level, config.log.json_format)
-    if not launched_as_rank():
-        return launch_local_ranks(argv, nproc, module=module) if nproc > 1 else cli.cmd_train(args)
-    if nproc > 1 and nproc != local_world_size():
-        raise UserError(f"{NPROC_FLAG} {nproc} but the launcher started {local_world_size()} ranks; "
-                        f"drop {NPROC_FLAG} under torchrun")
-    if local_world_size() <= 1:
-        return cli.cmd_train(args)
-    from diloco_p2p.fsdp import train_local_rank
-    from diloco_p2p.node import StopRequested
-
-    run_dir = args.run_dir or Path("runs") / config.run_id
-    stop = StopRequested()
-    stop.install()
-    try:
-        records = train_local_rank(config, run_dir, stop, lambda: cli._start_metrics(config, run_dir))
-    except Exception as e:
-        if not peer_rank_failed(e):
-            raise
-        # The launcher (or torchrun) names the rank that failed; this rank only follows it.
-        print(f"error: local rank {os.environ.get('RANK')}: another rank of this node failed, exiting "
-              f"({' '.join(str(e).split())[:160]})", file=sys.stderr, flush=True)
-        return 1
-    if records and os.environ.get("RANK") == "0":
-        last = records[-1]
-        log.info("done: round %d, eval loss %s, params %s", last["round"], last["eval_loss"],
-                 last["params_sha256"][:12])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

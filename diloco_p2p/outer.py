@@ -14,6 +14,9 @@ with Δ̄ as the gradient:
 flat buffer each so the network layer can hand an averaged flat vector straight back. Every
 peer that applies the same Δ̄ to the same (θ, m) ends with bit-identical θ, which
 `params_sha256` makes checkable. With η = 1 and β = 0 the step is plain parameter averaging.
+
+Hashing θ costs a pass over it (4 GB at 1B parameters), so the hash is cached by `version`,
+which changes whenever θ does: θ is hashed once per distinct value, not once per caller.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class OuterOptimizer:
         self.numels = [p.numel() for p in params]
         self.theta = flatten(params)
         self.momentum = torch.zeros_like(self.theta)
+        self.version = 0  # bumped whenever θ changes
+        self._hash: tuple[int, str] | None = None
 
     @property
     def numel(self) -> int:
@@ -65,6 +70,7 @@ class OuterOptimizer:
         self.momentum.mul_(beta).add_(delta)
         update = delta.add(self.momentum, alpha=beta) if self.cfg.nesterov else self.momentum
         self.theta.sub_(update, alpha=lr)
+        self.version += 1
 
     def copy_into(self, params: Sequence[torch.Tensor]) -> None:
         """Load θ into the model's (local) parameters, whatever their device and dtype."""
@@ -73,7 +79,10 @@ class OuterOptimizer:
                 p.copy_(chunk.view(p.shape))
 
     def params_sha256(self) -> str:
-        return tensor_sha256(self.theta)
+        """sha256 of θ's bytes (cached until θ changes)."""
+        if self._hash is None or self._hash[0] != self.version:
+            self._hash = (self.version, tensor_sha256(self.theta))
+        return self._hash[1]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"outer.theta": self.theta, "outer.momentum": self.momentum}
@@ -86,3 +95,4 @@ class OuterOptimizer:
             )
         self.theta = theta.to(torch.float32).clone()
         self.momentum = momentum.to(torch.float32).clone()
+        self.version += 1

@@ -1,13 +1,17 @@
 """The swarm seen from the training loop: one object that averages a pseudo-gradient per round.
 
 `SwarmSync` composes hivemind's DHT with our own pieces on its P2P transport: matchmaking
-(`matchmaking.py`), the all-reduce (`allreduce.py`), state sharing (`state_sharing.py`) and
-progress records (`records.py`). The loop calls three methods:
+(`matchmaking.py`), the all-reduce (`allreduce.py`), state sharing (`state/`), progress records
+(`records.py`) and the resync policy (`resync.py`). It sees the node only as a `NodeState`
+(`diloco_p2p.contract`) and hands back data; the loop calls four methods:
+
+- `announce`: publish a `started` record; a node with another config is refused here.
 
 - `before_round`: compare our (round, params hash) with the swarm's progress records. A node
   that is behind (it stalled, crashed, or just joined) or that holds a minority θ for its
   round (it ended a round alone while others averaged) downloads the swarm's state instead
-  of averaging stale parameters. Its own progress since is dropped (`status: resynced`).
+  of averaging stale parameters: `before_round` returns it, verified, and the node adopts it
+  (its own progress since is dropped: `status: resynced`).
   The majority rule (ties to the smallest hash) is the same on every node, so a fork heals
   deterministically: the smaller side adopts the larger side's state.
 - `average`: form a group of the nodes at the same round with the same θ, all-reduce Δ,
@@ -20,10 +24,9 @@ an exception out of the loop.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
-import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -31,36 +34,29 @@ from typing import Any
 import torch
 
 from diloco_p2p import __version__
-from diloco_p2p.config import Config
+from diloco_p2p.config import P2PConfig, SyncConfig
+from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState, view_hash
 from diloco_p2p.faults import Faults
-from diloco_p2p.node import Node, StopRequested, SyncOutcome
-from diloco_p2p.swarm.allreduce import AllreduceService
+from diloco_p2p.swarm.allreduce import AllreduceResult, AllreduceService
 from diloco_p2p.swarm.dht import dht_peer_count, start_dht
 from diloco_p2p.swarm.matchmaking import Matchmaker
 from diloco_p2p.swarm.records import (
     ProgressRecord,
-    check_config,
     progress_validator,
     publish_progress_async,
     read_progress_async,
-    reference_records,
-    resync_target,
     withdraw_progress_async,
 )
+from diloco_p2p.swarm.resync import check_config, reference_records, resync_target
 from diloco_p2p.swarm.runner import BackgroundLoop
-from diloco_p2p.swarm.state_sharing import (
-    StateServer,
-    StateUnavailable,
-    fetch_state,
-    pack_state,
-    state_validator,
-    unpack_state,
-)
+from diloco_p2p.swarm.state.announcements import state_validator
+from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
+from diloco_p2p.swarm.state.codec import pack_state, unpack_state
+from diloco_p2p.swarm.state.server import StateServer
 
 log = logging.getLogger(__name__)
 
 PROGRESS_TTL = 60.0
-SAVE_DELTAS_ENV = "DILOCO_P2P_SAVE_DELTAS"
 
 
 class Interrupted(Exception):
@@ -68,37 +64,39 @@ class Interrupted(Exception):
 
 
 class SwarmSync:
-    def __init__(self, config: Config, run_dir: Path, stop: StopRequested, faults: Faults | None = None):
-        self.config, self.cfg, self.stop = config, config.sync, stop
-        self.run_id = config.run_id
+    """One swarm endpoint: a DHT peer with its p2pd, in the DHT namespace `run_id`.
+
+    A node of one rank has one, in its run's namespace; each rank of an N-rank node has its own,
+    in its shard's namespace (`diloco_p2p.swarm.shards`). `swarm_view` is what every node of
+    the namespace must share (`Config.swarm_view()`): a node whose view differs is refused.
+    """
+
+    def __init__(self, cfg: SyncConfig, p2p: P2PConfig, *, run_id: str, swarm_view: dict[str, Any], run_dir: Path,
+                 stop: StopRequested, faults: Faults | None = None):
+        self.cfg, self.stop, self.run_id, self.run_dir = cfg, stop, run_id, run_dir
         self.faults = faults or Faults()
-        identity = Path(config.p2p.identity_path) if config.p2p.identity_path else run_dir / "identity.key"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_dir = run_dir
-        # Test mode: keep each round's Δ and average so a test can recompute the mean itself.
-        self.save_deltas = os.environ.get(SAVE_DELTAS_ENV) == "1"
-        self.swarm_view = config.swarm_view()
-        self.config_hash = config.swarm_hash()
-        self.last_record: dict[str, Any] = {}
+        self.swarm_view, self.config_hash = swarm_view, view_hash(swarm_view)
         self.agreement: dict[str, bool] = {}
         # The last round our θ came out of a group, directly or via a resync (`reference_records`).
         self.averaged_round: int | None = None
         self._adopted_averaged_round: int | None = None
         self.resync_exclude: frozenset[str] = frozenset()  # peers whose state is not the swarm's
+        run_dir.mkdir(parents=True, exist_ok=True)
+        identity = Path(p2p.identity_path) if p2p.identity_path else run_dir / "identity.key"
         # hivemind forks the DHT process: create it before any thread of ours.
-        validators = [progress_validator(self.run_id), state_validator(self.run_id)]
-        self.dht = start_dht(config.p2p, identity, record_validators=validators)
+        validators = [progress_validator(run_id), state_validator(run_id)]
+        self.dht = start_dht(p2p, identity, record_validators=validators)
         self.loop = BackgroundLoop()
-        self._heartbeat = None
+        self.progress: ProgressPublisher | None = None
         try:
             self.p2p = self.loop.run(self.dht.replicate_p2p())
             self.peer_id = self.p2p.peer_id.to_base58()
-            self.matchmaker = Matchmaker(self.dht, self.p2p, run_id=self.run_id)
-            self.allreduce = AllreduceService(self.p2p, prefix=self.run_id)
-            self.state_server = StateServer(self.dht, self.p2p, run_id=self.run_id)
+            self.matchmaker = Matchmaker(self.dht, self.p2p, run_id=run_id)
+            self.allreduce = AllreduceService(self.p2p, prefix=run_id)
+            self.state_server = StateServer(self.dht, self.p2p, run_id=run_id)
             self.loop.run(self._start())
             self.check_config()  # a refused node leaves before it ever published anything
-            self._heartbeat = self.loop.submit(self._publish_forever())
+            self.progress = ProgressPublisher(self.dht, self.loop, run_id)
         except BaseException:
             self.close()
             raise
@@ -118,13 +116,19 @@ class SwarmSync:
         """Refuse to join a swarm whose config differs from ours (raises UserError listing fields)."""
         check_config(self.records(), self.swarm_view, self.config_hash, self.peer_id)
 
-    # -- the three calls of the loop -----------------------------------------------------------
+    # -- the calls of the loop -----------------------------------------------------------------
 
-    def before_round(self, node: Node) -> dict[str, Any] | None:
-        """Catch up with the swarm if we are behind, hold a minority θ or were cut off from the
-        averaging nodes (`resync_target`); returns the round's outcome then."""
+    def announce(self, node: NodeState) -> None:
+        """Publish a `started` record as soon as the node is built: the swarm (and `status`)
+        sees us before our first round ends, and a node with another config is refused at once."""
+        self._publish(node, None)
+        self.faults.start_gate()
+
+    def before_round(self, node: NodeState) -> SwarmState | None:
+        """The swarm's state if we are behind, hold a minority θ or were cut off from the
+        averaging nodes (`resync_target`); None to train on from our own."""
         others = self.records()
-        ours = node.outer.params_sha256()
+        ours = node.shard_sha256
         reference = reference_records(others)  # the nodes that speak for the swarm's state
         self.resync_exclude = frozenset(others) - frozenset(reference)
         # For the round's record: do those at our round hold our θ, and every node our config?
@@ -135,35 +139,32 @@ class SwarmSync:
         if target is None:
             return None
         log.warning("%s; downloading the swarm's state", target.reason)
-        start = time.perf_counter()
         # What we serve is stale from now on: a joiner must not download it while we catch up.
         self.loop.run(self.state_server.withdraw(), timeout=15)
+        return self.fetch(target.min_round, target.exclude)
+
+    def fetch(self, min_round: int, exclude: frozenset[str] | None = None) -> SwarmState | None:
+        """Download and verify the swarm's state at `min_round` or later (None if no donor could
+        serve it in time, or a stop was requested)."""
+        start = time.perf_counter()
+        exclude = self.resync_exclude if exclude is None else exclude
         try:
             fetched = self._interruptible(
-                fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=target.min_round,
-                            exclude=target.exclude, timeout=self.cfg.state_timeout),
+                fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=min_round, exclude=exclude,
+                            timeout=self.cfg.state_timeout),
                 timeout=self.cfg.state_timeout + 10,
             )
         except (StateUnavailable, TimeoutError, Interrupted) as e:
             log.warning("could not download the swarm's state (%s); training on from our own", e)
             return None
         tensors, meta = unpack_state(fetched.blob)
-        dropped = node.round
-        node.adopt_state(tensors, int(meta["round"]))
-        self.adopted(meta)
-        return {
-            "status": "resynced", "group_size": 0, "average": None,
-            "extra": {"state_bytes": fetched.bytes, "state_seconds": time.perf_counter() - start,
-                      "donor": fetched.donor, "dropped_round": dropped, "resyncs": node.resyncs,
-                      "joined_at_round": node.joined_at_round, **self.agreement},
-        }
-
-    def adopted(self, meta: dict[str, Any]) -> None:
-        """We took a downloaded state: our θ's averaging history is now the donor's."""
-        value = meta.get("averaged_round")
+        value = meta.get("averaged_round")  # our θ's averaging history is now the donor's
         self._adopted_averaged_round = value if isinstance(value, int) and value >= 0 else None
+        outcome = RoundOutcome(status="resynced", group_size=0, state_bytes=fetched.bytes,
+                               state_seconds=time.perf_counter() - start, donor=fetched.donor, **self.agreement)
+        return SwarmState(tensors=tensors, round=int(meta["round"]), outcome=outcome)
 
-    def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> SyncOutcome:
+    def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
         self.faults.fire("delta", round)
         delta = self.faults.poison("delta", round, delta)
         try:
@@ -187,28 +188,26 @@ class SwarmSync:
         except Interrupted as e:
             log.warning("round %d: averaging interrupted (%s)", round, e)
             return self._alone(delta, "failed", 1)
-        extra = {**self.agreement, "contributors": len(result.contributors), "rejected": result.rejected,
-                 "parts_committed": len(result.committed_parts), "parts": result.num_parts,
-                 "dropped_peers": len(group.peers) - len(result.contributors)}
         if result.status == "failed":
             outcome = self._alone(delta, "failed", len(group.peers))
         else:
-            outcome = SyncOutcome(average=result.average, status="committed", group_size=len(group.peers))
-        if self.save_deltas:
-            self._save_delta(round, delta, weight, result)
+            outcome = RoundOutcome(status="committed", average=result.average, group_size=len(group.peers),
+                                   **self.agreement)
+        self._keep(round, delta, weight, result)
         outcome.allreduce_seconds = result.seconds
         outcome.bytes_sent, outcome.bytes_received = result.bytes_sent, result.bytes_received
-        outcome.extra.update(extra)
+        outcome.contributors, outcome.rejected = len(result.contributors), result.rejected
+        outcome.parts_committed, outcome.parts = len(result.committed_parts), result.num_parts
+        outcome.dropped_peers = len(group.peers) - len(result.contributors)
         return outcome
 
-    def _save_delta(self, round: int, delta: torch.Tensor, weight: float, result: Any) -> None:
-        from safetensors.torch import save_file
+    def _keep(self, round: int, delta: torch.Tensor, weight: float, result: AllreduceResult) -> None:
+        """Tests (``keep@average``): each round's Δ and the average, to recompute the mean."""
+        import json
 
-        (self.run_dir / "deltas").mkdir(exist_ok=True)
         meta = {"weight": repr(weight), "contributors": json.dumps(result.contributors),
                 "committed_parts": json.dumps(result.committed_parts), "num_parts": str(result.num_parts)}
-        save_file({"delta": delta.contiguous(), "average": result.average.contiguous()},
-                  str(self.run_dir / "deltas" / f"round-{round:06d}.safetensors"), metadata=meta)
+        self.faults.keep(self.run_dir, round, {"delta": delta, "average": result.average}, meta)
 
     def _interruptible(self, coro, timeout: float):
         """Run `coro` on our loop; a stop request cancels it within a fraction of a second."""
@@ -222,59 +221,38 @@ class SwarmSync:
                     future.cancel()
                     raise Interrupted("stop requested" if self.stop.requested else "timed out") from None
 
-    def _alone(self, delta: torch.Tensor, status: str, group_size: int) -> SyncOutcome:
+    def _alone(self, delta: torch.Tensor, status: str, group_size: int) -> RoundOutcome:
         average = delta if self.cfg.alone_policy == "apply" and torch.isfinite(delta).all() else None
-        return SyncOutcome(average=average, status=status, group_size=group_size, extra=dict(self.agreement))
+        return RoundOutcome(status=status, average=average, group_size=group_size, **self.agreement)
+
+    def after_round(self, node: NodeState, record: RoundRecord) -> None:
+        """Publish our progress record and serve the new state to joiners."""
+        if record.status == "committed":
+            self.averaged_round = node.round
+        elif record.status == "resynced":
+            self.averaged_round = self._adopted_averaged_round
+        self._publish(node, record)
+        meta = {"round": node.round, "params_sha256": node.shard_sha256, "config_hash": self.config_hash,
+                "averaged_round": self.averaged_round}
+        self.loop.run(self.state_server.set_state(node.round, pack_state(node.state, meta), node.shard_sha256),
+                      timeout=60)
 
     def dht_peers(self) -> int:
         """DHT peers this node knows (its routing table), for the node's metrics."""
         return dht_peer_count(self.dht)
 
-    def announce(self, node: Node) -> None:
-        """Publish a `started` record as soon as the node is built: the swarm (and `status`)
-        sees us before our first round ends, and a node with another config is refused at once."""
-        self.last_record = self._progress(node, {"status": "started"})
-        self.loop.run(publish_progress_async(self.dht, self.run_id, ProgressRecord.build(**self.last_record),
-                                             ttl=PROGRESS_TTL), timeout=30)
+    # -- our progress record ---------------------------------------------------------------------
 
-    def after_round(self, node: Node, record: dict[str, Any]) -> None:
-        if record.get("status") == "committed":
-            self.averaged_round = node.round
-        elif record.get("status") == "resynced":
-            self.averaged_round = self._adopted_averaged_round
-        self.last_record = self._progress(node, record)
-        self.loop.run(publish_progress_async(self.dht, self.run_id, ProgressRecord.build(**self.last_record),
-                                             ttl=PROGRESS_TTL), timeout=30)
-        tensors, meta = node.shared_state()
-        meta = dict(meta, averaged_round=self.averaged_round)
-        self.loop.run(self.state_server.set_state(node.round, pack_state(tensors, meta), meta["params_sha256"]),
-                      timeout=60)
-
-    def _progress(self, node: Node, record: dict[str, Any]) -> dict[str, Any]:
-        return dict(
-            peer_id=self.peer_id, round=node.round, step=node.step, tokens=node.tokens,
-            tokens_per_s=record.get("tokens_per_s") or 0.0, params_sha256=node.outer.params_sha256(),
-            config_hash=self.config_hash, config_view=self.swarm_view,
-            status=record.get("status", "started"), train_loss=record.get("train_loss"),
-            eval_loss=record.get("eval_loss"), group_size=record.get("group_size", 0),
-            joined_at_round=node.joined_at_round or 0, resyncs=node.resyncs, averaged_round=self.averaged_round,
-            version=__version__,
-        )
-
-    async def _publish_forever(self) -> None:
-        """Refresh our progress record while a long round runs, so we do not look gone."""
-        import asyncio
-
-        while True:
-            await asyncio.sleep(PROGRESS_TTL / 4)
-            if self.last_record:
-                record = ProgressRecord.build(**dict(self.last_record, updated=None))
-                await publish_progress_async(self.dht, self.run_id, record, ttl=PROGRESS_TTL)
+    def _publish(self, node: NodeState, record: RoundRecord | None) -> None:
+        assert self.progress is not None
+        self.progress.publish(progress_fields(node, record, peer_id=self.peer_id, params_sha256=node.shard_sha256,
+                                              config_hash=self.config_hash, config_view=self.swarm_view,
+                                              averaged_round=self.averaged_round))
 
     def close(self) -> None:
         """Withdraw our records and stop serving; bounded so a shutdown never hangs."""
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        if self.progress is not None:
+            self.progress.stop_refreshing()
         try:
             self.loop.run(self._stop(), timeout=10)
         except Exception as e:  # shutting down: report, do not mask the exit
@@ -291,3 +269,41 @@ class SwarmSync:
                 await getattr(self, service).stop()
         if hasattr(self, "p2p"):
             await self.p2p.shutdown()  # our replica only: the DHT process owns the daemon
+
+
+class ProgressPublisher:
+    """One progress record of ours in one DHT namespace, refreshed every `PROGRESS_TTL / 4`
+    while a long round runs, so we do not look gone."""
+
+    def __init__(self, dht: Any, loop: BackgroundLoop, run_id: str):
+        self.dht, self.loop, self.run_id = dht, loop, run_id
+        self.fields: dict[str, Any] = {}
+        self._refresh = loop.submit(self._refresh_forever())
+
+    def publish(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+        self.loop.run(self._publish(), timeout=30)
+
+    async def _publish(self) -> None:
+        if self.fields:
+            record = ProgressRecord.build(**dict(self.fields, updated=None))
+            await publish_progress_async(self.dht, self.run_id, record, ttl=PROGRESS_TTL)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_TTL / 4)
+            await self._publish()
+
+    def stop_refreshing(self) -> None:
+        self._refresh.cancel()
+
+
+def progress_fields(node: NodeState, record: RoundRecord | None, **endpoint: Any) -> dict[str, Any]:
+    """A DHT progress record's fields: the node's counters, the round's numbers (None: the node
+    has just started) and the endpoint's identity, hash and config view."""
+    return dict(
+        round=node.round, step=node.step, tokens=node.tokens, joined_at_round=node.joined_at_round or 0,
+        resyncs=node.resyncs, version=__version__, status=record.status if record else "started",
+        tokens_per_s=(record.tokens_per_s if record else 0.0) or 0.0, train_loss=record.train_loss if record else None,
+        eval_loss=record.eval_loss if record else None, group_size=record.group_size if record else 0, **endpoint,
+    )

@@ -3,9 +3,10 @@
 import pytest
 
 from diloco_p2p.config import load_config
+from diloco_p2p.contract import view_hash
 from diloco_p2p.errors import UserError
-from diloco_p2p.fsdp_swarm import node_swarm_view, shard_config, view_hash
 from diloco_p2p.launch import _describe, split_nproc_arg
+from diloco_p2p.swarm.shards import node_swarm_view, rank_p2p, shard_run_id
 
 
 @pytest.mark.parametrize(
@@ -36,11 +37,11 @@ def test_each_rank_gets_its_shard_namespace_identity_and_port():
     config = load_config(None, ["run_id=r", "p2p.identity_path=/k/id.key",
                                 "p2p.host_maddrs=['/ip4/0.0.0.0/tcp/31340','/ip4/0.0.0.0/tcp/0']",
                                 "p2p.announce_maddrs=['/ip4/1.2.3.4/tcp/31340']"])
-    zero, one = shard_config(config, 0, 2), shard_config(config, 1, 2)
-    assert (zero.run_id, one.run_id) == ("r.shard0of2", "r.shard1of2")
-    assert (zero.p2p.identity_path, one.p2p.identity_path) == ("/k/id.key", "/k/id.key.rank1")
-    assert one.p2p.host_maddrs == ["/ip4/0.0.0.0/tcp/31341", "/ip4/0.0.0.0/tcp/0"]
-    assert one.p2p.announce_maddrs == ["/ip4/1.2.3.4/tcp/31341"]
+    zero, one = rank_p2p(config.p2p, 0), rank_p2p(config.p2p, 1)
+    assert (shard_run_id("r", 0, 2), shard_run_id("r", 1, 2)) == ("r.shard0of2", "r.shard1of2")
+    assert (zero.identity_path, one.identity_path) == ("/k/id.key", "/k/id.key.rank1")
+    assert one.host_maddrs == ["/ip4/0.0.0.0/tcp/31341", "/ip4/0.0.0.0/tcp/0"]
+    assert one.announce_maddrs == ["/ip4/1.2.3.4/tcp/31341"]
     assert config.run_id == "r" and config.p2p.host_maddrs[0].endswith("31340")  # the node's config is untouched
 
 

@@ -1,0 +1,198 @@
+"""The contract between a node and the swarm it trains in.
+
+The training loop (`diloco_p2p.node`) and the network layer (`diloco_p2p.swarm`) meet only here:
+
+- `Sync`: what the loop calls each round (`before_round`, `average`, `after_round`). A solo
+  node uses `SoloSync`; a swarm node `swarm.sync.SwarmSync`; a node of N local ranks
+  `swarm.shards.ShardSync`.
+- `NodeState`: the read-only view of the node that the swarm needs: its round and counters,
+  the hash of θ, and the state it serves to joiners. The swarm never holds the node itself.
+- `RoundOutcome`: what the swarm hands back after a round of averaging (the averaged Δ, or
+  nothing), and `SwarmState`: a verified state downloaded from the swarm for the node to adopt.
+- `RoundRecord`: one shape for every round, from every path; the same object becomes a line
+  of ``metrics.jsonl``, Prometheus gauges and the node's DHT progress record.
+- `StopRequested`: the signal flag the loop checks and the swarm polls to cut a wait short.
+
+Network faults are data here: a round ends ``committed``, ``alone``, ``failed`` or
+``resynced``, never with an exception out of the loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import signal
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol
+
+import torch
+
+log = logging.getLogger("diloco_p2p.node")
+
+def view_hash(view: Mapping[str, Any]) -> str:
+    """sha256 over a config view (`Config.swarm_view()`): nodes with another hash are refused."""
+    return hashlib.sha256(json.dumps(dict(view), sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """What the swarm sees of a node at one moment.
+
+    `params_sha256` is the node's hash of θ; `shard_sha256` the hash of the part of θ this
+    process holds (the same value on a node of one rank). `state` holds references to the
+    process's θ and momentum (flat, fp32): the swarm packs them to serve joiners, never edits them.
+    """
+
+    round: int
+    step: int
+    tokens: int
+    params_sha256: str
+    shard_sha256: str
+    joined_at_round: int | None
+    resyncs: int
+    state: Mapping[str, torch.Tensor] = field(repr=False, compare=False)
+
+
+@dataclass
+class RoundOutcome:
+    """A round as the swarm saw it. `average` is what the outer step applies (None: nothing)."""
+
+    status: str
+    average: torch.Tensor | None = field(default=None, repr=False)
+    group_size: int = 1
+    allreduce_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    params_agree: bool | None = None  # do the nodes at our round hold our θ (before averaging)?
+    config_agree: bool | None = None
+    contributors: int | None = None  # group members whose Δ made it into the average
+    rejected: dict[str, str] | None = None  # peer -> why its contribution was refused
+    parts_committed: int | None = None
+    parts: int | None = None
+    dropped_peers: int | None = None
+    shards: int | None = None  # a node of N local ranks averages N shards
+    shards_committed: int | None = None
+    state_bytes: int | None = None  # a resync: the download
+    state_seconds: float | None = None
+    donor: str | None = None
+
+
+@dataclass
+class SwarmState:
+    """A state downloaded from the swarm and verified, for the node to adopt in place of its own."""
+
+    tensors: dict[str, torch.Tensor]
+    round: int
+    outcome: RoundOutcome
+
+
+@dataclass
+class RoundRecord:
+    """One round of one node. `as_dict()` is a line of metrics.jsonl."""
+
+    round: int
+    step: int
+    tokens: int
+    params_sha256: str
+    status: str
+    group_size: int = 1
+    train_loss: float | None = None
+    eval_loss: float | None = None
+    tokens_per_s: float = 0.0
+    seconds: float = 0.0
+    compression: str | None = None
+    lr: float | None = None
+    allreduce_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    params_agree: bool | None = None
+    config_agree: bool | None = None
+    contributors: int | None = None
+    rejected: dict[str, str] | None = None
+    parts_committed: int | None = None
+    parts: int | None = None
+    dropped_peers: int | None = None
+    shards: int | None = None
+    shards_committed: int | None = None
+    state_bytes: int | None = None
+    state_seconds: float | None = None
+    donor: str | None = None
+    dropped_round: int | None = None  # a resync: the round of our own θ that was given up
+    resyncs: int | None = None
+    joined_at_round: int | None = None
+
+    @classmethod
+    def of(cls, outcome: RoundOutcome, **node: Any) -> RoundRecord:
+        """The record of a round: the node's own numbers and what the swarm reported."""
+        swarm = {f.name: getattr(outcome, f.name) for f in fields(outcome) if f.name != "average"}
+        return cls(**swarm, **node)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Sync(Protocol):
+    """The swarm, as the training loop sees it."""
+
+    peer_id: str
+
+    def announce(self, node: NodeState) -> None:
+        """The node is built: make it visible (and refuse it now if its config differs)."""
+
+    def before_round(self, node: NodeState) -> SwarmState | None:
+        """A verified swarm state to adopt if we fell behind or hold a minority θ; else None."""
+
+    def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
+        """Average Δ with the round's group; never raises for a network fault."""
+
+    def after_round(self, node: NodeState, record: RoundRecord) -> None:
+        """Publish the round's record and serve the new state."""
+
+    def dht_peers(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class SoloSync:
+    """No swarm: the node's own pseudo-gradient is the average (M=1 DiLoCo)."""
+
+    def __init__(self, peer_id: str):
+        self.peer_id = peer_id
+
+    def announce(self, node: NodeState) -> None:
+        pass
+
+    def before_round(self, node: NodeState) -> SwarmState | None:
+        return None
+
+    def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
+        return RoundOutcome(status="alone", average=delta, group_size=1)
+
+    def after_round(self, node: NodeState, record: RoundRecord) -> None:
+        pass
+
+    def dht_peers(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class StopRequested:
+    """SIGTERM/SIGINT: stop at the next safe point; a second signal exits at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            log.warning("second signal: exiting now")
+            raise SystemExit(128 + signum)
+        self.requested = True
+        log.info("signal %s: stopping at the next safe point", signal.Signals(signum).name)
