@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,9 +30,23 @@ from diloco_p2p.model import Tokenizer
 _SKIP_STDLIB_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo"}
 
 
-def default_corpus_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return [f for f in sorted(root.rglob("*.py")) if not _SKIP_STDLIB_DIRS & set(f.relative_to(root).parts)]
+def default_corpus_files() -> Iterator[Path]:
+    """The standard library's sources in sorted path order, walked lazily: a corpus cut at
+    `data.max_bytes` reads only the files it uses."""
+    return _sorted_py_files(Path(sysconfig.get_paths()["stdlib"]))
+
+
+def _sorted_py_files(directory: Path) -> Iterator[Path]:
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            if entry.name not in _SKIP_STDLIB_DIRS:
+                yield from _sorted_py_files(Path(entry.path))
+        elif entry.name.endswith(".py") and entry.is_file():
+            yield Path(entry.path)
 
 
 def _documents(path: str | None) -> Iterator[bytes]:

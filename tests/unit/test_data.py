@@ -17,7 +17,7 @@ def _dataset(key: str, **kw) -> TextDataset:
 
 
 def test_default_corpus_is_real_text_of_several_megabytes():
-    files = default_corpus_files()
+    files = list(default_corpus_files())
     assert sum(f.stat().st_size for f in files) > 4_000_000
     assert b"def " in files[0].read_bytes() or b"import" in files[0].read_bytes()
 
