@@ -12,11 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import hivemind
 import torch
 
-from diloco_p2p.swarm.runner import BackgroundLoop
 from diloco_p2p.swarm.state.server import StateServer
+from tests.harness.loopback import LoopbackPeers
 
 
 def main() -> None:
@@ -32,11 +31,10 @@ def main() -> None:
     torch.set_num_threads(1)
     blob = args.blob.read_bytes()
 
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[args.initial_peer])
-    loop = BackgroundLoop()
-    p2p = loop.run(dht.replicate_p2p(), timeout=30)
+    peers = LoopbackPeers(1, initial_peers=[args.initial_peer])
+    loop = peers.loop
     server = StateServer(
-        dht, p2p, run_id=args.run_id, chunk_size=args.chunk_size, throttle_bytes_per_s=args.throttle,
+        peers.dhts[0], peers.p2ps[0], run_id=args.run_id, chunk_size=args.chunk_size, throttle_bytes_per_s=args.throttle,
         corrupt=args.corrupt,
     )
 
@@ -48,7 +46,7 @@ def main() -> None:
     print(f"READY {server.peer_id} {server.announcement.sha256}", flush=True)
     sys.stdin.read()  # the test holds our stdin open; EOF means "stop"
     loop.run(server.stop(), timeout=10)
-    dht.shutdown()
+    peers.close()
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ import asyncio
 import time
 import uuid
 
-import hivemind
 import pytest
 import torch
 
 from diloco_p2p.swarm import wire
-from diloco_p2p.swarm.allreduce import AllreduceResult, AllreduceService
-from diloco_p2p.swarm.runner import BackgroundLoop
+from diloco_p2p.swarm.allreduce import AllreduceResult
+from tests.harness.loopback import AllreducePeers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,45 +29,10 @@ MARGIN = 0.5
 WEIGHTS = [1000.0, 3000.0, 2000.0]
 
 
-class Swarm:
-    def __init__(self):
-        torch.set_num_threads(1)
-        self.dhts: list[hivemind.DHT] = []
-        self.maddrs: list[str] = []
-        for _ in range(3):
-            self.add_dht()
-        self.loop = BackgroundLoop()
-        self.p2ps = [self.loop.run(dht.replicate_p2p(), 30) for dht in self.dhts]
-        self.services = [self.service(p2p, "ftest") for p2p in self.p2ps]
-        self.peers = [p2p.peer_id for p2p in self.p2ps]
-        self.names = [p.to_base58() for p in self.peers]
-
-    def add_dht(self) -> hivemind.DHT:
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(self.maddrs))
-        self.maddrs += [str(a) for a in dht.get_visible_maddrs()]
-        self.dhts.append(dht)
-        return dht
-
-    def service(self, p2p, prefix: str) -> AllreduceService:
-        service = AllreduceService(p2p, prefix=prefix, chunk_elements=CHUNK)
-        self.loop.run(service.start(), 30)
-        return service
-
-    def close(self):
-        for service in self.services:
-            self.loop.run(service.stop(), 30)
-        for p2p in self.p2ps:
-            self.loop.run(p2p.shutdown(), 30)
-        self.loop.close()
-        for dht in self.dhts:
-            dht.shutdown()
-
-
 @pytest.fixture(scope="module")
 def swarm():
-    swarm = Swarm()
-    yield swarm
-    swarm.close()
+    with AllreducePeers(3, prefix="ftest", chunk_elements=CHUNK) as peers:
+        yield peers
 
 
 def inputs(seed: int) -> list[torch.Tensor]:
@@ -101,6 +65,18 @@ def assert_agree(results: list[AllreduceResult]):
         assert bool(torch.isfinite(r.average).all())
 
 
+def assert_survivors_commit_two_parts(swarm, scenario) -> list[AllreduceResult]:
+    """Run `scenario` (members 0 and 1 against a faulty member 2): within T + MARGIN the two agree
+    and commit parts 0 and 1. Returns their results."""
+    started = time.monotonic()
+    results = swarm.loop.run(scenario, 30)
+    assert time.monotonic() - started < T + MARGIN
+    assert_agree(results)
+    for r in results:
+        assert r.status == "partial" and r.committed_parts == [0, 1]
+    return results
+
+
 def test_member_that_never_calls_allreduce(swarm):
     """Member 2 is in the group, its handler is up, but it never starts (a stall from the outset)."""
     xs, group = inputs(1), f"stall-{uuid.uuid4().hex}"
@@ -110,13 +86,7 @@ def test_member_that_never_calls_allreduce(swarm):
             *(swarm.services[i].allreduce(group, swarm.peers, xs[i], WEIGHTS[i], timeout=T) for i in (0, 1))
         )
 
-    started = time.monotonic()
-    results = swarm.loop.run(two(), 30)
-    wall = time.monotonic() - started
-    assert wall < T + MARGIN
-    assert_agree(results)
-    for r in results:
-        assert r.status == "partial" and r.committed_parts == [0, 1]
+    for r in assert_survivors_commit_two_parts(swarm, two()):
         assert r.rejected == {swarm.names[2]: "timeout"}
         assert r.contributors == swarm.names[:2] and r.agreed_with == swarm.names[:2]
         assert_weighted_mean(r, xs, swarm.names)
@@ -203,8 +173,7 @@ def test_member_dies_mid_allreduce(swarm, phase):
     two parts identically (with the victim's contributions in them when they arrived)."""
     victim_dht = swarm.add_dht()
     victim_p2p = swarm.loop.run(victim_dht.replicate_p2p(), 30)
-    victim = AllreduceService(victim_p2p, prefix="ftest", chunk_elements=CHUNK)
-    swarm.loop.run(victim.start(), 30)
+    victim = swarm.service(victim_p2p, "ftest")
     peers = swarm.peers[:2] + [victim_p2p.peer_id]
     names = [p.to_base58() for p in peers]
     xs, group = inputs(6), f"die-{uuid.uuid4().hex}"
@@ -262,13 +231,7 @@ def test_member_stalls_after_reducing(swarm):
             hung.cancel()
             await asyncio.gather(hung, return_exceptions=True)
 
-    started = time.monotonic()
-    results = swarm.loop.run(scenario(), 30)
-    wall = time.monotonic() - started
-    assert wall < T + MARGIN
-    assert_agree(results)
-    for r in results:
-        assert r.status == "partial" and r.committed_parts == [0, 1]
+    for r in assert_survivors_commit_two_parts(swarm, scenario()):
         assert r.agreed_with == swarm.names[:2]
         assert r.seconds >= 0.9 * T  # it was heard from, so its mask was awaited to the deadline
         assert_weighted_mean(r, xs, swarm.names)

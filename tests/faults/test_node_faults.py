@@ -13,19 +13,19 @@ import signal
 
 import pytest
 
-from tests.swarm_procs import Swarm, wait_until
+from tests.harness.procs import wait_until
+from tests.harness.swarm import ProcessSwarm
 
-ALLREDUCE_TIMEOUT = 8.0  # tests/swarm_procs.SWARM
+ALLREDUCE_TIMEOUT = 8.0  # tests/harness/settings.SWARM
 
 
 @pytest.fixture
 def swarm(tmp_path):
-    swarm = Swarm(tmp_path)
-    yield swarm
-    swarm.close()
+    with ProcessSwarm(tmp_path) as swarm:
+        yield swarm
 
 
-def _three_nodes(swarm: Swarm, rounds: int, victim_env: dict[str, str]):
+def _three_nodes(swarm: ProcessSwarm, rounds: int, victim_env: dict[str, str]):
     overrides = [f"train.max_rounds={rounds}", "sync.target_group_size=3", "sync.matchmaking_timeout=10"]
     a, b = swarm.node("a", overrides), swarm.node("b", overrides)
     victim = swarm.node("victim", overrides, env=victim_env)

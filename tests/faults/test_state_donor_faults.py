@@ -11,100 +11,75 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import select
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import hivemind
 import pytest
 import torch
 
-from diloco_p2p.swarm.runner import BackgroundLoop
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import pack_state
 from diloco_p2p.swarm.state.server import StateServer
-from tests.dht_cluster import loopback_dhts
+from tests.harness.loopback import LoopbackPeers
+from tests.harness.procs import Proc, Procs, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
 ROUND = 9
 THROTTLE = 2e6  # bytes/s: the faulty donor needs ~2 s for the whole blob
 FAULT_AT = 256 << 10  # inject the fault once this many bytes arrived from the faulty donor
 _run_ids = itertools.count()
 
 
-@dataclass
-class Swarm:
-    dhts: list[hivemind.DHT]  # [good donor (bootstrap), joiner, corrupt donor]
-    p2ps: list
-    loop: BackgroundLoop
-    blob: bytes
-    blob_path: Path
+class DonorPeers(LoopbackPeers):
+    """[good donor (bootstrap), joiner, corrupt donor], and the state they serve (`blob`, also at `blob_path`)."""
+
+    def __init__(self, blob: bytes, blob_path: Path):
+        super().__init__(3)
+        self.blob, self.blob_path = blob, blob_path
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory) -> Iterator[Swarm]:
+def swarm(tmp_path_factory) -> Iterator[DonorPeers]:
     g = torch.Generator().manual_seed(0)
     blob = pack_state({"params/w": torch.randn(1 << 20, generator=g)}, {"round": ROUND})  # 4 MiB
     path = tmp_path_factory.mktemp("state") / "blob.safetensors"
     path.write_bytes(blob)
-    with loopback_dhts(3) as (dhts, p2ps, loop):
-        yield Swarm(dhts, p2ps, loop, blob, path)
+    with DonorPeers(blob, path) as peers:
+        yield peers
 
 
 @dataclass
 class DonorProcess:
-    proc: subprocess.Popen
+    proc: Proc
     peer_id: str
     sha256: str
 
 
 @contextmanager
-def donor_process(swarm: Swarm, run_id: str, tmp_path: Path, **flags) -> Iterator[DonorProcess]:
-    """Start a donor process and wait for its READY line; on exit kill its whole process group
+def donor_process(swarm: DonorPeers, run_id: str, tmp_path: Path, **flags) -> Iterator[DonorProcess]:
+    """Start a donor process and wait for its READY line; on exit kill it and all it started
     (its DHT process and p2pd too), waking it first in case a test stopped it."""
-    args = [sys.executable, "-m", "tests.faults.state_donor", "--run-id", run_id, "--round", str(ROUND),
+    args = ["-m", "tests.faults.state_donor", "--run-id", run_id, "--round", str(ROUND),
             "--blob", str(swarm.blob_path), "--initial-peer", str(swarm.dhts[0].get_visible_maddrs()[0])]
     for name, value in flags.items():
         args += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    log = tmp_path / "donor.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    with open(log, "wb") as err:
-        # unbuffered stdout: select() must see every byte that read(1) has not consumed yet
-        proc = subprocess.Popen(args, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                bufsize=0, start_new_session=True)
-    try:
-        line, deadline = b"", time.monotonic() + 40
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
-                raise TimeoutError(f"donor not ready in 40 s; its log:\n{log.read_text()[-3000:]}")
-            byte = proc.stdout.read(1)
-            if not byte:
-                raise RuntimeError(f"donor exited with {proc.wait()}; its log:\n{log.read_text()[-3000:]}")
-            line += byte
-        word, peer_id, sha = line.decode().split()
-        assert word == "READY"
+    with Procs() as procs:
+        # its stdin is a pipe held open here: EOF would stop it
+        proc = procs.start(args, tmp_path / "donor.log", name="donor", stdin=subprocess.PIPE)
+        wait_until(lambda: proc.first("READY ") is not None, 40, "the donor to be ready", proc)
+        word, peer_id, sha = next(line for _, line in proc.lines if line.startswith("READY ")).split()
         yield DonorProcess(proc, peer_id, sha)
-    finally:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=10)
 
 
 def _run_id() -> str:
     return f"sdfault{next(_run_ids)}"
 
 
-def _fetch_with_fault(swarm: Swarm, run_id: str, faulty: str, fault, **kw):
+def _fetch_with_fault(swarm: DonorPeers, run_id: str, faulty: str, fault, **kw):
     """Run a good donor (DHT 0) and a fetch by the joiner (DHT 1) that tries `faulty` first and
     calls `fault()` once FAULT_AT bytes came from it. Returns (fetched, good donor, bytes at fault)."""
 
@@ -130,7 +105,7 @@ def _fetch_with_fault(swarm: Swarm, run_id: str, faulty: str, fault, **kw):
     return swarm.loop.run(scenario(), timeout=60)
 
 
-def test_donor_killed_mid_transfer_joiner_resumes_from_another(swarm: Swarm, tmp_path: Path):
+def test_donor_killed_mid_transfer_joiner_resumes_from_another(swarm: DonorPeers, tmp_path: Path):
     run_id = _run_id()
     with donor_process(swarm, run_id, tmp_path, throttle=THROTTLE) as d:
         assert d.sha256 == hashlib.sha256(swarm.blob).hexdigest()
@@ -150,14 +125,14 @@ def test_donor_killed_mid_transfer_joiner_resumes_from_another(swarm: Swarm, tmp
     print(f"\nkilled at {from_dead / 1e6:.2f} MB, completed from the other donor in {elapsed:.2f} s")
 
 
-def test_stalled_donor_is_left_after_stall_timeout(swarm: Swarm, tmp_path: Path):
+def test_stalled_donor_is_left_after_stall_timeout(swarm: DonorPeers, tmp_path: Path):
     run_id = _run_id()
     stall = 1.5
     with donor_process(swarm, run_id, tmp_path, throttle=THROTTLE) as d:
         fetched, good, fired, elapsed = _fetch_with_fault(
             swarm, run_id, d.peer_id, lambda: os.kill(d.proc.pid, signal.SIGSTOP), stall_timeout=stall
         )
-        assert d.proc.poll() is None  # still there, only stopped
+        assert not d.proc.exited()  # still there, only stopped
     assert fired
     assert fetched.blob == swarm.blob and fetched.attempts == 2 and fetched.donor == good.peer_id
     assert len(fetched.failures) == 1 and f"stalled: nothing for {stall:g} s" in fetched.failures[0]
@@ -165,7 +140,7 @@ def test_stalled_donor_is_left_after_stall_timeout(swarm: Swarm, tmp_path: Path)
     assert good.served_count == 1
 
 
-def test_corrupt_donor_is_rejected_by_hash_and_the_good_one_serves(swarm: Swarm):
+def test_corrupt_donor_is_rejected_by_hash_and_the_good_one_serves(swarm: DonorPeers):
     run_id = _run_id()
 
     async def scenario():
@@ -195,7 +170,7 @@ def test_corrupt_donor_is_rejected_by_hash_and_the_good_one_serves(swarm: Swarm)
     assert bad.peer_id[-8:] in msg
 
 
-def test_corrupt_donor_killed_mid_transfer_mixed_blob_is_refetched_from_one_donor(swarm: Swarm, tmp_path: Path):
+def test_corrupt_donor_killed_mid_transfer_mixed_blob_is_refetched_from_one_donor(swarm: DonorPeers, tmp_path: Path):
     """The dead donor's prefix was corrupt, the good donor resumed after it: the assembled blob
     fails its hash and no single donor can be blamed, so the joiner refetches it whole from one."""
     run_id = _run_id()

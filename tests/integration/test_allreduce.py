@@ -12,13 +12,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import hivemind
 import pytest
 import torch
 
 from diloco_p2p.swarm import wire
-from diloco_p2p.swarm.allreduce import AllreduceService
-from diloco_p2p.swarm.runner import BackgroundLoop
+from tests.harness.loopback import AllreducePeers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,26 +28,8 @@ TIMEOUT = 10.0
 
 @pytest.fixture(scope="module")
 def swarm():
-    torch.set_num_threads(1)
-    dhts: list[hivemind.DHT] = []
-    maddrs: list[str] = []
-    for _ in range(3):
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(maddrs))
-        maddrs += [str(a) for a in dht.get_visible_maddrs()]
-        dhts.append(dht)
-    loop = BackgroundLoop()
-    p2ps = [loop.run(dht.replicate_p2p(), 30) for dht in dhts]
-    services = [AllreduceService(p2p, prefix="itest", chunk_elements=CHUNK) for p2p in p2ps]
-    for service in services:
-        loop.run(service.start(), 30)
-    yield loop, services, [p2p.peer_id for p2p in p2ps]
-    for service in services:
-        loop.run(service.stop(), 30)
-    for p2p in p2ps:
-        loop.run(p2p.shutdown(), 30)
-    loop.close()
-    for dht in dhts:
-        dht.shutdown()
+    with AllreducePeers(3, prefix="itest", chunk_elements=CHUNK) as peers:
+        yield peers.loop, peers.services, peers.peers
 
 
 def run_group(loop, services, peers, tensors, weights, **kwargs):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 import uuid
@@ -14,6 +13,7 @@ from hivemind.p2p import P2P
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.errors import UserError
 from diloco_p2p.swarm.dht import peer_id_of, start_dht, visible_maddrs
+from tests.harness import reaping
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -30,30 +30,10 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _processes_with_env(marker: str) -> list[int]:
-    """Pids of live processes whose environment holds `marker` (our DHT and its p2pd inherit it).
-
-    torch's shared-memory manager (comm truncated to 15 chars), a helper of this test process that torch may start on its
-    own, is not ours to judge."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() not in f.read():
-                    continue
-            with open(f"/proc/{pid}/stat") as st:
-                stat = st.read()
-        except OSError:
-            continue
-        name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
-        if state != "Z" and not "torch_shm_manager".startswith(name):
-            found.append(int(pid))
-    return [p for p in found if p != os.getpid()]
-
-
 def _wait_gone(marker: str, deadline_s: float) -> list[int]:
     deadline = time.monotonic() + deadline_s
-    while (left := _processes_with_env(marker)) and time.monotonic() < deadline:
+    # our DHT and its p2pd inherit the marker; torch's shared-memory manager is not ours to judge
+    while (left := reaping.marked(marker, "1")) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 

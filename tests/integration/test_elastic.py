@@ -19,8 +19,8 @@ import signal
 import pytest
 
 from diloco_p2p.checkpoint import load_checkpoint
-from tests.conftest import run_cli
-from tests.swarm_procs import Swarm, wait_until
+from tests.harness.procs import run_cli, wait_until
+from tests.harness.swarm import ProcessSwarm
 
 MATCHMAKING_TIMEOUT = 8
 # max_rounds only bounds a leak: the fixture kills the nodes when the module ends. On a loaded
@@ -30,13 +30,10 @@ OVERRIDES = ["train.max_rounds=1000", "sync.target_group_size=3", f"sync.matchma
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    swarm = Swarm(tmp_path_factory.mktemp("elastic"))
-    try:
+    with ProcessSwarm(tmp_path_factory.mktemp("elastic")) as swarm:
         a, b, v = (swarm.node(name, OVERRIDES) for name in ("a", "b", "v"))
         swarm.release(a, b, v)
         yield swarm, a, b, v
-    finally:
-        swarm.close()
 
 
 def _assert_rejoins(node, resync_index: int, *others) -> dict:

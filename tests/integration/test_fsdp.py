@@ -11,9 +11,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,9 +20,11 @@ from safetensors.torch import load_file
 
 from diloco_p2p.config import load_config
 from diloco_p2p.node import Node
-from tests.conftest import set_args
+from tests.harness.procs import Proc, Procs, diloco, read_records, wait_until
+from tests.harness.settings import set_args
+from tests.harness.swarm import ProcessSwarm
 
-ENTRY = ["-m", "diloco_p2p", "train"]
+ENTRY = diloco("train")
 PER_RANK_BATCH = 2
 COMMON = [
     "model.preset=tiny", "data.max_bytes=200000", "inner.seq_len=32", "inner.warmup_steps=2", "inner.lr=0.003",
@@ -38,55 +37,16 @@ def _overrides(batch: int, rounds: int) -> list[str]:
     return COMMON + [f"inner.batch_size={batch}", f"train.max_rounds={rounds}"]
 
 
-class _Proc:
-    """A child process whose output lines are kept with the time each arrived."""
-
-    def __init__(self, args: list[str], env_extra: dict[str, str] | None = None):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env_extra or {}))
-        self.proc = subprocess.Popen([sys.executable, *args], env=env, text=True, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.lines: list[tuple[float, str]] = []
-        self.ended: float | None = None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line))
-
-    @property
-    def text(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    def first(self, needle: str) -> float | None:
-        return next((t for t, line in self.lines if needle in line), None)
-
-    def wait(self, timeout: float) -> int:
-        rc = self.proc.wait(timeout=timeout)
-        self.ended = self.ended or time.monotonic()
-        self._reader.join(timeout=10)
-        return rc
-
-    def kill(self) -> None:
-        """SIGKILL the process group, and each rank's group (DHT and p2pd helpers included)."""
-        ranks = [int(p) for p in re.findall(r"started local rank \d+ of \d+ \(pid (\d+)\)", self.text)]
-        for pgid in [self.proc.pid, *ranks]:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.proc.wait()
-
-
-def _launch(run_dir: Path, overrides: list[str], env_extra: dict[str, str] | None = None) -> _Proc:
-    return _Proc([*ENTRY, "--nproc-per-node", "2", *set_args(overrides), "--run-dir", str(run_dir)], env_extra)
+def _launch(procs: Procs, run_dir: Path, overrides: list[str], env_extra: dict[str, str] | None = None) -> Proc:
+    args = [*ENTRY, "--nproc-per-node", "2", *set_args(overrides), "--run-dir", str(run_dir)]
+    return procs.start(args, run_dir.with_name(f"{run_dir.name}.log"), env_extra)
 
 
 def _train_two_ranks(run_dir: Path, rounds: int) -> str:
-    proc = _launch(run_dir, _overrides(PER_RANK_BATCH, rounds))
-    assert proc.wait(timeout=150) == 0, proc.text
-    return proc.text
+    with Procs() as procs:
+        proc = _launch(procs, run_dir, _overrides(PER_RANK_BATCH, rounds))
+        assert proc.wait(timeout=150) == 0, proc.output()
+        return proc.output()
 
 
 def _one_rank_node(run_dir: Path, rounds: int) -> Node:
@@ -137,12 +97,13 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs):
 
 
 @pytest.mark.timeout(180)
-def test_torchrun_runs_the_same_two_rank_node(runs, tmp_path):
+def test_torchrun_runs_the_same_two_rank_node(runs, tmp_path, procs):
     run_dir = tmp_path / "torchrun"
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *ENTRY[1:]]
-    proc = _Proc([*torchrun, *set_args(_overrides(PER_RANK_BATCH, 2)), "--run-dir", str(run_dir)])
-    assert proc.wait(timeout=150) == 0, proc.text
-    assert "sharded over 2 local ranks" in proc.text
+    proc = procs.start([*torchrun, *set_args(_overrides(PER_RANK_BATCH, 2)), "--run-dir", str(run_dir)],
+                       tmp_path / "torchrun.log")
+    assert proc.wait(timeout=150) == 0, proc.output()
+    assert "sharded over 2 local ranks" in proc.output()
     for round_ in (1, 2):
         _assert_same_state(_ckpt(run_dir, round_), _ckpt(runs["two"], round_))
 
@@ -183,16 +144,16 @@ def test_one_rank_checkpoint_resumes_in_a_two_rank_node(runs, tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_a_dead_local_rank_stops_the_node_within_a_bound(tmp_path):
+def test_a_dead_local_rank_stops_the_node_within_a_bound(tmp_path, procs):
     """SIGKILL rank 1 at its second inner step: the launcher must name it, stop rank 0 (blocked
     in an FSDP all-gather), and exit within a bound, leaving no rank behind."""
-    proc = _launch(tmp_path / "r", _overrides(PER_RANK_BATCH, 2), {"DILOCO_P2P_FAULTS": "kill@rank1.step:2"})
+    proc = _launch(procs, tmp_path / "r", _overrides(PER_RANK_BATCH, 2), {"DILOCO_P2P_FAULTS": "kill@rank1.step:2"})
     rc = proc.wait(timeout=150)
     _assert_rank_death_handled(proc, rc)
 
 
-def _assert_rank_death_handled(proc: _Proc, rc: int) -> None:
-    text = proc.text
+def _assert_rank_death_handled(proc: Proc, rc: int) -> None:
+    text = proc.output()
     fired = proc.first("fault injection: kill at rank1.step")
     assert fired is not None, text
     assert rc == 128 + signal.SIGKILL, text
@@ -219,74 +180,39 @@ def _swarm_overrides(seed_addr: str, name: str) -> list[str]:
     ]
 
 
-def _records(run_dir: Path) -> list[dict]:
-    import json
-
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.endswith("}")]
-
-
-def _wait_until(predicate, timeout: float, what: str, *procs: _Proc) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        dead = [p for p in procs if p.proc.poll() is not None]
-        for p in dead:
-            p._reader.join(timeout=5)  # its last lines may still be in flight
-        if dead and predicate():
-            return
-        if dead or time.monotonic() > deadline:
-            pytest.fail(f"{what}: {'a process exited' if dead else 'timed out'}\n" + "\n".join(p.text[-3000:] for p in procs))
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     """One story on loopback: nodes A and B (2 ranks each) train together; rank 1 of B is killed in
     round 3; A trains on alone; a 1-rank node C is refused; a 2-rank node D joins A; SIGTERM stops
     A and D."""
     root = tmp_path_factory.mktemp("swarm")
-    procs: list[_Proc] = []
-    try:
-        seed = _Proc(["-m", "diloco_p2p", "seed", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity",
-                      str(root / "seed.key"), "--maddrs-file", str(root / "seed.maddrs")])
-        procs.append(seed)
-        _wait_until(lambda: (root / "seed.maddrs").exists() and (root / "seed.maddrs").read_text().strip(), 90,
-                    "seed address", seed)
-        addr = (root / "seed.maddrs").read_text().split()[0]
-        a = _launch(root / "a", _swarm_overrides(addr, "a"))
-        b = _launch(root / "b", _swarm_overrides(addr, "b"), {"DILOCO_P2P_FAULTS": "kill@rank1.step:10"})
-        procs += [a, b]
+    with ProcessSwarm(root) as swarm:
+        procs, addr = swarm.procs, swarm.maddr
+        a = _launch(procs, root / "a", _swarm_overrides(addr, "a"))
+        b = _launch(procs, root / "b", _swarm_overrides(addr, "b"), {"DILOCO_P2P_FAULTS": "kill@rank1.step:10"})
         b_rc = b.wait(timeout=300)
         # A goes on: its round 3 ends alone once matchmaking gives up on B.
-        _wait_until(lambda: any(r["round"] >= 3 and r["status"] == "alone" for r in _records(root / "a")), 120,
-                    "A trains on without B", a)
-        c = _Proc(["-m", "diloco_p2p", "train", *set_args(_swarm_overrides(addr, "c") + ["inner.batch_size=4"]),
-                   "--run-dir", str(root / "c")])
-        d = _launch(root / "d", _swarm_overrides(addr, "d"))
-        procs += [c, d]
-        _wait_until(lambda: c.first("error:") is not None, 180, "C is refused", c)
-        try:
-            c_rc = c.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            c_rc = None  # refused but did not exit: the test below fails on it
+        wait_until(lambda: any(r["round"] >= 3 and r["status"] == "alone" for r in read_records(root / "a")), 120,
+                   "A trains on without B", a)
+        c = procs.start(diloco("train", *set_args(_swarm_overrides(addr, "c") + ["inner.batch_size=4"]),
+                               "--run-dir", str(root / "c")), root / "c.log")
+        d = _launch(procs, root / "d", _swarm_overrides(addr, "d"))
+        wait_until(lambda: c.first("error:") is not None, 180, "C is refused", c)
+        c_rc = c.exit_code_within(20)  # None: refused but did not exit, and the test below fails on it
         c.kill()
 
         def d_agreed() -> bool:
-            recs = _records(root / "d")
+            recs = read_records(root / "d")
             joined = [i for i, r in enumerate(recs) if r["status"] == "resynced"]
             return bool(joined) and any(r["status"] == "committed" for r in recs[joined[0]:])
 
-        _wait_until(d_agreed, 240, "D joins and commits a round with A", a, d)
+        wait_until(d_agreed, 240, "D joins and commits a round with A", a, d)
         stopped = time.monotonic()
-        a.proc.send_signal(signal.SIGTERM)
-        d.proc.send_signal(signal.SIGTERM)
+        a.signal(signal.SIGTERM)
+        d.signal(signal.SIGTERM)
         a_rc, d_rc = a.wait(timeout=90), d.wait(timeout=90)
         yield {"root": root, "a": a, "b": b, "c": c, "d": d, "b_rc": b_rc, "c_rc": c_rc, "a_rc": a_rc, "d_rc": d_rc,
                "stopped": stopped}
-    finally:
-        for p in procs:
-            p.kill()
 
 
 def _reference_two_one_rank_nodes(tmp_path: Path, rounds: int) -> list[dict[str, torch.Tensor]]:
@@ -314,7 +240,7 @@ def _reference_two_one_rank_nodes(tmp_path: Path, rounds: int) -> list[dict[str,
 
 @pytest.mark.timeout(600)
 def test_two_nodes_of_two_ranks_average_like_two_nodes_of_one_rank(swarm, tmp_path):
-    a, b = _records(swarm["root"] / "a"), _records(swarm["root"] / "b")
+    a, b = read_records(swarm["root"] / "a"), read_records(swarm["root"] / "b")
     for round_ in (1, 2):
         ra, rb = a[round_], b[round_]
         assert ra["round"] == rb["round"] == round_
@@ -329,13 +255,13 @@ def test_two_nodes_of_two_ranks_average_like_two_nodes_of_one_rank(swarm, tmp_pa
 
 def test_killing_a_local_rank_stops_its_node_and_the_swarm_carries_on(swarm):
     _assert_rank_death_handled(swarm["b"], swarm["b_rc"])
-    a = _records(swarm["root"] / "a")
+    a = read_records(swarm["root"] / "a")
     assert [r["status"] for r in a[1:3]] == ["committed", "committed"]
     assert a[3]["status"] == "alone" and a[3]["round"] == 3
 
 
 def test_a_node_with_another_local_world_size_is_refused(swarm):
-    text = swarm["c"].text
+    text = swarm["c"].output()
     assert swarm["c_rc"] == 2, text  # exits within 20 s of its error line
     refusal = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(refusal) == 1 and "local_world_size" in refusal[0], text
@@ -343,8 +269,8 @@ def test_a_node_with_another_local_world_size_is_refused(swarm):
 
 
 def test_a_two_rank_node_joins_and_agrees_after_one_round(swarm):
-    a = {r["round"]: r for r in _records(swarm["root"] / "a")}
-    d = _records(swarm["root"] / "d")
+    a = {r["round"]: r for r in read_records(swarm["root"] / "a")}
+    d = read_records(swarm["root"] / "d")
     joined = next(i for i, r in enumerate(d) if r["status"] == "resynced")
     assert d[joined]["joined_at_round"] == d[joined]["round"] >= 3
     after = next(r for r in d[joined + 1:] if r["status"] == "committed")
@@ -357,8 +283,8 @@ def test_sigterm_stops_a_swarm_node_of_two_ranks_cleanly(swarm):
 
     for name in ("a", "d"):
         proc = swarm[name]
-        assert swarm[f"{name}_rc"] == 0, proc.text
+        assert swarm[f"{name}_rc"] == 0, proc.output()
         assert proc.ended - swarm["stopped"] < 60, f"{name} took {proc.ended - swarm['stopped']:.0f}s to stop"
         latest = json.loads((swarm["root"] / name / "checkpoints" / "latest.json").read_text())["meta"]
         saved = json.loads((swarm["root"] / name / "checkpoints" / latest).read_text())
-        assert saved["round"] == _records(swarm["root"] / name)[-1]["round"]
+        assert saved["round"] == read_records(swarm["root"] / name)[-1]["round"]

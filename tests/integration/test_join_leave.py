@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from diloco_p2p.model import build_model, build_tokenizer
 from diloco_p2p.transfer import find_checkpoint, model_from_checkpoint
-from tests.conftest import run_cli
-from tests.swarm_procs import Node, Swarm, wait_until
+from tests.harness.procs import run_cli, wait_until
+from tests.harness.swarm import Node, ProcessSwarm
 
 # Rounds of two nodes wait sync.matchmaking_timeout for a third; max_rounds only bounds a leak.
 OVERRIDES = ["train.max_rounds=1000", "sync.target_group_size=3", "sync.matchmaking_timeout=3"]
@@ -24,16 +24,13 @@ OVERRIDES = ["train.max_rounds=1000", "sync.target_group_size=3", "sync.matchmak
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    swarm = Swarm(tmp_path_factory.mktemp("elastic"))
-    try:
+    with ProcessSwarm(tmp_path_factory.mktemp("elastic")) as swarm:
         a, b = swarm.node("a", OVERRIDES), swarm.node("b", OVERRIDES)
         swarm.release(a, b)
         yield swarm, a, b
-    finally:
-        swarm.close()
 
 
-def _status(swarm: Swarm) -> list[dict]:
+def _status(swarm: ProcessSwarm) -> list[dict]:
     result = run_cli(["status", "--initial-peers", swarm.maddr, "--run-id", "swarm-test", "--json"], timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -90,11 +87,11 @@ def test_a_node_joining_at_round_3_starts_from_the_swarms_state(swarm):
 
 def test_sigkill_then_restart_resumes_and_agrees(swarm):
     s, a, _ = swarm
-    c = next(p for p in s.procs if isinstance(p, Node) and p.run_dir.name == "c")
+    c = s.nodes("c")[0]
     before = max(c.by_round())
     c.signal(signal.SIGKILL)
     assert c.wait(timeout=30) == -signal.SIGKILL
-    c.kill_group()  # what a crashed machine leaves behind is gone too
+    c.kill()  # what a crashed machine leaves behind is gone too
     restarted = s.node("c", OVERRIDES)
     wait_until(lambda: "resumed from checkpoint" in restarted.output(), 60, "the restart to resume", restarted)
     resumed_at = int(re.search(r"resumed from checkpoint at round (\d+)", restarted.output()).group(1))
@@ -104,7 +101,7 @@ def test_sigkill_then_restart_resumes_and_agrees(swarm):
 
 def test_sigterm_leaves_with_a_checkpoint_and_withdraws_its_record(swarm):
     s, a, b = swarm
-    c = [p for p in s.procs if isinstance(p, Node) and p.run_dir.name == "c"][-1]
+    c = s.nodes("c")[-1]
     wait_until(lambda: len(_status(s)) == 3, 60, "three nodes in status", c)
     c.signal(signal.SIGTERM)
     started = time.monotonic()

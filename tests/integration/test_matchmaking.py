@@ -8,67 +8,46 @@ run id (hence its own DHT keys and stream protocol), so scenarios cannot see eac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
-import hivemind
 import pytest
-import torch
 from hivemind.utils import get_dht_time
 
 from diloco_p2p.swarm import matchmaking as mm
 from diloco_p2p.swarm.matchmaking import Group, Matchmaker
-from diloco_p2p.swarm.runner import BackgroundLoop
+from tests.harness.loopback import LoopbackPeers
 
 HASH_A = "a" * 64
 HASH_B = "b" * 64
 _run_ids = itertools.count()
 
 
-class Swarm:
-    def __init__(self, dhts: list[hivemind.DHT], loop: BackgroundLoop, p2ps: list):
-        self.dhts, self.loop, self.p2ps = dhts, loop, p2ps
-
-    async def matchmakers(self, n: int) -> list[Matchmaker]:
+class MatchmakingPeers(LoopbackPeers):
+    @contextlib.asynccontextmanager
+    async def matchmakers(self, n: int) -> AsyncIterator[list[Matchmaker]]:
+        """`n` started matchmakers of a fresh run id, stopped on exit."""
         run_id = f"mmtest{next(_run_ids)}"
         mms = [Matchmaker(self.dhts[i], self.p2ps[i], run_id=run_id) for i in range(n)]
         for m in mms:
             await m.start()
-        return mms
+        try:
+            yield mms
+        finally:
+            for m in mms:
+                await m.stop()
 
 
 @pytest.fixture(scope="module")
-def swarm() -> Iterator[Swarm]:
-    # hivemind 1.1.12 shares its MPFuture state bytes through torch's `file_system` strategy, whose
-    # torch_shm_manager is reached over one socket that forked DHT processes inherit. Measured
-    # here: in about one run in four the manager dies while the DHTs shut down, and the next
-    # free of such a tensor in this process aborts the interpreter ("terminate called ...
-    # Broken pipe", exit 134) after every test passed. fd-based sharing needs no manager.
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_descriptor")
-    # DHTs fork: create them all before the loop thread starts.
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    peers = [str(a) for a in first.get_visible_maddrs()]
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers) for _ in range(3)
-    ]
-    loop = BackgroundLoop()
-    p2ps = [loop.run(d.replicate_p2p(), timeout=30) for d in dhts]
-    yield Swarm(dhts, loop, p2ps)
-    for p in p2ps:
-        loop.run(p.shutdown(), timeout=10)
-    loop.close()
-    for d in dhts:
-        d.shutdown()
-    torch.multiprocessing.set_sharing_strategy(previous)
-
-
-async def _stop_all(mms: list[Matchmaker]) -> None:
-    for m in mms:
-        await m.stop()
+def swarm() -> Iterator[MatchmakingPeers]:
+    # hivemind's MPFuture state is shared fd-based (tests/conftest.py): with torch's default
+    # `file_system` strategy, about one run in four aborted the interpreter at exit here.
+    with MatchmakingPeers(4) as peers:
+        yield peers
 
 
 def _form(m: Matchmaker, round: int = 1, params_hash: str = HASH_A, weight: float = 1.0, **kw):
@@ -104,19 +83,16 @@ def _assert_same_group(groups: list[Group | None], mms: list[Matchmaker]) -> Non
         assert g.leader == groups[0].leader
 
 
-def test_three_peers_group_as_soon_as_target_is_reached(swarm: Swarm) -> None:
+def test_three_peers_group_as_soon_as_target_is_reached(swarm: MatchmakingPeers) -> None:
     timeout = 10.0
 
     async def scenario():
-        mms = await swarm.matchmakers(3)
-        try:
+        async with swarm.matchmakers(3) as mms:
             t0 = time.perf_counter()
             groups = await asyncio.gather(*[
                 _form(m, round=7, weight=float(i + 1), target_group_size=3, timeout=timeout) for i, m in enumerate(mms)
             ])
             return groups, time.perf_counter() - t0, mms
-        finally:
-            await _stop_all(mms)
 
     groups, elapsed, mms = swarm.loop.run(scenario(), timeout=30)
     _assert_same_group(groups, mms)
@@ -127,12 +103,11 @@ def test_three_peers_group_as_soon_as_target_is_reached(swarm: Swarm) -> None:
     print(f"\n3-peer group formation: {elapsed * 1000:.0f} ms")
 
 
-def test_different_rounds_never_group(swarm: Swarm) -> None:
+def test_different_rounds_never_group(swarm: MatchmakingPeers) -> None:
     timeout = 2.0
 
     async def scenario():
-        mms = await swarm.matchmakers(3)
-        try:
+        async with swarm.matchmakers(3) as mms:
             t0 = time.perf_counter()
             tasks = [_form(mms[0], round=5, target_group_size=2, timeout=timeout),
                      _form(mms[1], round=5, target_group_size=2, timeout=timeout),
@@ -141,8 +116,6 @@ def test_different_rounds_never_group(swarm: Swarm) -> None:
             pair_s = time.perf_counter() - t0
             lone = await tasks[2]
             return pair, pair_s, lone, time.perf_counter() - t0, mms
-        finally:
-            await _stop_all(mms)
 
     pair, pair_s, lone, lone_s, mms = swarm.loop.run(scenario(), timeout=30)
     _assert_same_group(pair, mms[:2])
@@ -151,18 +124,15 @@ def test_different_rounds_never_group(swarm: Swarm) -> None:
     assert timeout * 0.9 <= lone_s <= timeout + mm.default_request_timeout(timeout) + 0.5
 
 
-def test_different_params_hash_never_group(swarm: Swarm) -> None:
+def test_different_params_hash_never_group(swarm: MatchmakingPeers) -> None:
     timeout = 2.0
 
     async def scenario():
-        mms = await swarm.matchmakers(4)
-        try:
+        async with swarm.matchmakers(4) as mms:
             hashes = [HASH_A, HASH_B, HASH_A, HASH_B]
             return await asyncio.gather(*[
                 _form(m, params_hash=h, target_group_size=4, timeout=timeout) for m, h in zip(mms, hashes, strict=True)
             ]), mms
-        finally:
-            await _stop_all(mms)
 
     groups, mms = swarm.loop.run(scenario(), timeout=30)
     # target 4 is never reached: each hash's pair closes at its leader's deadline
@@ -171,18 +141,15 @@ def test_different_params_hash_never_group(swarm: Swarm) -> None:
     assert groups[0].group_id != groups[1].group_id
 
 
-def test_late_peer_after_deadline_close_is_late_and_does_not_disturb(swarm: Swarm) -> None:
+def test_late_peer_after_deadline_close_is_late_and_does_not_disturb(swarm: MatchmakingPeers) -> None:
     timeout = 2.0
 
     async def scenario():
-        mms = await swarm.matchmakers(3)
-        try:
+        async with swarm.matchmakers(3) as mms:
             committed = await asyncio.gather(*[_form(m, timeout=timeout) for m in mms[:2]])  # closes at deadline
             t0 = time.perf_counter()
             late = await _form(mms[2], timeout=timeout)
             return committed, late, time.perf_counter() - t0, mms
-        finally:
-            await _stop_all(mms)
 
     committed, late, late_s, mms = swarm.loop.run(scenario(), timeout=30)
     _assert_same_group(committed, mms[:2])
@@ -191,17 +158,14 @@ def test_late_peer_after_deadline_close_is_late_and_does_not_disturb(swarm: Swar
     assert late_s < timeout / 2, f"a late peer should learn it missed the round at once, took {late_s:.2f}s"
 
 
-def test_late_peer_after_full_close_ends_alone(swarm: Swarm) -> None:
+def test_late_peer_after_full_close_ends_alone(swarm: MatchmakingPeers) -> None:
     timeout = 2.0
 
     async def scenario():
-        mms = await swarm.matchmakers(3)
-        try:
+        async with swarm.matchmakers(3) as mms:
             committed = await asyncio.gather(*[_form(m, target_group_size=2, timeout=timeout) for m in mms[:2]])
             late = await _form(mms[2], target_group_size=2, timeout=timeout)
             return committed, late, mms
-        finally:
-            await _stop_all(mms)
 
     committed, late, mms = swarm.loop.run(scenario(), timeout=30)
     _assert_same_group(committed, mms[:2])
@@ -209,49 +173,58 @@ def test_late_peer_after_full_close_ends_alone(swarm: Swarm) -> None:
     assert late is None and mms[2].last_outcome == mm.ALONE
 
 
-def test_group_below_min_size_is_void_on_every_member(swarm: Swarm) -> None:
+def test_group_below_min_size_is_void_on_every_member(swarm: MatchmakingPeers) -> None:
     timeout = 2.0
 
     async def scenario():
-        mms = await swarm.matchmakers(2)
-        try:
+        async with swarm.matchmakers(2) as mms:
             return await asyncio.gather(*[
                 _form(m, min_group_size=3, target_group_size=4, timeout=timeout) for m in mms
             ]), mms
-        finally:
-            await _stop_all(mms)
 
     groups, mms = swarm.loop.run(scenario(), timeout=30)
     assert groups == [None, None]
     assert [m.last_outcome for m in mms] == [mm.VOID, mm.VOID]
 
 
-def test_frozen_leader_is_skipped_within_the_deadline(swarm: Swarm) -> None:
+async def _form_until_registered(leader: Matchmaker, park: bool = False, freeze: bool = False,
+                                 **kw) -> asyncio.Future:
+    """Start `_form(leader, **kw)`; return it once the leader has registered. `park`: it then waits
+    there forever; `freeze`: and its join handlers stop answering too (as under SIGSTOP)."""
+    registered = asyncio.Event()
+
+    async def on_registered():
+        leader._frozen = freeze
+        registered.set()
+        if park:
+            await asyncio.Event().wait()
+
+    leader._after_register = on_registered
+    task = _form(leader, **kw)
+    await registered.wait()
+    return task
+
+
+async def _cancel_parked(leader: Matchmaker, task: asyncio.Future) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    leader._after_register = None  # a closure over `leader`: keep the matchmaker out of a gc cycle
+
+
+def test_frozen_leader_is_skipped_within_the_deadline(swarm: MatchmakingPeers) -> None:
     """The best-placed peer registers, then stops answering with its socket open (SIGSTOP)."""
     timeout = 4.0
 
     async def scenario():
-        mms = await swarm.matchmakers(3)
-        leader, others = mms[0], mms[1:]
-        registered = asyncio.Event()
-
-        async def freeze():
-            leader._frozen = True
-            registered.set()
-            await asyncio.Event().wait()
-
-        leader._after_register = freeze
-        stuck = _form(leader, timeout=timeout)
-        try:
-            await registered.wait()
-            t0 = time.perf_counter()
-            groups = await asyncio.gather(*[_form(m, timeout=timeout) for m in others])
-            return groups, time.perf_counter() - t0, others, leader
-        finally:
-            stuck.cancel()
-            await asyncio.gather(stuck, return_exceptions=True)
-            leader._after_register = None  # a closure over `leader`: keep the matchmaker out of a gc cycle
-            await _stop_all(mms)
+        async with swarm.matchmakers(3) as mms:
+            leader, others = mms[0], mms[1:]
+            stuck = await _form_until_registered(leader, park=True, freeze=True, timeout=timeout)
+            try:
+                t0 = time.perf_counter()
+                groups = await asyncio.gather(*[_form(m, timeout=timeout) for m in others])
+                return groups, time.perf_counter() - t0, others, leader
+            finally:
+                await _cancel_parked(leader, stuck)
 
     groups, elapsed, others, leader = swarm.loop.run(scenario(), timeout=30)
     assert elapsed <= timeout + mm.default_request_timeout(timeout) + 0.5
@@ -259,47 +232,30 @@ def test_frozen_leader_is_skipped_within_the_deadline(swarm: Swarm) -> None:
     assert leader.me not in {p.to_base58() for p in groups[0].peers}
 
 
-def test_cancelled_leader_is_skipped_quickly(swarm: Swarm) -> None:
+def test_cancelled_leader_is_skipped_quickly(swarm: MatchmakingPeers) -> None:
     timeout = 4.0
 
     async def scenario():
-        mms = await swarm.matchmakers(3)
-        leader, others = mms[0], mms[1:]
-        registered = asyncio.Event()
-
-        async def pause():
-            registered.set()
-            await asyncio.Event().wait()
-
-        leader._after_register = pause
-        task = _form(leader, timeout=timeout)
-        try:
-            await registered.wait()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            leader._after_register = None
+        async with swarm.matchmakers(3) as mms:
+            leader, others = mms[0], mms[1:]
+            await _cancel_parked(leader, await _form_until_registered(leader, park=True, timeout=timeout))
             t0 = time.perf_counter()
             groups = await asyncio.gather(*[_form(m, target_group_size=2, timeout=timeout) for m in others])
             return groups, time.perf_counter() - t0, others
-        finally:
-            await _stop_all(mms)
 
     groups, elapsed, others = swarm.loop.run(scenario(), timeout=30)
     _assert_same_group(groups, others)
     assert elapsed < timeout / 2
 
 
-def test_registration_is_withdrawn(swarm: Swarm) -> None:
+def test_registration_is_withdrawn(swarm: MatchmakingPeers) -> None:
     async def scenario():
-        mms = await swarm.matchmakers(2)
-        try:
+        async with swarm.matchmakers(2) as mms:
             await asyncio.gather(*[_form(m, target_group_size=2) for m in mms])
             await asyncio.gather(*mms[0]._background, *mms[1]._background)  # the withdrawal stores
             key = mm.matchmaking_key(mms[0].run_id, 1, HASH_A)
             found = await swarm.dhts[0].get(key, latest=True, return_future=True)
             return {p: v.value for p, v in found.value.items()}, mms
-        finally:
-            await _stop_all(mms)
 
     entries, mms = swarm.loop.run(scenario(), timeout=30)
     assert set(entries) == {m.me for m in mms}
@@ -307,31 +263,30 @@ def test_registration_is_withdrawn(swarm: Swarm) -> None:
     assert all(v["t"] <= get_dht_time() for v in entries.values())
 
 
-def test_leader_forfeits_to_an_earlier_registration(swarm: Swarm) -> None:
+def test_leader_forfeits_to_an_earlier_registration(swarm: MatchmakingPeers) -> None:
     """`early` takes its registration time first but stores it last: `a` leads `c` meanwhile, then
     sees `early`, forfeits, redirects `c`, and all three end in `early`'s group."""
     timeout = 6.0
 
     async def scenario():
-        mms = await swarm.matchmakers(3)
-        early, a, c = mms
-        key = mm.matchmaking_key(early.run_id, 1, HASH_A)
-        release = asyncio.Event()
-        early._before_register = release.wait
-        tasks = [_form(early, timeout=timeout)]
-        try:
-            await _until(lambda: key in early._sessions)
-            tasks.append(_form(a, timeout=timeout))
-            await _until(lambda: key in a._sessions)
-            tasks.append(_form(c, timeout=timeout))
-            await _until(lambda: _members(a, key) == 2)  # c follows a
-            release.set()
-            t0 = time.perf_counter()
-            groups = await asyncio.gather(*tasks)
-            return groups, time.perf_counter() - t0, mms
-        finally:
-            early._before_register = None
-            await _stop_all(mms)
+        async with swarm.matchmakers(3) as mms:
+            early, a, c = mms
+            key = mm.matchmaking_key(early.run_id, 1, HASH_A)
+            release = asyncio.Event()
+            early._before_register = release.wait
+            tasks = [_form(early, timeout=timeout)]
+            try:
+                await _until(lambda: key in early._sessions)
+                tasks.append(_form(a, timeout=timeout))
+                await _until(lambda: key in a._sessions)
+                tasks.append(_form(c, timeout=timeout))
+                await _until(lambda: _members(a, key) == 2)  # c follows a
+                release.set()
+                t0 = time.perf_counter()
+                groups = await asyncio.gather(*tasks)
+                return groups, time.perf_counter() - t0, mms
+            finally:
+                early._before_register = None
 
     groups, elapsed, mms = swarm.loop.run(scenario(), timeout=30)
     _assert_same_group(groups, mms)
@@ -339,46 +294,38 @@ def test_leader_forfeits_to_an_earlier_registration(swarm: Swarm) -> None:
     assert elapsed < timeout / 2  # target 3 reached right after the forfeit
 
 
-def test_malformed_join_requests_are_refused_without_disturbing(swarm: Swarm) -> None:
+def test_malformed_join_requests_are_refused_without_disturbing(swarm: MatchmakingPeers) -> None:
     timeout = 4.0
 
     async def scenario():
-        mms = await swarm.matchmakers(3)
-        leader, follower, attacker = mms
-        registered = asyncio.Event()
-
-        async def on_registered():
-            registered.set()
-
-        leader._after_register = on_registered
-        lead = _form(leader, target_group_size=2, timeout=timeout)
-        try:
-            await registered.wait()
-            key = mm.matchmaking_key(leader.run_id, 1, HASH_A)
-            good = {"v": 1, "key": key, "h": HASH_A, "t": 0.0, "w": 1.0, "hb": 0.5}
-            replies = []
-            for payload in (
-                struct.pack(">I", 1 << 31),  # a frame far over the size limit
-                _frame({**good, "w": float("nan")}),
-                _frame({**good, "h": HASH_B}),
-                _frame({**good, "v": 99}),
-                _frame({**good, "key": key + "x"}),
-                _frame([1, 2, 3]),
-            ):
-                _, reader, writer = await attacker.p2p.call_binary_stream_handler(leader.p2p.peer_id, leader.protocol)
-                writer.write(payload)
-                await writer.drain()
-                try:  # one reply frame, or the stream just ends
-                    replies.append(await asyncio.wait_for(mm._recv_frame(reader), 10))
-                except asyncio.IncompleteReadError:
-                    replies.append(None)
-                writer.close()
-            assert _members(leader, key) == 1
-            group = await _form(follower, target_group_size=2, timeout=timeout)
-            return replies, [await lead, group], mms
-        finally:
-            leader._after_register = None
-            await _stop_all(mms)
+        async with swarm.matchmakers(3) as mms:
+            leader, follower, attacker = mms
+            try:
+                lead = await _form_until_registered(leader, target_group_size=2, timeout=timeout)
+                key = mm.matchmaking_key(leader.run_id, 1, HASH_A)
+                good = {"v": 1, "key": key, "h": HASH_A, "t": 0.0, "w": 1.0, "hb": 0.5}
+                replies = []
+                for payload in (
+                    struct.pack(">I", 1 << 31),  # a frame far over the size limit
+                    _frame({**good, "w": float("nan")}),
+                    _frame({**good, "h": HASH_B}),
+                    _frame({**good, "v": 99}),
+                    _frame({**good, "key": key + "x"}),
+                    _frame([1, 2, 3]),
+                ):
+                    _, reader, writer = await attacker.p2p.call_binary_stream_handler(leader.p2p.peer_id, leader.protocol)
+                    writer.write(payload)
+                    await writer.drain()
+                    try:  # one reply frame, or the stream just ends
+                        replies.append(await asyncio.wait_for(mm._recv_frame(reader), 10))
+                    except asyncio.IncompleteReadError:
+                        replies.append(None)
+                    writer.close()
+                assert _members(leader, key) == 1
+                group = await _form(follower, target_group_size=2, timeout=timeout)
+                return replies, [await lead, group], mms
+            finally:
+                leader._after_register = None
 
     replies, groups, mms = swarm.loop.run(scenario(), timeout=30)
     assert replies == [
@@ -397,48 +344,40 @@ def _frame(obj) -> bytes:
     return struct.pack(">I", len(data)) + data
 
 
-def test_leader_keeps_each_stream_open_until_the_follower_has_closed_it(swarm: Swarm, monkeypatch) -> None:
+def test_leader_keeps_each_stream_open_until_the_follower_has_closed_it(swarm: MatchmakingPeers, monkeypatch) -> None:
     """Under CPU load a leader that closed its end right after writing the answer counted a follower
     that read EOF with 0 bytes: the two disagreed on the group. The leader now closes only after the
     follower (which closes once it has read the answer), and within `_LINGER_TIMEOUT` otherwise."""
     timeout = 4.0
 
     async def scenario():
-        mms = await swarm.matchmakers(2)
-        leader, client = mms
-        registered = asyncio.Event()
+        async with swarm.matchmakers(2) as mms:
+            leader, client = mms
+            try:
+                lead = await _form_until_registered(leader, target_group_size=2, timeout=timeout)
+                key = mm.matchmaking_key(leader.run_id, 1, HASH_A)
+                join = _frame({"v": 1, "key": key, "h": HASH_A, "t": 0.0, "w": 1.0, "hb": 0.5})
+                _, reader, writer = await client.p2p.call_binary_stream_handler(leader.p2p.peer_id, leader.protocol)
+                writer.write(join)
+                await writer.drain()
+                frames = [await asyncio.wait_for(mm._recv_frame(reader), 10) for _ in range(2)]
+                group = await lead
+                held_after_answer = len(leader._handler_tasks)  # the answer is out: is the stream still held?
+                writer.close()
+                await _until(lambda: not leader._handler_tasks)  # our close ends it
 
-        async def on_registered():
-            registered.set()
-
-        leader._after_register = on_registered
-        lead = _form(leader, target_group_size=2, timeout=timeout)
-        try:
-            await registered.wait()
-            key = mm.matchmaking_key(leader.run_id, 1, HASH_A)
-            join = _frame({"v": 1, "key": key, "h": HASH_A, "t": 0.0, "w": 1.0, "hb": 0.5})
-            _, reader, writer = await client.p2p.call_binary_stream_handler(leader.p2p.peer_id, leader.protocol)
-            writer.write(join)
-            await writer.drain()
-            frames = [await asyncio.wait_for(mm._recv_frame(reader), 10) for _ in range(2)]
-            group = await lead
-            held_after_answer = len(leader._handler_tasks)  # the answer is out: is the stream still held?
-            writer.close()
-            await _until(lambda: not leader._handler_tasks)  # our close ends it
-
-            # A follower that never closes holds a handler for at most _LINGER_TIMEOUT.
-            monkeypatch.setattr(mm, "_LINGER_TIMEOUT", 0.2)
-            _, reader, writer = await client.p2p.call_binary_stream_handler(leader.p2p.peer_id, leader.protocol)
-            writer.write(join)
-            await writer.drain()
-            late = await asyncio.wait_for(mm._recv_frame(reader), 10)
-            await _until(lambda: not leader._handler_tasks)
-            rest = await asyncio.wait_for(reader.read(), 10)  # then the leader closes
-            writer.close()
-            return frames, group, held_after_answer, late, rest, mms
-        finally:
-            leader._after_register = None
-            await _stop_all(mms)
+                # A follower that never closes holds a handler for at most _LINGER_TIMEOUT.
+                monkeypatch.setattr(mm, "_LINGER_TIMEOUT", 0.2)
+                _, reader, writer = await client.p2p.call_binary_stream_handler(leader.p2p.peer_id, leader.protocol)
+                writer.write(join)
+                await writer.drain()
+                late = await asyncio.wait_for(mm._recv_frame(reader), 10)
+                await _until(lambda: not leader._handler_tasks)
+                rest = await asyncio.wait_for(reader.read(), 10)  # then the leader closes
+                writer.close()
+                return frames, group, held_after_answer, late, rest, mms
+            finally:
+                leader._after_register = None
 
     frames, group, held_after_answer, late, rest, mms = swarm.loop.run(scenario(), timeout=30)
     assert [f["s"] for f in frames] == ["wait", "group"]
@@ -447,45 +386,44 @@ def test_leader_keeps_each_stream_open_until_the_follower_has_closed_it(swarm: S
     assert late == {"s": "closed", "reason": "full"} and rest == b""
 
 
-def test_group_filled_before_the_leaders_first_read_binds_the_leader(swarm: Swarm) -> None:
+def test_group_filled_before_the_leaders_first_read_binds_the_leader(swarm: MatchmakingPeers) -> None:
     """`c` registers; `d` and `e` join it and its group fills (c, d, e) while `c` is still reading the
     DHT for the first time. That read shows `early`, which precedes `c`. The group is closed and `d`
     and `e` hold its answer: `c` must keep it, not follow `early` into another group."""
     timeout = 4.0
 
     async def scenario():
-        mms = await swarm.matchmakers(4)
-        early, c, d, e = mms
-        key = mm.matchmaking_key(early.run_id, 1, HASH_A)
-        release_early, early_stored = asyncio.Event(), asyncio.Event()
-        c_registered, release_c = asyncio.Event(), asyncio.Event()
+        async with swarm.matchmakers(4) as mms:
+            early, c, d, e = mms
+            key = mm.matchmaking_key(early.run_id, 1, HASH_A)
+            release_early, early_stored = asyncio.Event(), asyncio.Event()
+            c_registered, release_c = asyncio.Event(), asyncio.Event()
 
-        async def early_after():
-            early_stored.set()
+            async def early_after():
+                early_stored.set()
 
-        async def c_after():
-            c_registered.set()
-            await release_c.wait()
+            async def c_after():
+                c_registered.set()
+                await release_c.wait()
 
-        early._before_register, early._after_register = release_early.wait, early_after
-        c._after_register = c_after
-        tasks = [_form(early, timeout=timeout)]
-        try:
-            await _until(lambda: key in early._sessions)  # early's registration time is the smallest
-            tasks.append(_form(c, timeout=timeout))
-            await c_registered.wait()
-            tasks += [_form(d, timeout=timeout), _form(e, timeout=timeout)]
-            de = await asyncio.gather(*tasks[2:])  # they join c: the group fills and closes
-            release_early.set()
-            await early_stored.wait()
-            release_c.set()  # c's first read now shows early
-            return [await tasks[0], await tasks[1], *de], mms
-        finally:
-            release_early.set()
-            release_c.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            early._before_register = early._after_register = c._after_register = None
-            await _stop_all(mms)
+            early._before_register, early._after_register = release_early.wait, early_after
+            c._after_register = c_after
+            tasks = [_form(early, timeout=timeout)]
+            try:
+                await _until(lambda: key in early._sessions)  # early's registration time is the smallest
+                tasks.append(_form(c, timeout=timeout))
+                await c_registered.wait()
+                tasks += [_form(d, timeout=timeout), _form(e, timeout=timeout)]
+                de = await asyncio.gather(*tasks[2:])  # they join c: the group fills and closes
+                release_early.set()
+                await early_stored.wait()
+                release_c.set()  # c's first read now shows early
+                return [await tasks[0], await tasks[1], *de], mms
+            finally:
+                release_early.set()
+                release_c.set()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                early._before_register = early._after_register = c._after_register = None
 
     (early_group, *groups), mms = swarm.loop.run(scenario(), timeout=30)
     _assert_same_group(groups, mms[1:])

@@ -27,8 +27,8 @@ from hivemind.p2p import P2P
 from diloco_p2p.launch import free_port
 from diloco_p2p.metrics import exported_names, read_port_file
 from diloco_p2p.swarm.dht import peer_id_of
-from tests.conftest import run_cli
-from tests.swarm_procs import Node, Swarm, wait_until
+from tests.harness.procs import run_cli, wait_until
+from tests.harness.swarm import Node, ProcessSwarm
 from tests.unit.test_deploy_files import METRIC, alert_rules, dashboard_queries
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
@@ -99,7 +99,7 @@ class Prometheus:
 
 @dataclass
 class Ops:
-    swarm: Swarm
+    swarm: ProcessSwarm
     nodes: dict[str, Node]
     targets: dict[str, str]  # "a", "b", "seed" -> host:port of its metrics endpoint
     prometheus: Prometheus
@@ -114,7 +114,7 @@ class Ops:
         return values[0]
 
 
-def _seed_metrics_port(swarm: Swarm) -> int | None:
+def _seed_metrics_port(swarm: ProcessSwarm) -> int | None:
     m = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", swarm.seed.output())
     return int(m.group(1)) if m else None
 
@@ -122,7 +122,7 @@ def _seed_metrics_port(swarm: Swarm) -> int | None:
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory):
     root = tmp_path_factory.mktemp("ops")
-    swarm = Swarm(root, seed_args=["--metrics-port", "-1"])
+    swarm = ProcessSwarm(root, seed_args=["--metrics-port", "-1"])
     prometheus = None
     try:
         nodes = {name: swarm.node(name, OVERRIDES, env=HOLD) for name in ("a", "b")}
@@ -212,11 +212,8 @@ def _one_error_line(result: subprocess.CompletedProcess, start: str) -> None:
 
 
 def test_status_against_a_fresh_seed_with_no_swarm_is_one_clear_line(tmp_path):
-    empty = Swarm(tmp_path)
-    try:
+    with ProcessSwarm(tmp_path) as empty:
         result = _status("--initial-peers", empty.maddr, "--run-id", "swarm-test", "--json", "--timeout", "10")
-    finally:
-        empty.close()
     _one_error_line(result, "error: no progress records for run id 'swarm-test'")
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 
 from tests import netns
-from tests.swarm_procs import Swarm, wait_until
+from tests.harness.procs import wait_until
+from tests.harness.swarm import ProcessSwarm
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -29,8 +30,7 @@ def statuses(node, after: int) -> list[tuple[int, str]]:
 
 def test_partitioned_node_rejoins_without_pulling_the_swarm_back(tmp_path):
     with netns.Hosts(4, rate_mbit=50) as hosts:
-        swarm = Swarm(tmp_path, seed_host=hosts[0])
-        try:
+        with ProcessSwarm(tmp_path, seed_host=hosts[0]) as swarm:
             opts = ["train.max_rounds=1000", "sync.target_group_size=3"]  # the test stops them; only a leak bound
             a, b = (swarm.node(name, [*opts, "sync.matchmaking_timeout=8"], host=hosts[i + 1])
                     for i, name in enumerate("ab"))
@@ -72,8 +72,6 @@ def test_partitioned_node_rejoins_without_pulling_the_swarm_back(tmp_path):
                            == theirs.get(r["round"], {}).get("params_sha256") for r in later[back[0]:])
 
             wait_until(c_rejoined, 120, "c to go back to the swarm's state and average with it", a, b, c)
-        finally:
-            swarm.close()
 
     lone_hashes = {r["params_sha256"] for r in c.records() if r["status"] == "alone"}
     assert lone_hashes, "c never ended a round alone: the partition did not happen"

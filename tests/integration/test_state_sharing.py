@@ -12,37 +12,31 @@ import hashlib
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-import hivemind
 import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from diloco_p2p.swarm.runner import BackgroundLoop
 from diloco_p2p.swarm.state.announcements import list_donors, state_key
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import pack_state, unpack_state
 from diloco_p2p.swarm.state.server import StateServer
-from tests.dht_cluster import loopback_dhts
+from tests.harness.loopback import LoopbackPeers
 
 _run_ids = itertools.count()
 
 
-@dataclass
-class Swarm:
-    dhts: list[hivemind.DHT]  # [donor A, donor B, joiner 1, joiner 2]
-    p2ps: list
-    loop: BackgroundLoop
+class StatePeers(LoopbackPeers):
+    """[donor A, donor B, joiner 1, joiner 2]"""
 
     def server(self, i: int, **kw) -> StateServer:
         return StateServer(self.dhts[i], self.p2ps[i], **kw)
 
 
 @pytest.fixture(scope="module")
-def swarm() -> Iterator[Swarm]:
-    with loopback_dhts(4) as (dhts, p2ps, loop):
-        yield Swarm(dhts, p2ps, loop)
+def swarm() -> Iterator[StatePeers]:
+    with StatePeers(4) as peers:
+        yield peers
 
 
 def _run_id() -> str:
@@ -58,7 +52,7 @@ def _blob(numel: int, round: int = 3, seed: int = 0) -> bytes:
     )
 
 
-def test_one_donor_one_joiner_gets_the_identical_verified_blob(swarm: Swarm):
+def test_one_donor_one_joiner_gets_the_identical_verified_blob(swarm: StatePeers):
     """Also the throughput measurement: a 32 MB state over loopback p2pd streams."""
     run_id = _run_id()
     blob = _blob(8 << 20)  # 8 Mi float32 = 32 MiB of tensors
@@ -91,7 +85,7 @@ def test_one_donor_one_joiner_gets_the_identical_verified_blob(swarm: Swarm):
     assert mb_s > 5  # far below what loopback gives; catches a transfer that degenerated
 
 
-def test_two_joiners_spread_over_two_donors(swarm: Swarm):
+def test_two_joiners_spread_over_two_donors(swarm: StatePeers):
     """Each donor serves one transfer at a time (`max_concurrent=1`). Joiner 1 holds its transfer
     open until joiner 2 is done, so whichever donor joiner 2 ranks first, both donors serve: if
     it picks joiner 1's donor it is told busy and moves on to the other."""
@@ -133,7 +127,7 @@ def test_two_joiners_spread_over_two_donors(swarm: Swarm):
     print(f"\njoiner 1 <- {f1.donor[-6:]}, joiner 2 <- {f2.donor[-6:]} after {f2.attempts} attempt(s)")
 
 
-def test_min_round_newer_than_any_donor_fails_fast_with_a_clear_message(swarm: Swarm):
+def test_min_round_newer_than_any_donor_fails_fast_with_a_clear_message(swarm: StatePeers):
     run_id = _run_id()
 
     async def scenario():
@@ -155,7 +149,7 @@ def test_min_round_newer_than_any_donor_fails_fast_with_a_clear_message(swarm: S
     assert donor.served_count == 0 and donor.bytes_served == 0
 
 
-def test_new_round_replaces_the_old_and_stop_withdraws(swarm: Swarm):
+def test_new_round_replaces_the_old_and_stop_withdraws(swarm: StatePeers):
     run_id = _run_id()
     old, new = _blob(1024, round=3), _blob(1024, round=4, seed=1)
 
@@ -185,7 +179,7 @@ def test_new_round_replaces_the_old_and_stop_withdraws(swarm: Swarm):
     assert "no peer announces a state" in msg
 
 
-def test_stale_announcement_is_answered_gone_and_the_joiner_moves_on(swarm: Swarm):
+def test_stale_announcement_is_answered_gone_and_the_joiner_moves_on(swarm: StatePeers):
     """Donor B's DHT record says round 5 but B now holds round 4 (it moved, or the record is a
     leftover): B answers `gone` and the joiner takes round 4 from A."""
     run_id = _run_id()
@@ -216,7 +210,7 @@ def test_stale_announcement_is_answered_gone_and_the_joiner_moves_on(swarm: Swar
     assert (b.refused_count, b.bytes_served, a.served_count) == (1, 0, 1)
 
 
-def test_announcement_is_refreshed_while_serving(swarm: Swarm):
+def test_announcement_is_refreshed_while_serving(swarm: StatePeers):
     """With a 1 s lifetime, the record is still there 2.5 s later only if the server refreshed it."""
     run_id = _run_id()
 

@@ -1,14 +1,10 @@
 """`diloco-p2p train` as a user runs it: real subprocesses, real run directories."""
 
-import json
 
 import pytest
 
-from tests.conftest import TINY, run_cli, set_args
-
-
-def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from tests.harness.procs import read_records, run_cli
+from tests.harness.settings import TINY, set_args
 
 
 def test_resume_gives_the_same_parameters_as_a_straight_run(tmp_path):
@@ -20,15 +16,15 @@ def test_resume_gives_the_same_parameters_as_a_straight_run(tmp_path):
     second = run_cli(["train", *common, "--run-dir", str(resumed)])
     assert second.returncode == 0, second.stderr
     assert "resumed from checkpoint at round 2" in second.stderr
-    a = {r["round"]: r["params_sha256"] for r in _records(straight)}
-    b = {r["round"]: r["params_sha256"] for r in _records(resumed)}
+    a = {r["round"]: r["params_sha256"] for r in read_records(straight)}
+    b = {r["round"]: r["params_sha256"] for r in read_records(resumed)}
     assert set(a) == {0, 1, 2, 3, 4} and a == b
 
 
 def test_a_run_records_every_round_and_learns(tmp_path):
     out = run_cli(["train", *set_args(TINY + ["train.max_rounds=3"]), "--run-dir", str(tmp_path)])
     assert out.returncode == 0, out.stderr
-    records = _records(tmp_path)
+    records = read_records(tmp_path)
     assert [r["round"] for r in records] == [0, 1, 2, 3]
     for r in records[1:]:
         assert {"step", "tokens", "train_loss", "eval_loss", "tokens_per_s", "seconds", "params_sha256",
