@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import sys
 import time
 from dataclasses import asdict
@@ -47,16 +46,9 @@ from diloco_p2p.logs import set_log_context
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
 from diloco_p2p.outer import OuterOptimizer
 from diloco_p2p.ranks import Ranks, resolve_device
+from diloco_p2p.rundir import node_key, prepare_run_dir
 
 log = logging.getLogger("diloco_p2p.node")
-
-
-def node_key(run_dir: Path) -> str:
-    """A random key created once per run directory; fixes a solo node's data order across resumes."""
-    path = run_dir / "node_key"
-    if not path.exists():
-        path.write_text(secrets.token_hex(16))
-    return path.read_text().strip()
 
 
 class Node:
@@ -66,8 +58,7 @@ class Node:
         self.config, self.node_dir = config, run_dir
         self.ranks = ranks or Ranks(resolve_device(config.train.device))
         leader = self.ranks.leader
-        self.run_dir = run_dir if leader else run_dir / "ranks" / str(self.ranks.rank)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = prepare_run_dir(run_dir if leader else run_dir / "ranks" / str(self.ranks.rank))
         self.stop = stop or StopRequested()
         self.metrics = metrics if leader else None
         self.progress = leader and (sys.stderr.isatty() if progress is None else progress)
@@ -283,7 +274,7 @@ class Node:
 
     def _resume(self) -> None:
         """Every rank reads the full checkpoint (any world size wrote it) and keeps its part."""
-        ckpt = load_checkpoint(self.node_dir / "checkpoints", self.swarm_view)
+        ckpt = load_checkpoint(self.node_dir / "checkpoints", self.swarm_view, self.config.train.resume_round)
         if ckpt is None:
             return
         self.outer.load_state_tensors({k: self.layout.to_local(ckpt.tensors[k]) for k in ("outer.theta",

@@ -56,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.nproc_per_node > 1 and args.nproc_per_node != local_world_size():
         raise UserError(f"{NPROC_FLAG} {args.nproc_per_node} but the launcher started {local_world_size()} ranks; "
                         f"drop {NPROC_FLAG} under torchrun")
-    return train(config, args.run_dir or Path("runs") / config.run_id)
+    from diloco_p2p.rundir import prepare_run_dir
+
+    return train(config, prepare_run_dir(args.run_dir or Path("runs") / config.run_id))
 
 
 def train(config: Config, run_dir: Path) -> int:
