@@ -4,7 +4,9 @@ Starts a DHT seed and three training nodes as real processes on 127.0.0.1, train
 model on the embedded corpus for a few rounds, prints one line per round as the nodes report
 it, and ends with a summary: rounds, eval loss start -> end, group sizes, and whether every
 node ended every round with the same `params_sha256`. Every process it started is stopped on
-the way out, also on Ctrl+C.
+the way out, also on Ctrl+C (SIGINT) and SIGTERM: the demo installs its own handlers rather than
+rely on Python's KeyboardInterrupt, which never comes when SIGINT was ignored at start (a
+background job of a non-interactive shell, some supervisors).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from diloco_p2p.errors import UserError
 
@@ -28,6 +32,41 @@ DEMO_OVERRIDES = [
 ]
 
 
+class _Stopped(Exception):
+    """The demo was asked to stop by `signum`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM set `signum`; the demo's waits call `check`, which raises `_Stopped`.
+
+    The handler only records the signal: raising from it could land between starting a process
+    and recording it, and that process would be left running."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise _Stopped(self.signum)
+
+
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     with open(log_path, "w") as log_file:
@@ -35,9 +74,10 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> str:
+def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float, stop: _StopSignals) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        stop.check()
         if path.exists() and path.read_text().strip():
             return path.read_text().split()[0]
         if proc.poll() is not None:
@@ -71,29 +111,37 @@ def run_demo(nodes: int = 3, rounds: int = 5, root: Path | None = None, extra: l
     root.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     print(f"demo: a seed and {nodes} nodes on 127.0.0.1, {rounds} rounds; logs in {root}", flush=True)
-    try:
-        seed = _spawn(["seed", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(root / "seed.key"),
-                       "--maddrs-file", str(root / "seed.maddrs")], root / "seed.log")
-        procs.append(seed)
-        seed_addr = _wait_for_file(root / "seed.maddrs", seed, timeout=60)
-        print(f"seed: {seed_addr}", flush=True)
-        overrides = DEMO_OVERRIDES + [f"train.max_rounds={rounds}", f"sync.target_group_size={nodes}"] + (extra or [])
-        set_args = [a for o in overrides for a in ("--set", o)]
-        dirs = [root / f"node-{i}" for i in range(nodes)]
-        for d in dirs:
-            d.mkdir(exist_ok=True)
-            procs.append(_spawn(["train", *set_args, "--initial-peers", seed_addr, "--run-dir", str(d)], d / "node.log"))
-        return _watch(dirs, procs[1:], rounds)
-    except KeyboardInterrupt:
-        print("\ndemo: interrupted; stopping every process", flush=True)
-        return 130
-    finally:
-        _stop_all(procs)
+    with _StopSignals() as stop:
+        try:
+            return _run(nodes, rounds, root, extra or [], procs, stop)
+        except _Stopped as e:
+            print(f"\ndemo: interrupted ({e}); stopping every process", flush=True)
+            return 128 + e.signum
+        finally:
+            _stop_all(procs)
 
 
-def _watch(dirs: list[Path], nodes: list[subprocess.Popen], rounds: int) -> int:
+def _run(nodes: int, rounds: int, root: Path, extra: list[str], procs: list[subprocess.Popen],
+         stop: _StopSignals) -> int:
+    """Start the seed and the nodes (each goes into `procs` as soon as it exists), then watch them."""
+    seed = _spawn(["seed", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(root / "seed.key"),
+                   "--maddrs-file", str(root / "seed.maddrs")], root / "seed.log")
+    procs.append(seed)
+    seed_addr = _wait_for_file(root / "seed.maddrs", seed, timeout=60, stop=stop)
+    print(f"seed: {seed_addr}", flush=True)
+    overrides = DEMO_OVERRIDES + [f"train.max_rounds={rounds}", f"sync.target_group_size={nodes}"] + extra
+    set_args = [a for o in overrides for a in ("--set", o)]
+    dirs = [root / f"node-{i}" for i in range(nodes)]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+        procs.append(_spawn(["train", *set_args, "--initial-peers", seed_addr, "--run-dir", str(d)], d / "node.log"))
+    return _watch(dirs, procs[1:], rounds, stop)
+
+
+def _watch(dirs: list[Path], nodes: list[subprocess.Popen], rounds: int, stop: _StopSignals) -> int:
     shown = 0
     while True:
+        stop.check()
         records = [{r["round"]: r for r in _read_records(d)} for d in dirs]
         while all(shown in r for r in records):
             rows = [r[shown] for r in records]
