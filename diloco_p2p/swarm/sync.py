@@ -37,7 +37,8 @@ from diloco_p2p import __version__
 from diloco_p2p.config import P2PConfig, SyncConfig
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState, view_hash
 from diloco_p2p.faults import Faults
-from diloco_p2p.swarm.allreduce import AllreduceResult, AllreduceService
+from diloco_p2p.swarm.allreduce import AllreduceService
+from diloco_p2p.swarm.allreduce_state import AllreduceResult
 from diloco_p2p.swarm.dht import dht_peer_count, start_dht
 from diloco_p2p.swarm.matchmaking import Matchmaker
 from diloco_p2p.swarm.records import (
@@ -176,7 +177,7 @@ class SwarmSync:
             )
             if group is None:
                 log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
-                return self._alone(delta, "alone", 1)
+                return round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement)
             self.faults.fire("group", round)
             result = self._interruptible(
                 self.allreduce.allreduce(group.group_id, group.peers, delta, weight,
@@ -187,19 +188,9 @@ class SwarmSync:
             )
         except Interrupted as e:
             log.warning("round %d: averaging interrupted (%s)", round, e)
-            return self._alone(delta, "failed", 1)
-        if result.status == "failed":
-            outcome = self._alone(delta, "failed", len(group.peers))
-        else:
-            outcome = RoundOutcome(status="committed", average=result.average, group_size=len(group.peers),
-                                   **self.agreement)
+            return round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement, interrupted=True)
         self._keep(round, delta, weight, result)
-        outcome.allreduce_seconds = result.seconds
-        outcome.bytes_sent, outcome.bytes_received = result.bytes_sent, result.bytes_received
-        outcome.contributors, outcome.rejected = len(result.contributors), result.rejected
-        outcome.parts_committed, outcome.parts = len(result.committed_parts), result.num_parts
-        outcome.dropped_peers = len(group.peers) - len(result.contributors)
-        return outcome
+        return round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement)
 
     def _keep(self, round: int, delta: torch.Tensor, weight: float, result: AllreduceResult) -> None:
         """Tests (``keep@average``): each round's Δ and the average, to recompute the mean."""
@@ -220,10 +211,6 @@ class SwarmSync:
                 if self.stop.requested or time.monotonic() > deadline:
                     future.cancel()
                     raise Interrupted("stop requested" if self.stop.requested else "timed out") from None
-
-    def _alone(self, delta: torch.Tensor, status: str, group_size: int) -> RoundOutcome:
-        average = delta if self.cfg.alone_policy == "apply" and torch.isfinite(delta).all() else None
-        return RoundOutcome(status=status, average=average, group_size=group_size, **self.agreement)
 
     def after_round(self, node: NodeState, record: RoundRecord) -> None:
         """Publish our progress record and serve the new state to joiners."""
@@ -269,6 +256,30 @@ class SwarmSync:
                 await getattr(self, service).stop()
         if hasattr(self, "p2p"):
             await self.p2p.shutdown()  # our replica only: the DHT process owns the daemon
+
+
+def round_outcome(delta: torch.Tensor, result: AllreduceResult | None, group_size: int, alone_policy: str,
+                  agreement: dict[str, bool], *, interrupted: bool = False) -> RoundOutcome:
+    """How a round of averaging ended, as the outer step sees it.
+
+    No group (`result` None): ``alone``, or ``failed`` when the wait was interrupted; a failed
+    all-reduce: ``failed``. In those cases our own Δ is applied only under ``alone_policy:
+    apply`` and only if it is finite (M=1 DiLoCo for that round). Otherwise ``committed`` with
+    the group's average, identical on every member.
+    """
+    if result is None or result.status == "failed":
+        status = "failed" if interrupted or result is not None else "alone"
+        own = delta if alone_policy == "apply" and bool(torch.isfinite(delta).all()) else None
+        outcome = RoundOutcome(status=status, average=own, group_size=group_size, **agreement)
+    else:
+        outcome = RoundOutcome(status="committed", average=result.average, group_size=group_size, **agreement)
+    if result is not None:
+        outcome.allreduce_seconds = result.seconds
+        outcome.bytes_sent, outcome.bytes_received = result.bytes_sent, result.bytes_received
+        outcome.contributors, outcome.rejected = len(result.contributors), result.rejected
+        outcome.parts_committed, outcome.parts = len(result.committed_parts), result.num_parts
+        outcome.dropped_peers = group_size - len(result.contributors)
+    return outcome
 
 
 class ProgressPublisher:

@@ -1,0 +1,52 @@
+"""How `SwarmSync.average` turns a round's events into the outcome the outer step applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco_p2p.swarm.allreduce_state import AllreduceResult
+from diloco_p2p.swarm.sync import round_outcome
+
+AGREE = {"params_agree": True, "config_agree": True}
+
+
+def _result(status: str, average: torch.Tensor) -> AllreduceResult:
+    return AllreduceResult(average=average, status=status, committed_parts=[0, 1] if status != "failed" else [],
+                           num_parts=3, contributors=["a", "b"], rejected={"c": "nan"}, bytes_sent=100,
+                           bytes_received=200, seconds=0.25)
+
+
+@pytest.mark.parametrize("status", ["ok", "partial"])
+def test_a_group_that_reduced_commits_its_average(status):
+    delta, average = torch.ones(4), torch.full((4,), 0.5)
+    out = round_outcome(delta, _result(status, average), 3, "apply", AGREE)
+    assert out.status == "committed" and out.average is average and out.group_size == 3
+    assert (out.contributors, out.dropped_peers, out.rejected) == (2, 1, {"c": "nan"})
+    assert (out.parts_committed, out.parts, out.bytes_sent, out.bytes_received) == (2, 3, 100, 200)
+    assert out.allreduce_seconds == 0.25 and out.params_agree is True
+
+
+@pytest.mark.parametrize("policy, applied", [("apply", True), ("skip", False)])
+def test_no_group_ends_alone_and_follows_the_alone_policy(policy, applied):
+    delta = torch.ones(4)
+    out = round_outcome(delta, None, 1, policy, AGREE)
+    assert out.status == "alone" and out.group_size == 1 and out.contributors is None
+    assert (out.average is delta) is applied
+
+
+def test_an_interrupted_wait_is_a_failed_round():
+    out = round_outcome(torch.ones(4), None, 1, "apply", AGREE, interrupted=True)
+    assert out.status == "failed" and out.average is not None
+
+
+def test_a_failed_allreduce_keeps_its_numbers_and_applies_only_our_own_delta():
+    delta = torch.ones(4)
+    out = round_outcome(delta, _result("failed", torch.zeros(4)), 3, "apply", AGREE)
+    assert out.status == "failed" and out.average is delta and out.group_size == 3
+    assert out.bytes_sent == 100 and out.parts_committed == 0
+
+
+def test_a_non_finite_delta_is_never_applied_alone():
+    delta = torch.tensor([1.0, float("nan")])
+    assert round_outcome(delta, None, 1, "apply", AGREE).average is None
