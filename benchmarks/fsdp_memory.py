@@ -6,7 +6,7 @@ Two measurements:
    over N local ranks vs unsharded, for every model preset. Shard sizes follow FSDP2's layout
    exactly (dim 0 of each parameter in `torch.chunk` order; the model is built on the meta
    device, so no memory is used); the largest rank is reported. For the preset that is
-   trained in part 2, the bytes actually allocated by `ShardedOuterOptimizer` are printed too.
+   trained in part 2, the bytes actually allocated by the outer optimizer on each rank are printed too.
 2. Inner-step throughput (tokens/s, after warmup) of 1 rank vs N ranks on CPU with the same
    global batch: 1 rank with batch N·b, N ranks with b each (gloo).
 
