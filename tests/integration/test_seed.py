@@ -14,6 +14,7 @@ from hivemind.utils import get_dht_time
 
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.swarm.dht import peer_id_of, start_dht
+from tests.harness.reaping import alive, descendants
 
 REPO = Path(__file__).resolve().parents[2]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -126,6 +127,24 @@ def test_seed_restart_keeps_its_peer_id_and_stops_on_sigint(seeds, tmp_path):
     rc, seconds = again.stop(signal.SIGINT)
     assert rc == 0 and seconds < 5.0, again.output()
     assert _group_gone(again, 3.0)
+
+
+def test_a_seed_killed_with_sigkill_takes_its_dht_and_p2pd_along(seeds, tmp_path):
+    """Its forked DHT process and p2pd exit by themselves; the restart keeps the peer id."""
+    identity = tmp_path / "seed.key"
+    first = seeds("first", identity)
+    peer = first.wait_maddrs()[0].rsplit("/p2p/", 1)[1]
+    helpers = descendants(first.proc.pid)
+    assert len(helpers) == 2, helpers  # the DHT process and its p2pd
+    first.proc.kill()
+    first.proc.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in helpers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in helpers), "the seed's DHT process or p2pd outlived its SIGKILL"
+
+    again = seeds("again", identity)
+    assert all(m.endswith(f"/p2p/{peer}") for m in again.wait_maddrs())
 
 
 def test_seed_with_a_corrupt_identity_exits_2_with_one_line(tmp_path):
