@@ -64,7 +64,7 @@ class Epoch:
 
     members: dict[str, tuple[float, int]]  # peer -> (weight, token of the stream that joined it)
     answer: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    close_reason: str | None = None  # "full" or "expired" once closed with a group
+    close_reason: str | None = None  # "full", "complete" or "expired" once closed with a group
 
 
 @dataclass
@@ -81,6 +81,9 @@ class Session:
     request_timeout: float
     epoch: Epoch | None = None
     following: tuple[str, float] | None = None  # (leader, its t) while following or trying to
+    # The live swarm at this round and θ besides us (from progress records, given by the caller):
+    # once all of them are members there is no one left to wait for.
+    expected: frozenset[str] = frozenset()
 
     @property
     def close_at(self) -> float:
@@ -108,6 +111,15 @@ class Session:
                 if (e.t, e.peer) < (self.t, self.me) and (best is None or (e.t, e.peer) < (best.t, best.peer)):
                     best = e
         return best
+
+    def closing_reason(self, epoch: Epoch) -> str | None:
+        """Why the open group we lead should close now: ``full`` (target reached), ``complete``
+        (every peer we expect has joined, and enough of them for a group), or None (keep waiting)."""
+        if len(epoch.members) >= self.target:
+            return "full"
+        if self.expected and self.expected <= epoch.members.keys() and len(epoch.members) >= max(2, self.min_size):
+            return "complete"
+        return None
 
     def close(self, epoch: Epoch, run_id: str, reason: str, now: float) -> None:
         """Close the open group we lead: one answer object, handed to every member."""
@@ -154,7 +166,7 @@ class Session:
         except Exception:
             return None
         group = Group(group_id, peer_ids, peers.index(self.me), {p: float(w) for p, w in weights.items()}, leader_id)
-        return Final(group, GROUP, why if why in ("full", "expired") else None)
+        return Final(group, GROUP, why if why in ("full", "complete", "expired") else None)
 
     def rejects(self, request: dict[str, Any], follower: str) -> bool:
         """Whether a join request for this session is malformed (answered ``closed: bad_request``)."""

@@ -32,8 +32,13 @@ Protocol
    has read the answer; at most ``_LINGER_TIMEOUT``). Closing right after the write lost the
    answer under CPU load: the follower read end-of-stream with 0 bytes and ended alone while the
    leader had counted it in.
-4. **Close.** The leader closes the group as soon as it has `target_group_size` members, or at
-   ``t + timeout`` (its own registration time). Every member gets the *same* answer object:
+4. **Close.** The leader closes the group as soon as it has `target_group_size` members
+   (``full``), as soon as every peer it expects has joined (``complete``), or at ``t + timeout``
+   (its own registration time; ``expired``). It expects the live swarm at this round and θ: the
+   peers the caller names (their progress records say they hold our θ at this round). So a
+   round of three nodes closes when the third joins, not at the timeout; only a peer that went
+   quiet makes the group wait for it. With nothing expected (no records) it waits as before:
+   registrations alone do not say who is still computing its inner steps. Every member gets the *same* answer object:
    members sorted by peer id, ``group_id = sha256(run, round, hash, leader, close time,
    members)``. While open, the leader re-reads the key every ``request_timeout / 2``; a better
    candidate makes it forfeit: its followers are redirected and it joins that leader itself.
@@ -55,7 +60,8 @@ Stragglers. A node that arrives after a committed group of its round was closed 
 deadline* has missed the round: it learns so from a ``done: expired`` marker or from a
 ``closed: expired`` answer and returns ``None`` at once (`last_outcome == "late"`), so the
 caller can catch up instead of averaging stale state. Groups that closed because they were
-full (target reached) do not make later nodes late: those may still group with each other.
+full (target reached) or complete (everyone expected was in) do not make later nodes late: those
+may still group with each other.
 
 Agreement is as strong as a single round trip allows: a follower whose deadline fires in the
 instant the leader sends the final list ends alone while the others count it in. The all-reduce
@@ -73,7 +79,7 @@ import asyncio
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import hivemind
@@ -195,12 +201,15 @@ class Matchmaker:
         target_group_size: int,
         timeout: float,
         request_timeout: float | None = None,
+        expected: Collection[str] = (),
     ) -> Group | None:
         """Find the peers at `round` with `params_hash`; return our group, or None if we end alone.
 
         Returns within ``timeout + request_timeout`` whatever the other peers do. `weight` (the
         tokens we processed) is passed on to every member in `Group.weights`. A group of one is
-        no group: the result is then None with `last_outcome` ``"alone"``.
+        no group: the result is then None with `last_outcome` ``"alone"``. `expected` names the
+        peers known to be at this round with this θ (base58 ids): a group we lead closes as soon
+        as all of them have joined.
         """
         if not self._started:
             raise RuntimeError("Matchmaker.start() must be awaited before form_group()")
@@ -215,7 +224,7 @@ class Matchmaker:
         session = Session(
             key=key, round=int(round), params_hash=params_hash, me=self.me, t=get_dht_time(),
             weight=float(weight), min_size=min_group_size, target=target_group_size,
-            timeout=timeout, request_timeout=request_timeout,
+            timeout=timeout, request_timeout=request_timeout, expected=frozenset(expected) - {self.me},
         )
         session.lead()  # serve join requests from the start: they may arrive before our first read
         self._sessions[key] = session
@@ -296,8 +305,7 @@ class Matchmaker:
         epoch = session.epoch
         assert epoch is not None
         poll = session.request_timeout / 2
-        if len(epoch.members) >= session.target:
-            session.close(epoch, self.run_id, "full", get_dht_time())
+        self._close_if_due(session, epoch)
         while not epoch.answer.done():
             remaining = session.close_at - get_dht_time()
             if remaining <= 0:
@@ -309,6 +317,7 @@ class Matchmaker:
             # Bounded by the time left, so a slow DHT cannot push our close past `close_at`.
             remaining = session.close_at - get_dht_time()
             view = await self._read_view(session, timeout=min(session.request_timeout, max(remaining, 0.01)))
+            self._close_if_due(session, epoch)
             best = session.best_candidate(view or {}, excluded)
             if best is not None and not epoch.answer.done():
                 logger.debug("%s: forfeiting leadership to %s", session.key, best.peer)
@@ -408,8 +417,7 @@ class Matchmaker:
         gone = asyncio.ensure_future(reader.read(1))  # EOF (or anything) = the follower left
         try:
             await _send_frame(writer, {"s": "wait"})
-            if len(epoch.members) >= session.target:
-                session.close(epoch, self.run_id, "full", get_dht_time())
+            self._close_if_due(session, epoch)
             while not epoch.answer.done():
                 await asyncio.wait({epoch.answer, gone}, timeout=hb, return_when=asyncio.FIRST_COMPLETED)
                 if epoch.answer.done():
@@ -431,6 +439,12 @@ class Matchmaker:
             gone.cancel()
             if not epoch.answer.done():
                 self._drop(epoch, follower, token)
+
+    def _close_if_due(self, session: Session, epoch: Epoch) -> None:
+        """Close the group we lead if it is full or everyone we expect is in (`Session.closing_reason`)."""
+        reason = session.closing_reason(epoch)
+        if reason is not None:
+            session.close(epoch, self.run_id, reason, get_dht_time())
 
     @staticmethod
     def _drop(epoch: Epoch, follower: str, token: int) -> None:

@@ -58,6 +58,7 @@ from diloco_p2p.swarm.state.server import StateServer
 log = logging.getLogger(__name__)
 
 PROGRESS_TTL = 60.0
+_RECORDS_TIMEOUT = 5.0  # reading who is at our round, before matchmaking
 
 
 class Interrupted(Exception):
@@ -169,12 +170,8 @@ class SwarmSync:
         self.faults.fire("delta", round)
         delta = self.faults.poison("delta", round, delta)
         try:
-            group = self._interruptible(
-                self.matchmaker.form_group(round, params_hash, weight, min_group_size=self.cfg.min_group_size,
-                                           target_group_size=self.cfg.target_group_size,
-                                           timeout=self.cfg.matchmaking_timeout),
-                timeout=self.cfg.matchmaking_timeout + 30,
-            )
+            group = self._interruptible(self._form_group(round, params_hash, weight),
+                                        timeout=self.cfg.matchmaking_timeout + 30)
             if group is None:
                 log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
                 return round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement)
@@ -191,6 +188,20 @@ class SwarmSync:
             return round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement, interrupted=True)
         self._keep(round, delta, weight, result)
         return round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement)
+
+    async def _form_group(self, round: int, params_hash: str, weight: float):
+        """Matchmaking for `round`, expecting the live swarm: the peers whose progress record says
+        they finished the previous round with our θ (a group closes once they are all in)."""
+        try:
+            records = await read_progress_async(self.dht, self.run_id, timeout=_RECORDS_TIMEOUT)
+        except Exception as e:  # no view of the swarm: the group closes when full or at the timeout
+            log.debug("round %d: could not read progress records (%r)", round, e)
+            records = {}
+        expected = [peer for peer, r in records.items()
+                    if peer != self.peer_id and r.round == round - 1 and r.params_sha256 == params_hash]
+        return await self.matchmaker.form_group(round, params_hash, weight, min_group_size=self.cfg.min_group_size,
+                                                target_group_size=self.cfg.target_group_size,
+                                                timeout=self.cfg.matchmaking_timeout, expected=expected)
 
     def _keep(self, round: int, delta: torch.Tensor, weight: float, result: AllreduceResult) -> None:
         """Tests (``keep@average``): each round's Δ and the average, to recompute the mean."""

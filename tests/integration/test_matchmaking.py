@@ -429,3 +429,30 @@ def test_group_filled_before_the_leaders_first_read_binds_the_leader(swarm: Matc
     _assert_same_group(groups, mms[1:])
     assert groups[0].leader.to_base58() == mms[1].me
     assert early_group is None and mms[0].last_outcome == mm.ALONE
+
+
+def test_group_closes_once_the_expected_swarm_is_in_and_waits_for_a_quiet_peer(swarm: MatchmakingPeers) -> None:
+    """Target 8 is never reached: three peers that expect each other close at once; when a fourth
+    expected peer stays quiet, the three wait for it until the deadline."""
+    timeout = 4.0
+
+    async def form(mms: list[Matchmaker], round: int, expected: list[str]):
+        t0 = time.perf_counter()
+        groups = await asyncio.gather(*[
+            _form(m, round=round, target_group_size=8, timeout=timeout, expected=expected) for m in mms
+        ])
+        return groups, time.perf_counter() - t0
+
+    async def scenario():
+        async with swarm.matchmakers(4) as mms:
+            live = [m.me for m in mms[:3]]
+            quick = await form(mms[:3], 1, live)
+            slow = await form(mms[:3], 2, live + [mms[3].me])
+            return quick, slow, mms
+
+    (quick, quick_s), (slow, slow_s), mms = swarm.loop.run(scenario(), timeout=30)
+    _assert_same_group(quick, mms[:3])
+    _assert_same_group(slow, mms[:3])
+    assert quick_s < timeout / 2, f"everyone expected was in, yet formation took {quick_s:.2f}s"
+    assert slow_s >= timeout * 0.9, f"a quiet expected peer was not waited for ({slow_s:.2f}s)"
+    print(f"\n3 expected peers: {quick_s * 1000:.0f} ms; with a quiet 4th: {slow_s:.2f} s")

@@ -113,3 +113,29 @@ def test_parse_view_keeps_well_formed_registrations_only():
         PEERS[2]: Entry(PEERS[2], 2.0, 1.0, "expired"),
     }
     assert parse_view(None) == {}
+
+
+def test_a_group_closes_when_every_expected_peer_is_in():
+    async def reasons(min_size: int, target: int, expected: set[str], joins: list[list[str]]) -> list[str | None]:
+        s = _session(min_size=min_size)
+        s.target, s.expected = target, frozenset(expected)
+        epoch = s.lead()
+        out = [s.closing_reason(epoch)]
+        for change in joins:
+            for peer in change:
+                if peer.startswith("-"):
+                    del epoch.members[peer[1:]]
+                else:
+                    epoch.members[peer] = (1.0, len(epoch.members))
+            out.append(s.closing_reason(epoch))
+        return out
+
+    # nobody expected: wait for the target (4) or the timeout
+    assert asyncio.run(reasons(2, 4, set(), [[PEERS[0]], [PEERS[2], PEERS[3]]])) == [None, None, "full"]
+    # two expected: close once both are in, not before; a member that leaves reopens the wait
+    expected = {PEERS[0], PEERS[2]}
+    assert asyncio.run(reasons(2, 8, expected, [[PEERS[0]], [PEERS[2]]])) == [None, None, "complete"]
+    assert asyncio.run(reasons(2, 8, expected, [[PEERS[0], PEERS[3]], ["-" + PEERS[0], PEERS[2]]])) == [
+        None, None, None]
+    # all in, but fewer than min_group_size: wait for joiners (or the timeout)
+    assert asyncio.run(reasons(3, 8, {PEERS[0]}, [[PEERS[0]]])) == [None, None]
