@@ -47,6 +47,7 @@ from diloco_p2p.model import build_model, build_tokenizer, count_parameters
 from diloco_p2p.outer import OuterOptimizer
 from diloco_p2p.ranks import Ranks, resolve_device
 from diloco_p2p.rundir import node_key, prepare_run_dir
+from diloco_p2p.threads import ThreadBudget
 
 log = logging.getLogger("diloco_p2p.node")
 
@@ -62,10 +63,7 @@ class Node:
         self.stop = stop or StopRequested()
         self.metrics = metrics if leader else None
         self.progress = leader and (sys.stderr.isatty() if progress is None else progress)
-        if config.train.num_threads:
-            import torch
-
-            torch.set_num_threads(config.train.num_threads)
+        self.threads = ThreadBudget(config.train.num_threads)  # CPU threads, shared with the nodes on this box
         self.device = self.ranks.device
         # One data order per node, keyed by rank 0's identity (or run directory, alone).
         self.sync = sync or SoloSync(self.ranks.broadcast_str(node_key(run_dir) if leader else ""))
@@ -114,6 +112,7 @@ class Node:
             records.append(self._initial_record())
         while self.round < cfg.train.max_rounds and not self._stopping():
             set_log_context(round=self.round + 1, step=self.step)
+            self.threads.apply()  # nodes on this machine may have started or stopped
             resync = self.sync.before_round(self.state())  # the swarm's θ, if we fell behind
             if resync is not None:
                 records.append(self._adopt(resync))
