@@ -1,6 +1,6 @@
 """Three real nodes and a seed on loopback: every round averages, and the average is right.
 
-The nodes save each round's Δ and the average they applied (DILOCO_P2P_SAVE_DELTAS=1); the
+The nodes save each round's Δ and the average they applied (DILOCO_P2P_FAULTS=keep@average); the
 test recomputes the token-weighted mean from the saved Δs itself instead of trusting the code.
 """
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import TINY, run_cli, set_args
-from tests.swarm_procs import Swarm
+from tests.harness.procs import run_cli
+from tests.harness.settings import TINY, set_args
+from tests.harness.swarm import ProcessSwarm
 
 ROUNDS = 3
 
@@ -26,10 +27,9 @@ def _saved(node, round_: int) -> tuple[torch.Tensor, torch.Tensor, float]:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
+    with ProcessSwarm(tmp_path_factory.mktemp("swarm")) as swarm:
         overrides = [f"train.max_rounds={ROUNDS}", "sync.target_group_size=3", "sync.matchmaking_timeout=20"]
-        nodes = [swarm.node(f"node-{i}", overrides, env={"DILOCO_P2P_SAVE_DELTAS": "1"}) for i in range(3)]
+        nodes = [swarm.node(f"node-{i}", overrides, env={"DILOCO_P2P_FAULTS": "keep@average"}) for i in range(3)]
         swarm.wait_joined(*nodes)
         # A node whose config differs is refused by the nodes' `started` records, naming the field.
         refused = run_cli(["train", *set_args(TINY + ["run_id=swarm-test", "outer.lr=0.5",
@@ -39,8 +39,6 @@ def swarm(tmp_path_factory):
         for node in nodes:
             assert node.wait(timeout=180) == 0, node.tail()
         yield swarm, nodes, refused
-    finally:
-        swarm.close()
 
 
 def test_every_node_ends_every_round_with_the_same_parameters(swarm):
