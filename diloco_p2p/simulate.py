@@ -1,0 +1,143 @@
+"""M DiLoCo replicas in one process, no network: the swarm's arithmetic, for research sweeps.
+
+Each replica is a full `Node` (the same loop, inner trainer, data order, eval and records as
+`diloco-p2p train`), with its own data order key, run directory and AdamW state. They meet at
+`Rendezvous` instead of the swarm: when all M have handed in their pseudo-gradient Δ for a
+round, the average is computed exactly as the all-reduce computes it
+(`diloco_p2p.swarm.allreduce`): members in the order of their keys (the swarm sorts peer ids),
+Δ split into one part per member (`wire.partition`) and each part into chunks, every chunk
+encoded with `sync.compression` and reduced by `wire.reduce_part` (token-weighted, fp32, in
+member order, then encoded and decoded once more). So M replicas whose keys are a real swarm's
+peer ids end every round with the swarm's ``params_sha256``; with M = 1 Δ is applied as is
+(a node alone). Every round is a committed round of all M: no faults, no stragglers.
+
+The replicas run in threads that take turns (one baton): only one trains at a time, so the
+results do not depend on scheduling and M replicas cost M times one replica's compute.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from diloco_p2p.config import Config, SyncConfig
+from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord
+from diloco_p2p.logs import log_context
+from diloco_p2p.swarm import wire
+
+log = logging.getLogger(__name__)
+
+
+def wire_average(deltas: Sequence[torch.Tensor], weights: Sequence[float], compression: str,
+                 max_weight_ratio: float, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+    """The all-reduce's result for members in this order, every contribution complete and on time:
+    part j is reduced by member j from every member's encoded chunks; a part whose mean is not
+    finite is zero (not committed), as on the swarm."""
+    n, k = deltas[0].numel(), len(deltas)
+    out = torch.zeros(n, dtype=torch.float32)
+    for lo, hi in wire.partition(n, k):
+        ranges = wire.chunk_ranges(hi - lo, chunk)
+        contribs = {i: (float(w), [wire.encode(d[lo + a:lo + b], compression) for a, b in ranges])
+                    for i, (d, w) in enumerate(zip(deltas, weights, strict=True))}
+        _, _, _, values = wire.reduce_part(contribs, max_weight_ratio, hi - lo, chunk, compression)
+        if values is not None:
+            out[lo:hi] = values
+    return out
+
+
+class Rendezvous:
+    """Where the replicas' Δ meet each round, and the baton they take turns with."""
+
+    def __init__(self, keys: Sequence[str], cfg: SyncConfig):
+        self.keys, self.cfg = sorted(keys), cfg
+        self.baton = threading.Lock()
+        self._cond = threading.Condition()
+        self._pending: dict[str, tuple[torch.Tensor, float]] = {}
+        self._results: dict[int, torch.Tensor] = {}
+        self._failed = False
+
+    def average(self, key: str, round: int, delta: torch.Tensor, weight: float) -> torch.Tensor | None:
+        """Hand in our Δ; returns the round's average once all replicas have (None: one failed)."""
+        with self._cond:
+            self._pending[key] = (delta.clone(), weight)
+            if len(self._pending) == len(self.keys):
+                members = [self._pending.pop(k) for k in self.keys]
+                self._results[round] = members[0][0] if len(members) == 1 else wire_average(
+                    [d for d, _ in members], [w for _, w in members], self.cfg.compression, self.cfg.max_weight_ratio)
+                self._results.pop(round - 2, None)
+                self._cond.notify_all()
+        self.baton.release()  # let the others train while we wait (never hold the baton in _cond)
+        try:
+            with self._cond:
+                self._cond.wait_for(lambda: round in self._results or self._failed)
+                result = None if self._failed else self._results[round]
+        finally:
+            self.baton.acquire()
+        return result
+
+    def fail(self) -> None:
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
+
+class ReplicaSync:
+    """The `Sync` of one replica: every round commits with all M (see the module docstring)."""
+
+    def __init__(self, key: str, rendezvous: Rendezvous):
+        self.peer_id, self.rendezvous = key, rendezvous
+
+    def announce(self, node: NodeState) -> None:
+        pass
+
+    def before_round(self, node: NodeState) -> None:
+        return None
+
+    def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
+        average = self.rendezvous.average(self.peer_id, round, delta, weight)
+        if average is None:
+            return RoundOutcome(status="failed", group_size=len(self.rendezvous.keys))
+        size = len(self.rendezvous.keys)
+        return RoundOutcome(status="committed" if size > 1 else "alone", average=average, group_size=size)
+
+    def after_round(self, node: NodeState, record: RoundRecord) -> None:
+        pass
+
+    def dht_peers(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def simulate(config: Config, root: Path, keys: Sequence[str]) -> dict[str, list[RoundRecord]]:
+    """Train len(keys) replicas of `config` under `root/<key>`; each replica's round records."""
+    from diloco_p2p.node import Node
+
+    if len(set(keys)) != len(keys) or not keys:
+        raise ValueError("replica keys must be distinct and at least one")
+    rendezvous = Rendezvous(keys, config.sync)
+    nodes = {key: Node(config, root / key, ReplicaSync(key, rendezvous), progress=False) for key in keys}
+    records: dict[str, list[RoundRecord]] = {}
+    errors: list[BaseException] = []
+
+    def run(key: str) -> None:
+        with rendezvous.baton, log_context(peer=key):
+            try:
+                records[key] = nodes[key].run()
+            except BaseException as e:
+                errors.append(e)
+                rendezvous.fail()
+
+    threads = [threading.Thread(target=run, args=(key,), name=f"replica-{key}") for key in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return records
