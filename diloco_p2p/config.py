@@ -108,30 +108,6 @@ class TrainConfig(_Section):
     )
 
 
-class AdmissionConfig(_Section):
-    mode: Literal["open", "closed"] = Field(
-        "open",
-        description="`open`: any peer that knows the run id may train (the demo); `closed`: only `peers` and "
-        "holders of a token signed by `owner_key` (see `diloco-p2p admit`); everyone else's matchmaking, "
-        "all-reduce and state streams are refused and their records ignored.",
-    )
-    peers: list[str] = Field(default_factory=list, description="Peer ids (base58) admitted to a closed run.")
-    owner_key: str | None = Field(
-        None, description="The run owner's public key (`ssh-rsa ...`, printed by `diloco-p2p admit`): its "
-        "admission tokens admit their peer to a closed run.",
-    )
-    token_path: str | None = Field(
-        None, description="This node's admission token (a file written by `diloco-p2p admit`), published in its "
-        "progress record so the other nodes of a closed run admit it.",
-    )
-
-    @model_validator(mode="after")
-    def _closed_has_members(self) -> AdmissionConfig:
-        if self.mode == "closed" and not self.peers and not self.owner_key:
-            raise ValueError("sync.admission: a closed run needs `peers` or an `owner_key` (nobody could join)")
-        return self
-
-
 class SyncConfig(_Section):
     compression: Literal["fp32", "fp16", "int8"] = Field(
         "fp16", description="Wire format of pseudo-gradients in the all-reduce (accumulation is fp32)."
@@ -153,15 +129,6 @@ class SyncConfig(_Section):
     alone_policy: Literal["apply", "skip"] = Field(
         "apply",
         description="A round with no group: `apply` our own pseudo-gradient (M=1 DiLoCo), `skip` drops it.",
-    )
-    resync_quorum: int = Field(
-        2, ge=1,
-        description="Distinct peers that must report a (round, θ hash) before a node adopts it by resync or join; "
-        "a state with fewer is adopted only when no other state has as much backing (a lone record claiming a "
-        "later round is not enough while two honest nodes agree).",
-    )
-    admission: AdmissionConfig = Field(
-        default_factory=AdmissionConfig, description="Who may take part in the run (open or closed)."
     )
 
     @model_validator(mode="after")
