@@ -42,7 +42,7 @@ from diloco_p2p.fsdp import (
     uses_bf16_params,
 )
 from diloco_p2p.inner import InnerTrainer, StepStats
-from diloco_p2p.logs import set_log_context
+from diloco_p2p.logs import log_context, set_log_context
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
 from diloco_p2p.outer import OuterOptimizer
 from diloco_p2p.ranks import Ranks, resolve_device
@@ -224,7 +224,9 @@ class Node:
         record = RoundRecord(round=0, step=0, tokens=0, params_sha256=self.params_sha256(), status="init",
                              eval_loss=self.trainer.evaluate(self.eval_set) if self.eval_set else None)
         self._append(record)
-        log.info("round 0: eval loss %s of the initial parameters %s", record.eval_loss, record.params_sha256[:12])
+        with log_context(round=0, step=0):
+            log.info("round 0: eval loss %s of the initial parameters %s", _loss(record.eval_loss),
+                     record.params_sha256[:12])
         return record
 
     def _observe_step(self, stats: StepStats, done: int) -> None:
@@ -239,11 +241,10 @@ class Node:
     def _log_round(self, r: RoundRecord) -> None:
         if self.progress:
             sys.stderr.write("\r\033[K")
-        ev = f"{r.eval_loss:.4f}" if r.eval_loss is not None else "-"
-        tl = f"{r.train_loss:.4f}" if r.train_loss is not None else "-"
-        log.info("round %d/%d  step %d  loss %s  eval %s  %.0f tok/s  %s (group %d)  params %s", r.round,
-                 self.config.train.max_rounds, r.step, tl, ev, r.tokens_per_s, r.status, r.group_size,
-                 r.params_sha256[:12])
+        with log_context(round=r.round, step=r.step):  # the prefix names the round and step this line is about
+            log.info("round %d/%d  step %d  loss %s  eval %s  %.0f tok/s  %s (group %d)  params %s", r.round,
+                     self.config.train.max_rounds, r.step, _loss(r.train_loss), _loss(r.eval_loss), r.tokens_per_s,
+                     r.status, r.group_size, r.params_sha256[:12])
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -290,3 +291,8 @@ class Node:
         self.outer.copy_into(self.layout.local_views())
         log.info("resumed from checkpoint at round %d (step %d; written by %s local rank(s))",
                  self.round, self.step, ckpt.meta.get("local_world_size", 1))
+
+
+def _loss(value: float | None) -> str:
+    """A loss as every log line shows it: 4 decimals, or "-" when there is none."""
+    return "-" if value is None else f"{value:.4f}"
