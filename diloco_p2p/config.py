@@ -48,7 +48,8 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     path: str | None = Field(
         None,
-        description="A text file, a directory of text files, or a JSONL file with a `text` field; "
+        description="A corpus prepared by `diloco-p2p prepare` (a directory with manifest.json, memory-mapped), or "
+        "a text file, a directory, a JSONL or Parquet file (prepared once into the run directory); "
         "unset = the embedded default corpus (the Python standard library's sources).",
     )
     eval_fraction: float = Field(
@@ -62,6 +63,23 @@ class DataConfig(_Section):
     max_bytes: int | None = Field(
         None, gt=0, description="Read at most this many bytes of the corpus (quick experiments)."
     )
+    dataset_id: str | None = Field(
+        None,
+        description="Id of a prepared corpus (its manifest's hash), filled from `data.path`'s manifest.json; every "
+        "node of a run must have the same one. Set it to pin a run to one dataset.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dataset_id_from_manifest(cls, data: Any) -> Any:
+        """A prepared `path` names its dataset: its id joins the fields the swarm agrees on."""
+        if isinstance(data, dict) and data.get("path") and not data.get("dataset_id"):
+            try:
+                manifest = json.loads((Path(data["path"]) / "manifest.json").read_text())
+                data = {**data, "dataset_id": str(manifest["id"])}
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # not a prepared corpus (or a damaged one: opening it says so)
+        return data
 
 
 class InnerConfig(_Section):
@@ -89,7 +107,10 @@ class OuterConfig(_Section):
 
 class TrainConfig(_Section):
     max_rounds: int = Field(10, gt=0, description="Stop after this many outer rounds.")
-    eval_batches: int = Field(8, ge=0, description="Held-out batches scored after each round (0 = no eval).")
+    eval_batches: int = Field(
+        8, ge=0, description="Held-out batches of 8 windows scored after each round (0 = no eval); a fixed set, "
+        "the same on every node whatever `inner.batch_size` is.",
+    )
     eval_every: int = Field(1, gt=0, description="Evaluate every this many rounds (and after the last).")
     checkpoint_every: int = Field(1, gt=0, description="Write a local checkpoint every this many rounds.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto` uses CUDA when present.")
@@ -187,12 +208,17 @@ class Config(_Section):
     # Fields that must be equal on every node of a swarm: they fix the parameters' shapes and
     # values, the outer trajectory and the wire format. Everything else (batch size, data path,
     # ports) may differ between volunteers.
-    SWARM_FIELDS: ClassVar[tuple[str, ...]] = ("run_id", "seed", "model", "outer", "sync.compression", "inner.seq_len")
+    # A prepared corpus's `data.dataset_id` too (absent when unset: a plain-text or default
+    # corpus may differ between volunteers, and older checkpoints stay resumable).
+    SWARM_FIELDS: ClassVar[tuple[str, ...]] = (
+        "run_id", "seed", "model", "outer", "sync.compression", "inner.seq_len", "data.dataset_id",
+    )
 
     def swarm_view(self) -> dict[str, Any]:
         """The flattened fields that must agree across the swarm, by dotted path."""
         flat = _flatten(self.model_dump(mode="json"))
-        return {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in self.SWARM_FIELDS)}
+        return {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in self.SWARM_FIELDS)
+                and not (k == "data.dataset_id" and v is None)}
 
     def swarm_hash(self) -> str:
         """sha256 over `swarm_view()`; peers with a different hash are refused."""

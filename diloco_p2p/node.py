@@ -32,7 +32,7 @@ from diloco_p2p.contract import (
     SwarmState,
     Sync,
 )
-from diloco_p2p.data import DataPosition, build_dataset
+from diloco_p2p.data import DataPosition, open_dataset
 from diloco_p2p.faults import Faults
 from diloco_p2p.fsdp import (
     ShardLayout,
@@ -91,16 +91,16 @@ class Node:
             self.model = model.to(self.device)
         self.params = list(self.model.parameters())
         self.layout = ShardLayout(self.params, ranks)
-        self.data = build_dataset(cfg.data, tokenizer, cfg.inner.seq_len, order_key=self.sync.peer_id)
-        self.eval_set = self.data.eval_batches(cfg.inner.batch_size, cfg.train.eval_batches)
+        self.data = open_dataset(cfg.data, cfg.model, tokenizer, cfg.inner.seq_len, self.sync.peer_id,
+                                 self.node_dir / "data", leader=ranks.leader, barrier=ranks.barrier)
+        self.eval_set = self.data.eval_batches(cfg.train.eval_batches)
         total_steps = cfg.inner.total_steps or cfg.train.max_rounds * cfg.outer.inner_steps
         self.trainer = InnerTrainer(self.model, cfg.inner, total_steps, self.device, precision, ranks, faults)
         self.outer = OuterOptimizer(self.layout.local_views(), cfg.outer)
         sharding = (f" sharded over {ranks.world_size} local ranks ({self.outer.numel:,} outer-state values on "
                     "this rank)" if ranks.sharded else "")
-        log.info("model: %s parameters%s on %s; data: %d train / %d eval windows; run dir %s",
-                 f"{count_parameters(self.model):,}", sharding, self.device, len(self.data.train_windows),
-                 len(self.data.eval_windows), self.node_dir)
+        log.info("model: %s parameters%s on %s; data: %s; run dir %s",
+                 f"{count_parameters(self.model):,}", sharding, self.device, self.data.describe(), self.node_dir)
 
     # -- the DiLoCo loop ---------------------------------------------------------------------
 

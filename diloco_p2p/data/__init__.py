@@ -1,0 +1,121 @@
+"""Training data: read documents, tokenize once into shards, train on memory-mapped windows.
+
+- `documents`: text files, directories, JSONL, Parquet and `datasets` save_to_disk dirs;
+  the embedded default corpus (the Python standard library's sources).
+- `encode`: documents to ids + EOS in batches; a tokenizer's identity.
+- `prepare`: the resumable, atomic shard writer behind ``diloco-p2p prepare``.
+- `manifest`: the prepared corpus on disk, its dataset id and shard checks.
+- `dataset`: windows, the fixed eval split and the keyed O(1)-memory training order.
+
+`open_dataset` is what a node calls: the default corpus is tokenized in memory (it is small);
+a prepared directory (``manifest.json``) is memory-mapped; any other ``data.path`` (a text
+file, a directory, JSONL, Parquet) is prepared once into the run directory and memory-mapped
+from there on every later start.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from diloco_p2p.config import DataConfig, ModelConfig
+from diloco_p2p.data.dataset import ArraySource, DataPosition, ShardSource, TokenDataset
+from diloco_p2p.data.documents import default_corpus_files, input_files, iter_documents
+from diloco_p2p.data.encode import tokenizer_identity
+from diloco_p2p.data.manifest import MANIFEST, Manifest
+from diloco_p2p.errors import UserError
+from diloco_p2p.model import Tokenizer
+
+__all__ = [
+    "DataPosition", "TextDataset", "TokenDataset", "build_dataset", "default_corpus_files", "load_tokens",
+    "open_dataset",
+]
+
+log = logging.getLogger("diloco_p2p.data")
+TextDataset = TokenDataset  # the name callers used before shards
+
+
+def _documents(path: str | None) -> Iterator[bytes]:
+    if path is None:
+        return (f.read_bytes() for f in default_corpus_files())
+    return iter_documents(input_files([path], "data.path"))
+
+
+def load_tokens(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
+    """The whole corpus as one token stream in memory, documents separated by EOS."""
+    parts: list[np.ndarray] = []
+    eos = np.array([tokenizer.eos_id], dtype=np.int32)
+    budget = cfg.max_bytes
+    for doc in _documents(cfg.path):
+        if budget is not None:
+            doc = doc[:budget]
+            budget -= len(doc)
+        parts += [tokenizer.encode(doc), eos]
+        if budget is not None and budget <= 0:
+            break
+    if not parts:
+        raise UserError(f"data.path {cfg.path!r} holds no text")
+    return np.concatenate(parts)
+
+
+def build_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, order_key: str) -> TokenDataset:
+    """The corpus tokenized in memory (the default corpus; small experiments and benchmarks)."""
+    return TokenDataset(ArraySource(load_tokens(cfg, tokenizer)), seq_len, cfg.eval_fraction,
+                        cfg.order_key or order_key)
+
+
+def open_dataset(cfg: DataConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, seq_len: int, order_key: str,
+                 cache_dir: Path, *, leader: bool = True, barrier: Callable[[], None] = lambda: None) -> TokenDataset:
+    """The node's dataset (see the module docstring). On N local ranks the leader prepares a
+    plain ``data.path`` into `cache_dir` while the others wait at `barrier`."""
+    key = cfg.order_key or order_key
+    if cfg.path is None:
+        return build_dataset(cfg, tokenizer, seq_len, order_key)
+    identity = tokenizer_identity(model_cfg, tokenizer)
+    path = Path(cfg.path)
+    if (path / MANIFEST).is_file():
+        manifest = Manifest.load(path)
+        if cfg.max_bytes is not None:
+            log.warning("data.max_bytes is ignored for a prepared corpus (prepare with --max-bytes instead)")
+    else:
+        if leader:
+            _prepare_into(cfg, tokenizer, identity, cache_dir)
+        barrier()
+        manifest = Manifest.load(cache_dir)
+    check_manifest(manifest, identity, cfg)
+    manifest.check_shards()
+    return TokenDataset(ShardSource(manifest), seq_len, manifest.eval_fraction, key)
+
+
+def _prepare_into(cfg: DataConfig, tokenizer: Tokenizer, identity: dict, cache_dir: Path) -> None:
+    from diloco_p2p.data.prepare import prepare
+
+    result = prepare([str(cfg.path)], cache_dir, tokenizer, identity, eval_fraction=cfg.eval_fraction,
+                     max_bytes=cfg.max_bytes, progress=sys.stderr.isatty(), replace=True, what="data.path")
+    if result.reused:
+        log.info("data: %s prepared earlier in %s (dataset %s)", cfg.path, cache_dir, result.manifest.id[:12])
+    else:
+        log.info("data: prepared %s into %s in %.1f s (dataset %s); later starts reuse it", cfg.path, cache_dir,
+                 result.seconds, result.manifest.id[:12])
+    if result.replaced_docs:
+        log.warning("data: %d documents of %s held bytes that are not UTF-8 (replaced with U+FFFD)",
+                    result.replaced_docs, cfg.path)
+
+
+def check_manifest(manifest: Manifest, identity: dict, cfg: DataConfig) -> None:
+    """Refuse a corpus prepared with another tokenizer, or another dataset than the run's."""
+    theirs = manifest.tokenizer
+    if theirs["sha256"] != identity["sha256"]:
+        raise UserError(
+            f"{manifest.directory / MANIFEST}: prepared with tokenizer {theirs['sha256'][:12]} ({theirs['kind']}, "
+            f"vocab {theirs['vocab_size']}) but this node's tokenizer is {identity['sha256'][:12]} "
+            f"({identity['kind']}, vocab {identity['vocab_size']}); set model.tokenizer_path to the tokenizer it "
+            "was prepared with, or prepare it again with --tokenizer"
+        )
+    if cfg.dataset_id is not None and cfg.dataset_id != manifest.id:
+        raise UserError(f"data.path {manifest.directory} holds dataset {manifest.id} but data.dataset_id is "
+                        f"{cfg.dataset_id}; point data.path at that dataset or drop data.dataset_id")

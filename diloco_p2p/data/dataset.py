@@ -1,0 +1,189 @@
+"""Windows of a token stream: a fixed held-out split and a per-node training order, O(1) memory.
+
+The token stream (in memory, or memory-mapped shards of a prepared corpus) is cut into windows
+of ``seq_len + 1`` tokens. A window belongs to the eval split by a hash of its index alone, so
+every node with the same corpus holds out the same windows without reading them; the eval set
+scored after a round is the first ``eval_batches x EVAL_BATCH`` of those, in corpus order, in
+batches of `EVAL_BATCH`: it does not change with ``inner.batch_size``.
+
+The training order is, per epoch, a keyed pseudo-random permutation of the window indices: a
+four-round Feistel network on the next even power of two, cycle-walked down to the number of
+windows (Black and Rogaway, "Ciphers with arbitrary finite domains", CT-RSA 2002), keyed by
+the node's *order key* (its identity in a swarm) and the epoch. Held-out windows are skipped
+as they come up. Nothing is stored per window, so memory does not grow with the corpus. The
+key is not the run's ``seed``: ``seed`` must be equal on every node (it fixes the initial
+parameters) while nodes should see different data without coordinating. The position in that
+order is part of every checkpoint, so a resumed run neither repeats nor skips a batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from diloco_p2p.data.manifest import Manifest
+from diloco_p2p.errors import UserError
+
+EVAL_BATCH = 8  # windows per eval batch, whatever inner.batch_size is
+_M64 = (1 << 64) - 1
+
+
+class TokenSource(Protocol):
+    def __len__(self) -> int: ...
+
+    def slice(self, start: int, stop: int) -> np.ndarray: ...
+
+
+class ArraySource:
+    """A token stream held in memory."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def slice(self, start: int, stop: int) -> np.ndarray:
+        return self.tokens[start:stop]
+
+
+class ShardSource:
+    """The token stream of a prepared corpus, its shards memory-mapped read-only."""
+
+    def __init__(self, manifest: Manifest):
+        self.maps = [np.memmap(manifest.path(s), dtype=manifest.dtype, mode="r") for s in manifest.shards]
+        self.starts = [0]
+        for m in self.maps:
+            self.starts.append(self.starts[-1] + len(m))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def slice(self, start: int, stop: int) -> np.ndarray:
+        stop = min(stop, len(self))
+        i = bisect.bisect_right(self.starts, start) - 1
+        local = start - self.starts[i]
+        if stop <= self.starts[i + 1]:
+            return self.maps[i][local : local + stop - start]
+        parts = [self.maps[i][local:]]
+        while self.starts[i + 1] < stop:  # a window across a shard boundary
+            i += 1
+            parts.append(self.maps[i][: stop - self.starts[i]])
+        return np.concatenate(parts)
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-spread 64-bit hash of `x`."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class KeyedPermutation:
+    """A pseudo-random permutation of range(n) keyed by `key`, O(1) memory, O(1) per lookup."""
+
+    def __init__(self, n: int, key: str):
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self.half = (bits + 1) // 2
+        self.mask = (1 << self.half) - 1
+        digest = hashlib.sha256(key.encode()).digest()
+        self.keys = [int.from_bytes(digest[8 * r : 8 * r + 8], "little") for r in range(4)]
+
+    def _encrypt(self, x: int) -> int:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix(right ^ k) & self.mask)
+        return (left << self.half) | right
+
+    def __getitem__(self, i: int) -> int:
+        y = self._encrypt(i)
+        while y >= self.n:  # cycle-walk: stays a permutation of range(n)
+            y = self._encrypt(y)
+        return y
+
+
+def is_eval(index: np.ndarray | int, fraction: float) -> np.ndarray | bool:
+    # Knuth's multiplicative hash spreads held-out windows evenly through the corpus.
+    h = (np.asarray(index, dtype=np.uint64) * np.uint64(2654435761)) % np.uint64(2**32)
+    return h < np.uint64(int(fraction * 2**32))
+
+
+@dataclass
+class DataPosition:
+    """Where this node is in its training order; saved in every checkpoint."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+class TokenDataset:
+    def __init__(self, source: TokenSource, seq_len: int, eval_fraction: float, order_key: str):
+        self.source, self.seq_len, self.eval_fraction, self.order_key = source, seq_len, eval_fraction, order_key
+        self.n_windows = (len(source) - 1) // seq_len
+        if not self._has_both_splits():
+            raise UserError(
+                f"corpus too small: {len(source)} tokens give {self.n_windows} windows of inner.seq_len={seq_len}; "
+                "use more text or a shorter inner.seq_len"
+            )
+        self.position = DataPosition()
+        self._order: KeyedPermutation | None = None
+
+    def _has_both_splits(self) -> bool:
+        """At least one training and one held-out window (found by looking at the first few)."""
+        seen: set[bool] = set()
+        for start in range(0, self.n_windows, 4096):
+            seen.update(bool(e) for e in is_eval(np.arange(start, min(start + 4096, self.n_windows)),
+                                                  self.eval_fraction))
+            if len(seen) == 2:
+                return True
+        return False
+
+    def describe(self) -> str:
+        held = round(self.n_windows * self.eval_fraction)
+        return f"{len(self.source):,} tokens, {self.n_windows:,} windows (~{held:,} held out)"
+
+    def _window(self, i: int) -> np.ndarray:
+        start = int(i) * self.seq_len
+        return self.source.slice(start, start + self.seq_len + 1)
+
+    def _batch(self, windows: list[int]) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self._window(i) for i in windows]).astype(np.int64))
+
+    def _epoch_order(self, epoch: int) -> KeyedPermutation:
+        if self._order is None or self._order_epoch != epoch:
+            self._order, self._order_epoch = KeyedPermutation(self.n_windows, f"{self.order_key}:{epoch}"), epoch
+        return self._order
+
+    def next_windows(self, n: int) -> list[int]:
+        """The indices of the next `n` training windows; advances the position."""
+        windows: list[int] = []
+        while len(windows) < n:
+            if self.position.offset >= self.n_windows:
+                self.position = DataPosition(self.position.epoch + 1, 0)
+            i = self._epoch_order(self.position.epoch)[self.position.offset]
+            self.position.offset += 1
+            if not is_eval(i, self.eval_fraction):
+                windows.append(i)
+        return windows
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        """The next `batch_size` training windows, shape (batch, seq_len + 1); advances the position."""
+        return self._batch(self.next_windows(batch_size))
+
+    def eval_batches(self, n_batches: int) -> list[torch.Tensor]:
+        """`n_batches` held-out batches of `EVAL_BATCH` windows, the first in corpus order:
+        identical on every node, whatever its batch size."""
+        wanted, windows = n_batches * EVAL_BATCH, []
+        for start in range(0, self.n_windows, 4096):
+            index = np.arange(start, min(start + 4096, self.n_windows))
+            windows += index[is_eval(index, self.eval_fraction)].tolist()
+            if len(windows) >= wanted:
+                break
+        windows = windows[:wanted]
+        return [self._batch(windows[i : i + EVAL_BATCH]) for i in range(0, len(windows), EVAL_BATCH)]
