@@ -103,6 +103,21 @@ class OuterConfig(_Section):
     lr: float = Field(0.7, ge=0, description="Outer SGD learning rate (1.0 with momentum 0 = plain averaging).")
     momentum: float = Field(0.9, ge=0, lt=1, description="Outer SGD momentum.")
     nesterov: bool = Field(True, description="Use Nesterov momentum in the outer step.")
+    delayed_nesterov: int | None = Field(
+        None, ge=1,
+        description="Delayed Nesterov (AsyncDiLoCo): sum N outer steps' averaged Δ in a buffer, apply plain SGD "
+        "between, and the Nesterov step on the buffer every N-th outer step; unset = Nesterov every step.",
+    )
+    dn_momentum_fraction: float = Field(
+        0.0, ge=0,
+        description="c of delayed Nesterov: the fraction of the momentum applied between its flushes (at most 1/N).",
+    )
+
+    @model_validator(mode="after")
+    def _dn_fraction(self) -> OuterConfig:
+        if self.delayed_nesterov and self.dn_momentum_fraction > 1 / self.delayed_nesterov:
+            raise ValueError("outer.dn_momentum_fraction must be at most 1 / outer.delayed_nesterov")
+        return self
 
 
 class TrainConfig(_Section):
@@ -129,6 +144,30 @@ class TrainConfig(_Section):
     )
 
 
+class AdmissionConfig(_Section):
+    mode: Literal["open", "closed"] = Field(
+        "open",
+        description="`open`: any peer that knows the run id may train (the demo); `closed`: only `peers` and "
+        "holders of a token signed by `owner_key` (see `diloco-p2p admit`); everyone else's matchmaking, "
+        "all-reduce and state streams are refused and their records ignored.",
+    )
+    peers: list[str] = Field(default_factory=list, description="Peer ids (base58) admitted to a closed run.")
+    owner_key: str | None = Field(
+        None, description="The run owner's public key (`ssh-rsa ...`, printed by `diloco-p2p admit`): its "
+        "admission tokens admit their peer to a closed run.",
+    )
+    token_path: str | None = Field(
+        None, description="This node's admission token (a file written by `diloco-p2p admit`), published in its "
+        "progress record so the other nodes of a closed run admit it.",
+    )
+
+    @model_validator(mode="after")
+    def _closed_has_members(self) -> AdmissionConfig:
+        if self.mode == "closed" and not self.peers and not self.owner_key:
+            raise ValueError("sync.admission: a closed run needs `peers` or an `owner_key` (nobody could join)")
+        return self
+
+
 class SyncConfig(_Section):
     compression: Literal["fp32", "fp16", "int8"] = Field(
         "fp16", description="Wire format of pseudo-gradients in the all-reduce (accumulation is fp32)."
@@ -150,6 +189,15 @@ class SyncConfig(_Section):
     alone_policy: Literal["apply", "skip"] = Field(
         "apply",
         description="A round with no group: `apply` our own pseudo-gradient (M=1 DiLoCo), `skip` drops it.",
+    )
+    resync_quorum: int = Field(
+        2, ge=1,
+        description="Distinct peers that must report a (round, θ hash) before a node adopts it by resync or join; "
+        "while some state has this many, records of states with fewer move nobody (a lone record claiming a later "
+        "round is ignored while two honest nodes agree); with none, every record counts (a swarm of one).",
+    )
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="Who may take part in the run (open or closed)."
     )
 
     @model_validator(mode="after")

@@ -31,6 +31,13 @@ import torch
 
 log = logging.getLogger("diloco_p2p.node")
 
+# Why a node refuses a peer (`diloco_p2p.swarm.guard`): a record signed by another peer than
+# the one it names, a peer a closed run has not admitted, a state claimed past train.max_rounds
+# or backed by too few peers, a downloaded θ that is not the one the swarm vouched for. The
+# label set of diloco_rejections_total, and the values of `RoundRecord.rejections`.
+REJECTION_REASONS = ("forged-record", "not-admitted", "past-max-rounds", "unvouched-state", "bad-state")
+
+
 def view_hash(view: Mapping[str, Any]) -> str:
     """sha256 over a config view (`Config.swarm_view()`): nodes with another hash are refused."""
     return hashlib.sha256(json.dumps(dict(view), sort_keys=True).encode()).hexdigest()
@@ -77,6 +84,7 @@ class RoundOutcome:
     state_bytes: int | None = None  # a resync: the download
     state_seconds: float | None = None
     donor: str | None = None
+    rejections: dict[str, str] | None = None  # peer -> reason (`REJECTION_REASONS`) refused this round
 
 
 @dataclass
@@ -119,6 +127,7 @@ class RoundRecord:
     state_bytes: int | None = None
     state_seconds: float | None = None
     donor: str | None = None
+    rejections: dict[str, str] | None = None
     dropped_round: int | None = None  # a resync: the round of our own θ that was given up
     resyncs: int | None = None
     joined_at_round: int | None = None

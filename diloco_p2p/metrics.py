@@ -37,6 +37,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from diloco_p2p.contract import REJECTION_REASONS
 from diloco_p2p.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -170,8 +171,13 @@ class NodeMetrics:
         self.config_agree = Gauge(
             "diloco_config_hash_agreement",
             "1 if this node's swarm config hash matches the swarm's, 0 if not, NaN if unknown.", registry=r)
+        self.rejections = Counter(
+            "diloco_rejections", "Peers this node refused, by reason (once per peer and reason per round; "
+            "diloco_p2p.swarm.guard).", ["reason"], registry=r)
         for status in ROUND_STATUSES:
             self.rounds.labels(status=status)
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason=reason)
         for g in (self.train_loss, self.round_train_loss, self.eval_loss, self.params_agree, self.config_agree,
                   self.dht_peers):
             g.set(NAN)
@@ -222,6 +228,9 @@ class NodeMetrics:
             self.state_bytes.inc(v)
         if (v := _number(get("state_seconds"))) is not None:
             self.state_seconds.observe(v)
+        for reason in (get("rejections") or {}).values():
+            if reason in REJECTION_REASONS:
+                self.rejections.labels(reason=reason).inc()
 
     def set_dht_peers(self, n: int) -> None:
         self.dht_peers.set(n)

@@ -5,6 +5,11 @@ records (`diloco_p2p.swarm.records`), prints one row per node and leaves. A node
 "agrees" when it equals the majority hash among the nodes at the same round: nodes at
 different rounds hold different parameters by design, so only same-round disagreement means
 the swarm forked.
+
+Below the table come the peers the nodes refuse (`excluded` in their records: forged records,
+peers a closed run has not admitted, states nobody vouches for; `diloco_p2p.swarm.guard`), with
+how many nodes refuse each, and entries status itself found forged (signed by another peer than
+the one they name). In JSON, each node's row carries its `excluded` map.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def run_status(
     except UserError as e:
         print(f"error: {e}", file=err)
         return e.exit_code
-    print(json.dumps(rows, indent=2) if as_json else format_table(rows), file=out)
+    print(json.dumps(rows, indent=2) if as_json else format_table(rows) + format_excluded(rows), file=out)
     return 0
 
 
@@ -61,9 +66,11 @@ def fetch_status(initial_peers: Sequence[str], run_id: str, timeout: float = 20.
         initial_peers=list(initial_peers), host_maddrs=CLIENT_HOST_MADDRS, connect_timeout=timeout
     )
     dht = start_dht(cfg, None, client_mode=True)
+    forged: dict[str, str] = {}
     try:
         try:
-            records = read_progress(dht, run_id, timeout=timeout)
+            records = read_progress(dht, run_id, timeout=timeout,
+                                    on_reject=lambda peer, reason, detail: forged.setdefault(peer, reason))
         except TimeoutError:
             raise UserError(
                 f"the DHT did not answer within {timeout:g} s; try again or raise --timeout"
@@ -75,10 +82,12 @@ def fetch_status(initial_peers: Sequence[str], run_id: str, timeout: float = 20.
             f"no progress records for run id {run_id!r} in the DHT reached through {', '.join(initial_peers)}; "
             "check --run-id (nodes publish a record when they join and after every round)"
         )
-    return status_rows(records, now=get_dht_time())
+    return status_rows(records, now=get_dht_time(), seen_forged=forged)
 
 
-def status_rows(records: dict[str, ProgressRecord], now: float) -> list[dict[str, Any]]:
+def status_rows(
+    records: dict[str, ProgressRecord], now: float, seen_forged: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     """One JSON-ready dict per node, most advanced round first, then by peer id."""
     params_majority = round_majorities(records)
     config_majority = majority(r.config_hash for r in records.values())
@@ -104,9 +113,31 @@ def status_rows(records: dict[str, ProgressRecord], now: float) -> list[dict[str
                 "joined_at_round": r.joined_at_round,
                 "resyncs": r.resyncs,
                 "version": r.version,
+                "excluded": dict(r.excluded or {}),
             }
         )
+    if seen_forged:  # status's own finding, in the first row so JSON stays a list of nodes
+        rows[0]["status_saw_forged"] = dict(seen_forged)
     return rows
+
+
+def excluded_peers(rows: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
+    """(peer, reason, how many nodes exclude it) over the rows, most excluded first; a peer status
+    itself saw forge a record counts as one more."""
+    by: dict[tuple[str, str], int] = {}
+    for row in rows:
+        for peer, reason in {**row.get("excluded", {}), **row.get("status_saw_forged", {})}.items():
+            by[peer, reason] = by.get((peer, reason), 0) + 1
+    return sorted(((p, r, n) for (p, r), n in by.items()), key=lambda t: (-t[2], t[0], t[1]))
+
+
+def format_excluded(rows: list[dict[str, Any]]) -> str:
+    """The table's footer: one line per excluded peer (empty when nobody is)."""
+    found = excluded_peers(rows)
+    if not found:
+        return ""
+    lines = [f"  {peer}  {reason}  (by {n} node{'s' if n > 1 else ''})" for peer, reason, n in found]
+    return "\n\nEXCLUDED PEERS\n" + "\n".join(lines)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

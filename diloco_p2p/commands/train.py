@@ -116,7 +116,7 @@ def _swarm(config: Config, run_dir: Path, stop: Any, faults: Any, rank: int, wor
     from diloco_p2p.swarm.sync import SwarmSync
 
     return SwarmSync(config.sync, config.p2p, run_id=config.run_id, swarm_view=config.swarm_view(), run_dir=run_dir,
-                     stop=stop, faults=faults)
+                     stop=stop, faults=faults, max_round=config.train.max_rounds)
 
 
 def start_metrics(config: Config, run_dir: Path) -> Any:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -37,6 +38,7 @@ from hivemind.p2p import P2P, PeerID
 
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.errors import UserError
+from diloco_p2p.swarm.signing import signature_validator
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +131,9 @@ def start_dht(
 ) -> hivemind.DHT:
     """Start a DHT node (a forked process with its own p2pd) and join `p2p_cfg.initial_peers`.
 
-    Create it before starting threads of your own (hivemind forks). `record_validators` must be
+    Create it before starting threads of your own (hivemind forks). Every DHT signs its entries
+    with its identity and verifies those of others (`diloco_p2p.swarm.signing`); without an
+    identity file it gets a throwaway one (a client, a test), deleted once p2pd has read it. `record_validators` must be
     given here, not added later: validators added to a running DHT are pickled to its process,
     and our schema models are built per run id, so they only travel by fork.
     Raises `UserError` for a malformed address, an unusable identity, a daemon that cannot
@@ -145,11 +149,26 @@ def start_dht(
     kwargs: dict = dict(host_maddrs=host, client_mode=client_mode)
     if announce:
         kwargs["announce_maddrs"] = announce
-    if identity_path is not None:
-        kwargs["identity_path"] = str(load_or_create_identity(Path(identity_path)))
+    throwaway = None
+    if identity_path is None:  # a fresh identity for this process only, so that it can sign too
+        throwaway = tempfile.TemporaryDirectory(prefix="diloco-identity-")
+        identity_path = Path(throwaway.name) / "identity.key"
+        P2P.generate_identity(str(identity_path))
+    kwargs["identity_path"] = str(load_or_create_identity(Path(identity_path)))
+    # Every DHT of ours signs its entries with its identity and verifies everyone's (`signing`).
+    validators = [signature_validator(kwargs["identity_path"]), *record_validators]
+    try:
+        return _start(initial, p2p_cfg.connect_timeout if initial else STARTUP_TIMEOUT, validators, kwargs,
+                      identity_path)
+    finally:
+        if throwaway is not None:  # p2pd has read it; the validator holds the key
+            throwaway.cleanup()
 
-    timeout = p2p_cfg.connect_timeout if initial else STARTUP_TIMEOUT
-    dht = _OwnedDHT(initial_peers=initial or None, start=False, record_validators=list(record_validators), **kwargs)
+
+def _start(initial: list[str], timeout: float, validators: list, kwargs: dict, identity_path: Path | str
+           ) -> hivemind.DHT:
+    """Start the DHT process and wait for it (see `start_dht`)."""
+    dht = _OwnedDHT(initial_peers=initial or None, start=False, record_validators=validators, **kwargs)
     dht.run_in_background(await_ready=False)
     try:
         dht.wait_until_ready(timeout=timeout)
@@ -164,7 +183,7 @@ def start_dht(
         raise UserError(f"the p2p daemon did not start within {timeout:g} s; check p2p.host_maddrs") from None
     except Exception as e:
         _stop_failed_dht(dht, reported=True)
-        raise _explain_start_failure(e, initial, host, identity_path) from None
+        raise _explain_start_failure(e, initial, kwargs["host_maddrs"], identity_path) from None
     return dht
 
 

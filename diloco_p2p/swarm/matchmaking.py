@@ -165,6 +165,9 @@ class Matchmaker:
         self._background: set[asyncio.Task] = set()
         self._tokens = itertools.count(1)
         self._started = False
+        # Whether to serve a peer's stream (its id proven by p2pd): a closed run admits its members
+        # only (`diloco_p2p.swarm.admission`); None serves everyone.
+        self.admit: Callable[[str, str], Awaitable[bool]] | None = None
         # Test-only fault injection: awaited right before / after our registration is stored; and,
         # when `_frozen`, join handlers keep the stream open and never answer (a SIGSTOPped peer).
         self._before_register: Callable[[], Awaitable[None]] | None = None
@@ -376,6 +379,8 @@ class Matchmaker:
         assert task is not None
         self._handler_tasks.add(task)
         try:
+            if self.admit is not None and not await self.admit(info.peer_id.to_base58(), "matchmaking"):
+                return
             await self._serve_join(info.peer_id.to_base58(), reader, writer)
         except asyncio.CancelledError:
             pass

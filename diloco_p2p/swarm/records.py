@@ -6,10 +6,13 @@ view of the swarm-relevant config). Readers use it to refuse a node whose config
 node must adopt the swarm's state (both in `diloco_p2p.swarm.resync`), and to show what the
 swarm is doing (`diloco-p2p status`).
 
-Validation happens twice (`diloco_p2p.swarm.schema`): storing peers run hivemind's
-`SchemaValidator` (give `progress_validator(run_id)` to `start_dht`), and every reader parses
-each entry again with the same strict model. An entry that does not parse, has expired, or
-names another peer than its subkey is dropped, never trusted.
+Each entry is signed by the node it is about (`diloco_p2p.swarm.signing`): the subkey holds
+the node's peer id and public key, hivemind's signature validator checks the signature, and a
+reader refuses an entry whose key is not the peer id's, or whose record names another peer
+(``forged-record``, naming the signer). Validation happens twice (`diloco_p2p.swarm.schema`):
+storing peers run hivemind's `SchemaValidator` (give `progress_validator(run_id)` to
+`start_dht`), and every reader parses each entry again with the same strict model. An entry
+that does not parse or has expired is dropped, never trusted.
 
 hivemind cannot delete a DHT value. A node that leaves stores a *tombstone* (``None``) under
 its subkey with an expiration just past its last record's, which replaces the record on the
@@ -31,7 +34,9 @@ from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
 
 from diloco_p2p import __version__
-from diloco_p2p.swarm.schema import Count, Hex64, PeerB58, live_values, subkey_validator
+from diloco_p2p.contract import REJECTION_REASONS
+from diloco_p2p.swarm.schema import Count, Hex64, OnReject, PeerB58, live_values, subkey_validator
+from diloco_p2p.swarm.signing import own_subkey
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,7 @@ STATUSES = ("started", "committed", "alone", "failed", "skipped", "resynced")
 # A sensible lifetime for a record: a node republishes at least once per round and when it
 # leaves; a record older than this belongs to a node that died without saying so.
 DEFAULT_TTL = 600.0
+MAX_EXCLUDED = 32  # peers listed in a record's `excluded`
 
 FiniteFloat = pydantic.confloat(strict=True, allow_inf_nan=False)
 NonNegFloat = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
@@ -64,6 +70,10 @@ class ProgressRecord(pydantic.BaseModel):
     joined_at_round: Count
     resyncs: Count
     averaged_round: Optional[Count] = None  # the last round its θ came out of a group (None: none yet)
+    # Peers this node refuses to trust right now, with the reason (`diloco_p2p.swarm.guard`).
+    excluded: Optional[dict[PeerB58, Literal[REJECTION_REASONS]]] = None  # type: ignore[valid-type]
+    # A closed run's admission token for this peer (`diloco_p2p.swarm.admission`).
+    admission_token: Optional[pydantic.constr(strict=True, max_length=4096)] = None
     version: pydantic.constr(strict=True, min_length=1, max_length=64)
     updated: NonNegFloat
 
@@ -90,6 +100,8 @@ class ProgressRecord(pydantic.BaseModel):
         joined_at_round: int = 0,
         resyncs: int = 0,
         averaged_round: int | None = None,
+        excluded: Mapping[str, str] | None = None,
+        admission_token: str | None = None,
         updated: float | None = None,
         version: str = __version__,
     ) -> ProgressRecord:
@@ -115,6 +127,8 @@ class ProgressRecord(pydantic.BaseModel):
             joined_at_round=int(joined_at_round),
             resyncs=int(resyncs),
             averaged_round=None if averaged_round is None else int(averaged_round),
+            excluded=dict(sorted(excluded.items())[:MAX_EXCLUDED]) if excluded else None,
+            admission_token=admission_token,
             version=version,
             updated=float(get_dht_time() if updated is None else updated),
         )
@@ -148,7 +162,8 @@ def publish_progress(
     dht: hivemind.DHT, run_id: str, record: ProgressRecord, ttl: float = DEFAULT_TTL
 ) -> bool:
     """Store our record for `ttl` seconds; False if no peer accepted it (the caller logs and goes on)."""
-    return bool(dht.store(progress_key(run_id), record.dict(), get_dht_time() + ttl, subkey=record.peer_id))
+    subkey = own_subkey(dht, record.peer_id)
+    return bool(dht.store(progress_key(run_id), record.dict(), get_dht_time() + ttl, subkey=subkey))
 
 
 async def publish_progress_async(
@@ -159,73 +174,78 @@ async def publish_progress_async(
     timeout: float | None = None,
 ) -> bool:
     """`publish_progress` for coroutines: awaits hivemind's future instead of blocking the loop."""
-    future = dht.store(
-        progress_key(run_id), record.dict(), get_dht_time() + ttl, subkey=record.peer_id, return_future=True
-    )
+    subkey = own_subkey(dht, record.peer_id)
+    future = dht.store(progress_key(run_id), record.dict(), get_dht_time() + ttl, subkey=subkey, return_future=True)
     return bool(await asyncio.wait_for(future, timeout))
 
 
-def read_progress(dht: hivemind.DHT, run_id: str, timeout: float | None = None) -> dict[str, ProgressRecord]:
+def read_progress(
+    dht: hivemind.DHT, run_id: str, timeout: float | None = None, on_reject: OnReject | None = None
+) -> dict[str, ProgressRecord]:
     """Every live, valid record of the run by peer id; raises TimeoutError past `timeout`."""
     found = dht.get(progress_key(run_id), latest=True, return_future=True).result(timeout)
-    return parse_progress(found)
+    return parse_progress(found, on_reject=on_reject)
 
 
 async def read_progress_async(
-    dht: hivemind.DHT, run_id: str, timeout: float | None = None
+    dht: hivemind.DHT, run_id: str, timeout: float | None = None, on_reject: OnReject | None = None
 ) -> dict[str, ProgressRecord]:
     found = await asyncio.wait_for(dht.get(progress_key(run_id), latest=True, return_future=True), timeout)
-    return parse_progress(found)
+    return parse_progress(found, on_reject=on_reject)
 
 
 def withdraw_progress(dht: hivemind.DHT, run_id: str, peer_id: str, timeout: float | None = 10.0) -> bool:
     """Make our record disappear for readers: store a tombstone that outlives the record."""
-    key = progress_key(run_id)
+    key, subkey = progress_key(run_id), own_subkey(dht, peer_id)
     try:
         found = dht.get(key, latest=True, return_future=True).result(timeout)
     except TimeoutError:
         found = None
-    expiration = _tombstone_expiration(found, peer_id)
-    return bool(dht.store(key, None, expiration, subkey=peer_id, return_future=True).result(timeout))
+    expiration = _tombstone_expiration(found, subkey)
+    return bool(dht.store(key, None, expiration, subkey=subkey, return_future=True).result(timeout))
 
 
 async def withdraw_progress_async(
     dht: hivemind.DHT, run_id: str, peer_id: str, timeout: float | None = 10.0
 ) -> bool:
-    key = progress_key(run_id)
+    key, subkey = progress_key(run_id), own_subkey(dht, peer_id)
     try:
         found = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), timeout)
     except TimeoutError:
         found = None
-    expiration = _tombstone_expiration(found, peer_id)
+    expiration = _tombstone_expiration(found, subkey)
     return bool(
-        await asyncio.wait_for(dht.store(key, None, expiration, subkey=peer_id, return_future=True), timeout)
+        await asyncio.wait_for(dht.store(key, None, expiration, subkey=subkey, return_future=True), timeout)
     )
 
 
-def _tombstone_expiration(found: Any, peer_id: str) -> float:
+def _tombstone_expiration(found: Any, subkey: str) -> float:
     """Just past our record's expiration, so the tombstone replaces it (the later expiration wins
     per subkey) and a restarted node with the same identity can soon publish again. If we cannot
     see our record, outlive any record published with the default ttl."""
     entries = getattr(found, "value", None)
-    entry = entries.get(peer_id) if isinstance(entries, dict) else None
+    entry = entries.get(subkey) if isinstance(entries, dict) else None
     if entry is not None and getattr(entry, "expiration_time", None) is not None:
         return max(float(entry.expiration_time) + 1e-3, get_dht_time() + 1.0)
     return get_dht_time() + DEFAULT_TTL
 
 
-def parse_progress(found: Any, now: float | None = None) -> dict[str, ProgressRecord]:
+def parse_progress(
+    found: Any, now: float | None = None, on_reject: OnReject | None = None
+) -> dict[str, ProgressRecord]:
     """Records from the result of `dht.get(progress_key)`: drops tombstones, expired entries,
-    entries that fail the schema and entries whose subkey is not their own peer id."""
+    unsigned entries and entries that fail the schema; refuses (`on_reject`, ``forged-record``)
+    an entry signed by another peer than its subkey's, or whose record names another peer."""
     out: dict[str, ProgressRecord] = {}
-    for subkey, value in live_values(found, now):
+    for peer, value in live_values(found, now, on_reject):
         try:
             record = ProgressRecord.parse_obj(value)
         except (pydantic.ValidationError, TypeError) as e:
-            logger.debug("dropping an invalid progress record under %r: %s", subkey, e)
+            logger.debug("dropping an invalid progress record of %s: %s", peer, e)
             continue
-        if record.peer_id != subkey:
-            logger.debug("dropping a progress record for %s stored under %r", record.peer_id, subkey)
+        if record.peer_id != peer:
+            if on_reject is not None:
+                on_reject(peer, "forged-record", f"its signed record claims to be {record.peer_id}'s")
             continue
-        out[subkey] = record
+        out[peer] = record
     return out

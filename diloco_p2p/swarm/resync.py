@@ -3,18 +3,26 @@
 
 - `check_config`: refuse to join a swarm whose majority config differs from ours, naming the
   differing fields.
+- `vouched_records`: the records that may move a node at all. A (round, θ hash) counts only
+  when `quorum` distinct peers report it (each record is signed by its peer,
+  `diloco_p2p.swarm.signing`), and never past `train.max_rounds`. Where no state has a quorum
+  (a swarm of one, or nodes that all end rounds alone) every record counts, as before: there
+  is no agreement for a liar to override. So a lone record claiming a later round, or a
+  superseding `averaged_round`, moves nobody while `quorum` honest nodes agree.
 - `resync_target`: whether a node must adopt the swarm's state (behind, in a minority at its
-  round, or cut off while the others averaged), and from which donors.
+  round, or cut off while the others averaged), which (round, θ hash) and from which donors.
 
 Every reader applies the same rule to the same records, so every node reaches the same verdict
-without talking to the others; ties go to the smallest value for the same reason.
+without talking to the others. A tie between θ hashes at our round never moves a node to an
+arbitrary one (an attacker can grind its hash to be the smallest): a node holding one of the
+tied hashes keeps it.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,23 +77,66 @@ def reference_records(others: Mapping[str, ProgressRecord]) -> dict[str, Progres
 
 @dataclass(frozen=True)
 class Resync:
-    """Download the swarm's state: of round `min_round` or later, from any donor but `exclude`."""
+    """Download the swarm's state: of round `min_round` or later, from any donor but `exclude`;
+    with `params_hash`, exactly that θ of round `min_round` (the state the swarm vouches for)."""
 
     min_round: int
     reason: str
     exclude: frozenset[str]
+    params_hash: str | None = None
+
+
+def vouched_records(
+    others: Mapping[str, ProgressRecord],
+    *,
+    quorum: int = 1,
+    max_round: int | None = None,
+    on_reject: Callable[[str, str, str], None] | None = None,
+) -> dict[str, ProgressRecord]:
+    """The records whose (round, θ hash) the swarm vouches for (see the module docstring).
+
+    Records past `max_round` are refused (``past-max-rounds``). If some state has `quorum`
+    distinct backers, only records of such states count; a record left out that claims a
+    round later than every vouched state's is refused (``unvouched-state``): it would have made
+    the others resync to it. Stragglers behind the vouched states are left out silently."""
+    kept: dict[str, ProgressRecord] = {}
+    for peer, r in others.items():
+        if max_round is not None and r.round > max_round:
+            _reject(on_reject, peer, "past-max-rounds", f"claims round {r.round} > train.max_rounds {max_round}")
+        else:
+            kept[peer] = r
+    backers = Counter((r.round, r.params_sha256) for r in kept.values())
+    if not backers or max(backers.values()) < quorum:
+        return kept
+    vouched = {p: r for p, r in kept.items() if backers[r.round, r.params_sha256] >= quorum}
+    top = max(r.round for r in vouched.values())
+    for peer, r in kept.items():
+        if peer not in vouched and r.round > top:
+            _reject(on_reject, peer, "unvouched-state",
+                    f"claims round {r.round} θ {r.params_sha256[:12]} that {backers[r.round, r.params_sha256]} "
+                    f"peer(s) back (quorum {quorum}) while {max(backers.values())} back round {top}")
+    return vouched
+
+
+def _reject(on_reject: Callable[[str, str, str], None] | None, peer: str, reason: str, detail: str) -> None:
+    if on_reject is not None:
+        on_reject(peer, reason, detail)
 
 
 def resync_target(
-    others: Mapping[str, ProgressRecord], our_round: int, our_hash: str, averaged_round: int | None = None
+    others: Mapping[str, ProgressRecord], our_round: int, our_hash: str, averaged_round: int | None = None,
+    *, quorum: int = 1, max_round: int | None = None, on_reject: Callable[[str, str, str], None] | None = None,
 ) -> Resync | None:
     """Whether a node at (`our_round`, `our_hash`), whose θ was last averaged at round
     `averaged_round` (None: not since it started), must adopt the swarm's state, and which.
 
-    The swarm's state is that of the `reference_records`; with `top` their newest round:
+    Only `vouched_records(others, quorum, max_round)` count. The swarm's state is that of their
+    `reference_records`; with `top` their newest round:
 
-    - behind (`top` > ours): download a state of round >= `top`;
-    - same round, our hash not the majority's (ties to the smallest hash): download;
+    - behind (`top` > ours): download the state of round `top` with its most reported θ hash
+      (any of them if several tie: each has `quorum` backers);
+    - same round, another hash reported strictly more than any other, ours included: download
+      it (a tie moves nobody);
     - cut off: the reference nodes averaged after our θ last did, we ended
       `MAX_UNBACKED_ROUNDS` or more rounds since without a group, and we are ahead of them in
       round number: our rounds since hold our own data only, so go back to their state.
@@ -93,22 +144,24 @@ def resync_target(
     Nodes whose records do not count are never asked for the state (`exclude`). The rule reads
     the same records the same way on every node, so a fork heals deterministically.
     """
-    if not others:
+    vouched = vouched_records(others, quorum=quorum, max_round=max_round, on_reject=on_reject)
+    if not vouched:
         return None
-    reference = reference_records(others)
+    reference = reference_records(vouched)
     exclude = frozenset(others) - frozenset(reference)
     top = max(r.round for r in reference.values())
+    at_top = Counter(r.params_sha256 for r in reference.values() if r.round == top)
     if top > our_round:
-        return Resync(top, f"behind: swarm at round {top}, we are at {our_round}", exclude)
-    same_round = [r.params_sha256 for r in reference.values() if r.round == our_round]
+        return Resync(top, f"behind: swarm at round {top}, we are at {our_round}", exclude, _unique_top(at_top))
     if top == our_round:
-        if majority([*same_round, our_hash]) == our_hash:
-            return None
-        theirs = round_majorities(reference)[top]
+        counts = at_top + Counter([our_hash])
+        theirs = _unique_top(counts)
+        if theirs is None or theirs == our_hash:
+            return None  # ours is the most reported, or a tie: never move to an arbitrary hash
         return Resync(
             top,
             f"our parameters {our_hash[:12]} differ from the swarm's {theirs[:12]} at round {top}",
-            exclude,
+            exclude, theirs,
         )
     ours = -1 if averaged_round is None else averaged_round
     theirs = _averaged(next(iter(reference.values())))
@@ -117,9 +170,17 @@ def resync_target(
             top,
             f"our rounds {ours + 1}..{our_round} ended without a group while {len(reference)} "
             f"node(s) averaged up to round {theirs}: we were cut off; back to the swarm's state",
-            exclude,
+            exclude, _unique_top(at_top),
         )
     return None
+
+
+def _unique_top(counts: Counter[str]) -> str | None:
+    """The most frequent value, or None when several are the most frequent."""
+    ranked = counts.most_common(2)
+    if not ranked or (len(ranked) == 2 and ranked[0][1] == ranked[1][1]):
+        return None
+    return ranked[0][0]
 
 
 def check_config(

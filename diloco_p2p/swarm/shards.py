@@ -95,7 +95,7 @@ class ShardSync:
         self.inner = SwarmSync(config.sync, rank_p2p(config.p2p, rank), run_id=namespace,
                                swarm_view=dict(config.swarm_view(), run_id=namespace),
                                run_dir=run_dir if rank == 0 else run_dir / "ranks" / str(rank), stop=stop,
-                               faults=faults)
+                               faults=faults, max_round=config.train.max_rounds)
         self.peer_id = self.inner.peer_id  # until `attach`: then rank 0's, the node's identity
         self.ranks: Ranks | None = None
         self._shard_sha256 = ""

@@ -37,9 +37,11 @@ from diloco_p2p import __version__
 from diloco_p2p.config import P2PConfig, SyncConfig
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState, view_hash
 from diloco_p2p.faults import Faults
+from diloco_p2p.swarm.admission import Admission
 from diloco_p2p.swarm.allreduce import AllreduceService
 from diloco_p2p.swarm.allreduce_state import AllreduceResult
 from diloco_p2p.swarm.dht import dht_peer_count, start_dht
+from diloco_p2p.swarm.guard import Guard
 from diloco_p2p.swarm.matchmaking import Matchmaker
 from diloco_p2p.swarm.records import (
     ProgressRecord,
@@ -52,7 +54,7 @@ from diloco_p2p.swarm.resync import check_config, reference_records, resync_targ
 from diloco_p2p.swarm.runner import BackgroundLoop
 from diloco_p2p.swarm.state.announcements import state_validator
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
-from diloco_p2p.swarm.state.codec import pack_state, unpack_state
+from diloco_p2p.swarm.state.codec import StateCheck, pack_state
 from diloco_p2p.swarm.state.server import StateServer
 
 log = logging.getLogger(__name__)
@@ -74,8 +76,10 @@ class SwarmSync:
     """
 
     def __init__(self, cfg: SyncConfig, p2p: P2PConfig, *, run_id: str, swarm_view: dict[str, Any], run_dir: Path,
-                 stop: StopRequested, faults: Faults | None = None):
+                 stop: StopRequested, faults: Faults | None = None, max_round: int | None = None):
         self.cfg, self.stop, self.run_id, self.run_dir = cfg, stop, run_id, run_dir
+        self.max_round = max_round  # train.max_rounds: no state past it is ever adopted
+        self.guard = Guard()  # every refusal of a peer: logged, counted, in the round record
         self.faults = faults or Faults()
         self.swarm_view, self.config_hash = swarm_view, view_hash(swarm_view)
         self.agreement: dict[str, bool] = {}
@@ -93,9 +97,12 @@ class SwarmSync:
         try:
             self.p2p = self.loop.run(self.dht.replicate_p2p())
             self.peer_id = self.p2p.peer_id.to_base58()
+            self.admission = Admission(cfg.admission, run_id, self.peer_id, self.guard, refresh=self._read_records)
             self.matchmaker = Matchmaker(self.dht, self.p2p, run_id=run_id)
             self.allreduce = AllreduceService(self.p2p, prefix=run_id)
             self.state_server = StateServer(self.dht, self.p2p, run_id=run_id)
+            for service in (self.matchmaker, self.allreduce, self.state_server):
+                service.admit = self.admission.check_stream  # a closed run serves its members only
             self.loop.run(self._start())
             self.check_config()  # a refused node leaves before it ever published anything
             self.progress = ProgressPublisher(self.dht, self.loop, run_id)
@@ -110,8 +117,16 @@ class SwarmSync:
 
     # -- admission -----------------------------------------------------------------------------
 
+    async def _read_records(self) -> dict[str, ProgressRecord]:
+        """The run's records that count: signed by their peer (forgeries are refused on the way)
+        and, in a closed run, of admitted peers (tokens in the records admit their peers)."""
+        found = await read_progress_async(self.dht, self.run_id, on_reject=self.guard.reject)
+        self.admission.learn((peer, r.admission_token) for peer, r in found.items())
+        admitted = self.admission.filter(found, "a progress record")
+        return {peer: r for peer, r in found.items() if peer in admitted}
+
     def records(self) -> dict[str, ProgressRecord]:
-        found = self.loop.run(read_progress_async(self.dht, self.run_id), timeout=30)
+        found = self.loop.run(self._read_records(), timeout=30)
         return {peer: r for peer, r in found.items() if peer != self.peer_id}
 
     def check_config(self) -> None:
@@ -137,33 +152,43 @@ class SwarmSync:
         same_round = [r.params_sha256 for r in reference.values() if r.round == node.round]
         self.agreement = {"params_agree": all(h == ours for h in same_round),
                           "config_agree": all(r.config_hash == self.config_hash for r in others.values())}
-        target = resync_target(others, node.round, ours, self.averaged_round)
+        target = resync_target(others, node.round, ours, self.averaged_round, quorum=self.cfg.resync_quorum,
+                               max_round=self.max_round, on_reject=self.guard.reject)
         if target is None:
             return None
         log.warning("%s; downloading the swarm's state", target.reason)
         # What we serve is stale from now on: a joiner must not download it while we catch up.
         self.loop.run(self.state_server.withdraw(), timeout=15)
-        return self.fetch(target.min_round, target.exclude)
+        return self.fetch(target.min_round, target.exclude, target.params_hash)
 
-    def fetch(self, min_round: int, exclude: frozenset[str] | None = None) -> SwarmState | None:
-        """Download and verify the swarm's state at `min_round` or later (None if no donor could
-        serve it in time, or a stop was requested)."""
+    def fetch(self, min_round: int, exclude: frozenset[str] | None = None,
+              params_hash: str | None = None) -> SwarmState | None:
+        """Download and verify the swarm's state at `min_round` or later, never past
+        `max_round`; with `params_hash`, exactly that θ at `min_round` (None if no donor could
+        serve it in time, or a stop was requested). A donor whose blob holds another θ or round
+        than it announced is refused (``bad-state``) and not asked again."""
         start = time.perf_counter()
-        exclude = self.resync_exclude if exclude is None else exclude
+        exclude = (self.resync_exclude if exclude is None else exclude) | self.guard.excluded().keys()
+        check = StateCheck(min_round if params_hash else None, params_hash, self.max_round)
         try:
             fetched = self._interruptible(
                 fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=min_round, exclude=exclude,
-                            timeout=self.cfg.state_timeout),
+                            params_hash=params_hash, verify=check, timeout=self.cfg.state_timeout),
                 timeout=self.cfg.state_timeout + 10,
             )
         except (StateUnavailable, TimeoutError, Interrupted) as e:
+            for donor, why in getattr(e, "forged", {}).items():
+                self.guard.reject(donor, "bad-state", why)
             log.warning("could not download the swarm's state (%s); training on from our own", e)
             return None
-        tensors, meta = unpack_state(fetched.blob)
+        for donor, why in fetched.forged.items():
+            self.guard.reject(donor, "bad-state", why)
+        tensors, meta = check.unpacked
         value = meta.get("averaged_round")  # our θ's averaging history is now the donor's
         self._adopted_averaged_round = value if isinstance(value, int) and value >= 0 else None
         outcome = RoundOutcome(status="resynced", group_size=0, state_bytes=fetched.bytes,
                                state_seconds=time.perf_counter() - start, donor=fetched.donor, **self.agreement)
+        outcome.rejections = self.guard.drain()
         return SwarmState(tensors=tensors, round=int(meta["round"]), outcome=outcome)
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
@@ -174,7 +199,7 @@ class SwarmSync:
                                         timeout=self.cfg.matchmaking_timeout + 30)
             if group is None:
                 log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
-                return round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement)
+                return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement))
             self.faults.fire("group", round)
             result = self._interruptible(
                 self.allreduce.allreduce(group.group_id, group.peers, delta, weight,
@@ -185,15 +210,20 @@ class SwarmSync:
             )
         except Interrupted as e:
             log.warning("round %d: averaging interrupted (%s)", round, e)
-            return round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement, interrupted=True)
+            return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement, interrupted=True))
         self._keep(round, delta, weight, result)
-        return round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement)
+        return self._seen(round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement))
+
+    def _seen(self, outcome: RoundOutcome) -> RoundOutcome:
+        """The round's refusals of peers go into its record (`diloco_p2p.swarm.guard`)."""
+        outcome.rejections = self.guard.drain()
+        return outcome
 
     async def _form_group(self, round: int, params_hash: str, weight: float):
         """Matchmaking for `round`, expecting the live swarm: the peers whose progress record says
         they finished the previous round with our θ (a group closes once they are all in)."""
         try:
-            records = await read_progress_async(self.dht, self.run_id, timeout=_RECORDS_TIMEOUT)
+            records = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
         except Exception as e:  # no view of the swarm: the group closes when full or at the timeout
             log.debug("round %d: could not read progress records (%r)", round, e)
             records = {}
@@ -245,7 +275,8 @@ class SwarmSync:
         assert self.progress is not None
         self.progress.publish(progress_fields(node, record, peer_id=self.peer_id, params_sha256=node.shard_sha256,
                                               config_hash=self.config_hash, config_view=self.swarm_view,
-                                              averaged_round=self.averaged_round))
+                                              averaged_round=self.averaged_round, excluded=self.guard.excluded(),
+                                              admission_token=self.admission.token))
 
     def close(self) -> None:
         """Withdraw our records and stop serving; bounded so a shutdown never hangs."""

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import hivemind
+from hivemind.p2p import P2P
 
 from diloco_p2p.swarm.allreduce import AllreduceService
 from diloco_p2p.swarm.runner import BackgroundLoop
+from diloco_p2p.swarm.signing import signature_validator
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -21,6 +25,7 @@ class LoopbackPeers:
         self.maddrs: list[str] = list(initial_peers)
         self.p2ps: list = []
         self.loop: BackgroundLoop | None = None
+        self._keys: tempfile.TemporaryDirectory | None = None
         try:
             # DHTs fork: create them all before the loop thread starts.
             for _ in range(n):
@@ -32,8 +37,14 @@ class LoopbackPeers:
             raise
 
     def add_dht(self) -> hivemind.DHT:
-        """One more DHT joined through all the others; shut down by `close` (its P2P replica is the caller's)."""
-        dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=list(self.maddrs))
+        """One more DHT joined through all the others; shut down by `close` (its P2P replica is the caller's).
+        Like a node's, it has an identity file and signs its DHT entries with it (`swarm.signing`)."""
+        if self._keys is None:
+            self._keys = tempfile.TemporaryDirectory(prefix="loopback-keys-")
+        identity = Path(self._keys.name) / f"{len(self.dhts)}.key"
+        P2P.generate_identity(str(identity))
+        dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=list(self.maddrs),
+                           identity_path=str(identity), record_validators=[signature_validator(identity)])
         self.maddrs += [str(a) for a in dht.get_visible_maddrs()]
         self.dhts.append(dht)
         return dht
@@ -47,6 +58,8 @@ class LoopbackPeers:
                 self.loop.close()
             for d in self.dhts:
                 d.shutdown()
+            if self._keys is not None:
+                self._keys.cleanup()
 
     def __enter__(self):
         return self

@@ -8,6 +8,7 @@ import socket
 
 import pytest
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
 from diloco_p2p.config import Config, P2PConfig
 from diloco_p2p.logs import short_peer
@@ -15,15 +16,16 @@ from diloco_p2p.status import run_status
 from diloco_p2p.swarm.dht import peer_id_of, start_dht, visible_maddrs
 from diloco_p2p.swarm.records import (
     ProgressRecord,
+    progress_key,
     progress_validator,
     publish_progress,
     read_progress,
     withdraw_progress,
 )
+from diloco_p2p.swarm.signing import own_subkey
 
 RUN = "status-test"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-FAKE_PEER = "12D3KooW" + "F" * 44  # a record stored on behalf of a peer that runs no DHT
 
 
 def _record(peer: str, round: int, params: str, train_loss: float | None = 3.5) -> ProgressRecord:
@@ -45,26 +47,34 @@ def _record(peer: str, round: int, params: str, train_loss: float | None = 3.5) 
 
 @pytest.fixture(scope="module")
 def swarm():
-    """Two DHT nodes; A publishes its record, B publishes its own and one for a fake peer;
-    a fourth record is published and then withdrawn."""
+    """Two DHT nodes A and B publish their records; C publishes one that disagrees at round 5
+    and leaves (its record lingers), D publishes one and withdraws it. B also stores a record
+    of its own signed under A's peer id (a forgery: every reader refuses it, naming B), and
+    claims in its record that it excludes C."""
     validators = [progress_validator(RUN)]
     a = start_dht(P2PConfig(host_maddrs=LOOPBACK), None, record_validators=validators)
-    b = start_dht(
-        P2PConfig(initial_peers=visible_maddrs(a), host_maddrs=LOOPBACK), None, record_validators=validators
-    )
+    joined = P2PConfig(initial_peers=visible_maddrs(a), host_maddrs=LOOPBACK)
+    b, c, d = (start_dht(joined, None, record_validators=validators) for _ in range(3))
     try:
-        pa, pb = a.peer_id.to_base58(), b.peer_id.to_base58()
-        gone = "12D3KooW" + "G" * 44
+        pa, pb, pc, pd = (x.peer_id.to_base58() for x in (a, b, c, d))
         assert publish_progress(a, RUN, _record(pa, 5, "a"), ttl=120)
-        assert publish_progress(b, RUN, _record(pb, 5, "a", train_loss=None), ttl=120)
-        assert publish_progress(b, RUN, _record(FAKE_PEER, 5, "b"), ttl=120)  # disagrees at round 5
-        assert publish_progress(a, RUN, _record(gone, 4, "c"), ttl=120)
-        assert withdraw_progress(a, RUN, gone)
-        assert set(read_progress(b, RUN, timeout=10)) == {pa, pb, FAKE_PEER}
-        yield visible_maddrs(a), pa, pb
+        excludes_c = ProgressRecord.build(**{**_record(pb, 5, "a", train_loss=None).dict(), "excluded": {pc: "bad-state"}})
+        assert publish_progress(b, RUN, excludes_c, ttl=120)
+        assert publish_progress(c, RUN, _record(pc, 5, "b"), ttl=120)  # disagrees at round 5
+        assert publish_progress(d, RUN, _record(pd, 4, "c"), ttl=120)
+        assert withdraw_progress(d, RUN, pd)
+        # B's key, A's id: hivemind's validator takes B's signature, our readers refuse the entry
+        forged = b.store(progress_key(RUN), _record(pa, 9, "f").dict(), get_dht_time() + 120,
+                         subkey=own_subkey(b, pb).replace(pb, pa, 1))
+        assert forged  # storing peers only check the signature; the binding to the peer id is the readers'
+        refused = []
+        assert set(read_progress(b, RUN, timeout=10, on_reject=lambda *x: refused.append(x))) == {pa, pb, pc}
+        assert [(peer, reason) for peer, reason, _ in refused] == [(pb, "forged-record")]
+        assert read_progress(b, RUN, timeout=10)[pa].round == 5  # A's own record is untouched
+        yield visible_maddrs(a), pa, pb, pc
     finally:
-        b.shutdown()
-        a.shutdown()
+        for x in (d, c, b, a):
+            x.shutdown()
 
 
 def _status(peers, run_id=RUN, as_json=True, timeout=10.0) -> tuple[int, str, str]:
@@ -74,33 +84,38 @@ def _status(peers, run_id=RUN, as_json=True, timeout=10.0) -> tuple[int, str, st
 
 
 def test_status_json_lists_every_node_with_its_round_and_agreement(swarm):
-    maddrs, pa, pb = swarm
+    maddrs, pa, pb, pc = swarm
     rc, out, err = _status(maddrs)
     assert rc == 0, err
-    rows = {row["peer_id"]: row for row in json.loads(out)}
-    assert set(rows) == {pa, pb, FAKE_PEER}  # the withdrawn record is not listed
-    assert {p: r["round"] for p, r in rows.items()} == {pa: 5, pb: 5, FAKE_PEER: 5}
-    assert {p: r["hash_agrees"] for p, r in rows.items()} == {pa: True, pb: True, FAKE_PEER: False}
+    listed = json.loads(out)
+    rows = {row["peer_id"]: row for row in listed}
+    assert set(rows) == {pa, pb, pc}  # the withdrawn record is not listed, the forged one neither
+    assert {p: r["round"] for p, r in rows.items()} == {pa: 5, pb: 5, pc: 5}
+    assert {p: r["hash_agrees"] for p, r in rows.items()} == {pa: True, pb: True, pc: False}
+    assert rows[pb]["excluded"] == {pc: "bad-state"} and rows[pa]["excluded"] == {}
+    assert listed[0]["status_saw_forged"] == {pb: "forged-record"}
     assert rows[pa]["tokens_per_s"] == 105.0 and rows[pa]["train_loss"] == 3.5
     assert rows[pb]["train_loss"] is None
     assert all(0 <= r["last_seen_s"] < 60 for r in rows.values())
 
 
 def test_status_table_has_one_row_per_node(swarm):
-    maddrs, pa, pb = swarm
+    maddrs, pa, pb, pc = swarm
     rc, out, err = _status(maddrs, as_json=False)
     assert rc == 0, err
-    lines = out.strip().splitlines()
+    table, excluded = out.strip().split("\n\nEXCLUDED PEERS\n")
+    lines = table.splitlines()
     assert lines[0].split()[:3] == ["PEER", "ROUND", "TOKENS/S"]
     by_peer = {line.split()[0]: line.split() for line in lines[1:]}
-    assert set(by_peer) == {short_peer(pa), short_peer(pb), short_peer(FAKE_PEER)}
+    assert set(by_peer) == {short_peer(pa), short_peer(pb), short_peer(pc)}
     assert by_peer[short_peer(pa)][1] == "5" and by_peer[short_peer(pa)][6] == "yes"
-    assert by_peer[short_peer(FAKE_PEER)][6] == "no"
+    assert by_peer[short_peer(pc)][6] == "no"
     assert by_peer[short_peer(pb)][3] == "-"  # no train loss yet
+    assert excluded.splitlines() == [f"  {pb}  forged-record  (by 1 node)", f"  {pc}  bad-state  (by 1 node)"]
 
 
 def test_status_for_a_run_without_records_fails_with_one_line(swarm):
-    maddrs, _, _ = swarm
+    maddrs, *_ = swarm
     rc, out, err = _status(maddrs, run_id="nobody-runs-this")
     assert rc == 2 and out == ""
     assert err.startswith("error: no progress records for run id 'nobody-runs-this'") and err.count("\n") == 1
@@ -131,7 +146,7 @@ def test_async_records_api_runs_on_the_event_loop(swarm):
     from diloco_p2p.swarm.records import publish_progress_async, read_progress_async, withdraw_progress_async
     from diloco_p2p.swarm.runner import BackgroundLoop
 
-    maddrs, pa, _ = swarm
+    maddrs, pa, *_ = swarm
     c = start_dht(P2PConfig(initial_peers=maddrs, host_maddrs=LOOPBACK), None)  # before the loop's thread
     loop = BackgroundLoop()
     try:

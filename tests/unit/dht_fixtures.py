@@ -1,5 +1,7 @@
-"""DHT values for unit tests: progress records (`make(peer, **fields)` with sensible defaults)
-and the signed-less `DHTRecord` a storing peer's validator sees (`dht_record`)."""
+"""DHT values for unit tests: progress records (`make(peer, **fields)` with sensible defaults),
+the signed-less `DHTRecord` a storing peer's validator sees (`dht_record`), and real peers:
+`PEERS[i]` is the peer id of RSA key `KEYS[i]`, `subkey(peer)` its signed entries' subkey
+(`subkey(peer, signer=other)`: an entry `other` signs while claiming to be `peer`)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,20 @@ from typing import Any
 from hivemind.dht.crypto import DHTRecord
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
+from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_p2p.config import Config
 from diloco_p2p.swarm.records import ProgressRecord
+from diloco_p2p.swarm.signing import owned_subkey, peer_id_of_public_key, public_key_text
 
-PEERS = [f"12D3KooW{c * 44}" for c in "ABCDEFG"]
+KEYS = [RSAPrivateKey() for _ in range(9)]
+PEERS = [peer_id_of_public_key(public_key_text(k)) for k in KEYS]
+
+
+def subkey(peer: str, signer: str | None = None) -> str:
+    return owned_subkey(peer, public_key_text(KEYS[PEERS.index(signer or peer)]))
+
+
 NOW = 1_000_000.0
 
 

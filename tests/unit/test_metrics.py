@@ -139,7 +139,7 @@ def test_naming_conventions():
     m.observe_round(ROUND)
     seed = SeedMetrics(peer_count=lambda: 2)
     seed.refresh()
-    allowed_labels = {"status", "le", "version", "torch", "hivemind"}
+    allowed_labels = {"status", "le", "version", "torch", "hivemind", "reason"}
     for registry in (m.registry, seed.registry):
         families = list(text_string_to_metric_families(exposition(registry).decode()))
         assert families
@@ -287,3 +287,12 @@ def test_promtool_check_metrics_is_clean():
                              capture_output=True, timeout=30)
         # promtool prints one line per lint problem and exits non-zero; clean = silent and 0.
         assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), (out.stdout + out.stderr).decode()
+
+
+def test_rejections_are_counted_by_reason_from_the_round_record():
+    m = NodeMetrics()
+    m.observe_round({**ROUND, "rejections": {"QmA": "forged-record", "QmB": "not-admitted", "QmC": "bogus"}})
+    m.observe_round({**ROUND, "rejections": {"QmA": "forged-record"}})
+    counts = {dict(k[1])["reason"]: v for k, v in samples(m).items() if k[0] == "diloco_rejections_total"}
+    assert counts == {"forged-record": 2.0, "not-admitted": 1.0, "past-max-rounds": 0.0, "unvouched-state": 0.0,
+                      "bad-state": 0.0}

@@ -17,7 +17,7 @@ from diloco_p2p.swarm.records import (
     progress_key,
     progress_validator,
 )
-from tests.unit.dht_fixtures import NOW, PEERS, dht_record, make
+from tests.unit.dht_fixtures import NOW, PEERS, dht_record, make, subkey
 
 
 def wire(**overrides) -> dict:
@@ -73,11 +73,13 @@ def test_schema_rejects_missing_field(field):
 
 def test_hivemind_validator_accepts_records_and_tombstones_and_rejects_the_rest():
     v = progress_validator("r")
-    assert v.validate(dht_record(progress_key("r"), PEERS[0], make().dict()))
-    assert v.validate(dht_record(progress_key("r"), PEERS[0], None))  # tombstone
-    assert not v.validate(dht_record(progress_key("r"), PEERS[0], wire(tokens_per_s=5)))  # needs a conversion
-    assert not v.validate(dht_record(progress_key("r"), PEERS[0], wire(round=-1)))
+    own = subkey(PEERS[0])
+    assert v.validate(dht_record(progress_key("r"), own, make().dict()))
+    assert v.validate(dht_record(progress_key("r"), own, None))  # tombstone
+    assert not v.validate(dht_record(progress_key("r"), own, wire(tokens_per_s=5)))  # needs a conversion
+    assert not v.validate(dht_record(progress_key("r"), own, wire(round=-1)))
     assert not v.validate(dht_record(progress_key("r"), "not a peer id!", make().dict()))
+    assert not v.validate(dht_record(progress_key("r"), PEERS[0], make().dict()))  # unsigned: no owner part
     # other keys (other runs, other components) are not ours to judge
     assert v.validate(dht_record(progress_key("other-run"), PEERS[0], {"anything": 1}))
 
@@ -100,25 +102,32 @@ def _found(entries: dict) -> ValueWithExpiration:
 
 
 def test_parse_progress_drops_tombstones_expired_invalid_and_misfiled():
+    refused = []
     found = _found(
         {
-            PEERS[0]: (make(PEERS[0]).dict(), NOW + 60),  # good
-            PEERS[1]: (None, NOW + 60),  # tombstone
-            PEERS[2]: (make(PEERS[2]).dict(), NOW - 1),  # expired
-            PEERS[3]: (wire(peer_id=PEERS[3], round=-2), NOW + 60),  # invalid
-            PEERS[4]: (make(PEERS[5]).dict(), NOW + 60),  # claims another peer's subkey
-            PEERS[6]: ("garbage", NOW + 60),
+            subkey(PEERS[0]): (make(PEERS[0]).dict(), NOW + 60),  # good
+            subkey(PEERS[1]): (None, NOW + 60),  # tombstone
+            subkey(PEERS[2]): (make(PEERS[2]).dict(), NOW - 1),  # expired
+            subkey(PEERS[3]): (wire(peer_id=PEERS[3], round=-2), NOW + 60),  # invalid
+            subkey(PEERS[4]): (make(PEERS[5]).dict(), NOW + 60),  # 4 signs a record naming 5
+            subkey(PEERS[5], signer=PEERS[7]): (make(PEERS[5]).dict(), NOW + 60),  # 7 files under 5's id
+            PEERS[8]: (make(PEERS[8]).dict(), NOW + 60),  # unsigned (a storing peer without our validators)
+            subkey(PEERS[6]): ("garbage", NOW + 60),
         }
     )
-    assert list(parse_progress(found, now=NOW)) == [PEERS[0]]
+    assert list(parse_progress(found, now=NOW, on_reject=lambda *a: refused.append(a))) == [PEERS[0]]
+    # the forgers are named: the peer whose key signed each forged entry
+    assert sorted((peer, reason) for peer, reason, _ in refused) == sorted(
+        [(PEERS[4], "forged-record"), (PEERS[7], "forged-record")])
+    assert any(PEERS[5] in detail for _, _, detail in refused)
     assert parse_progress(None, now=NOW) == {}
     assert parse_progress(ValueWithExpiration(b"not a dict", NOW + 5), now=NOW) == {}
 
 
 def test_tombstone_outlives_our_record_but_not_by_much():
     record_exp = get_dht_time() + 10_000
-    exp = _tombstone_expiration(_found({PEERS[0]: (make().dict(), record_exp)}), PEERS[0])
+    exp = _tombstone_expiration(_found({subkey(PEERS[0]): (make().dict(), record_exp)}), subkey(PEERS[0]))
     assert record_exp < exp < record_exp + 1
     # our record not visible: outlive anything published with the default ttl
-    exp = _tombstone_expiration(_found({PEERS[1]: (make(PEERS[1]).dict(), record_exp)}), PEERS[0])
+    exp = _tombstone_expiration(_found({subkey(PEERS[1]): (make(PEERS[1]).dict(), record_exp)}), subkey(PEERS[0]))
     assert exp >= get_dht_time() + DEFAULT_TTL - 1

@@ -14,6 +14,7 @@ from diloco_p2p.swarm.resync import (
     reference_records,
     resync_target,
     round_majorities,
+    vouched_records,
 )
 from tests.unit.dht_fixtures import PEERS, make
 
@@ -98,10 +99,11 @@ def test_resync_when_in_a_minority_at_our_round():
                PEERS[1]: make(PEERS[1], round=3, params_sha256=H["c"])}
     target = resync_target(records, 3, H["b"])
     assert target is not None and target.min_round == 3 and "differ" in target.reason
-    # one against one: ties go to the smaller hash, so exactly one of the two moves
+    assert target.params_hash == H["c"]  # exactly the θ the two report
+    # one against one: a tie moves nobody, whichever hash is smaller (a liar can grind its hash)
     one = {PEERS[0]: make(PEERS[0], round=3, params_sha256=H["c"])}
     assert resync_target(one, 3, H["b"]) is None
-    assert resync_target({PEERS[1]: make(PEERS[1], round=3, params_sha256=H["b"])}, 3, H["c"]) is not None
+    assert resync_target({PEERS[1]: make(PEERS[1], round=3, params_sha256=H["b"])}, 3, H["c"]) is None
 
 
 def test_a_node_cut_off_and_ahead_does_not_pull_the_averaging_nodes_back():
@@ -181,13 +183,14 @@ SWARM_AT_5 = {p: make(p, round=5, params_sha256=H["c"], averaged_round=5) for p 
     [
         pytest.param(  # two rounds behind: download a state of the swarm's round
             SWARM_AT_5, dict(our_round=3, our_hash=H["a"], averaged_round=3),
-            Resync(5, "behind: swarm at round 5, we are at 3", frozenset()),
+            Resync(5, "behind: swarm at round 5, we are at 3", frozenset(), H["c"]),
             id="behind",
         ),
         pytest.param(  # c, c against our d at our round: the majority wins
             {**SWARM_AT_5, PEERS[2]: make(PEERS[2], round=5, params_sha256=H["b"], averaged_round=5)},
             dict(our_round=5, our_hash=H["d"], averaged_round=5),
-            Resync(5, f"our parameters {H['d'][:12]} differ from the swarm's {H['c'][:12]} at round 5", frozenset()),
+            Resync(5, f"our parameters {H['d'][:12]} differ from the swarm's {H['c'][:12]} at round 5", frozenset(),
+                   H["c"]),
             id="minority-hash",
         ),
         pytest.param(  # ahead in rounds, but averaged last at 2 while the swarm averaged at 5
@@ -198,6 +201,7 @@ SWARM_AT_5 = {p: make(p, round=5, params_sha256=H["c"], averaged_round=5) for p 
                 "our rounds 3..8 ended without a group while 2 node(s) averaged up to round 5: "
                 "we were cut off; back to the swarm's state",
                 frozenset({PEERS[3]}),  # superseded too: never a donor
+                H["c"],
             ),
             id="cut-off",
         ),
@@ -206,10 +210,9 @@ SWARM_AT_5 = {p: make(p, round=5, params_sha256=H["c"], averaged_round=5) for p 
             dict(our_round=5, our_hash=H["a"], averaged_round=5), None,
             id="tie-we-hold-the-smaller-hash",
         ),
-        pytest.param(
+        pytest.param(  # ...and when they hold it: a tie never moves a node
             {PEERS[0]: make(PEERS[0], round=5, params_sha256=H["b"], averaged_round=5)},
-            dict(our_round=5, our_hash=H["c"], averaged_round=5),
-            Resync(5, f"our parameters {H['c'][:12]} differ from the swarm's {H['b'][:12]} at round 5", frozenset()),
+            dict(our_round=5, our_hash=H["c"], averaged_round=5), None,
             id="tie-they-hold-the-smaller-hash",
         ),
         pytest.param(SWARM_AT_5, dict(our_round=5, our_hash=H["c"], averaged_round=5), None, id="in-step"),
@@ -223,6 +226,70 @@ def test_resync_target_rules(others, ours, expected):
     assert resync_target(others, **ours) == expected
 
 
-def test_ties_are_broken_by_the_smallest_value():
+def test_majority_ties_are_broken_by_the_smallest_value():
     assert majority(["b", "a"]) == majority(["a", "b"]) == "a"
     assert majority(["b", "b", "a"]) == "b"  # a tie only when the counts are equal
+
+
+# ---------------------------------------------------------------- the swarm vouches (issue 12)
+
+HONEST = {p: make(p, round=5, params_sha256=H["c"], averaged_round=5) for p in PEERS[:3]}
+
+
+def _refusals():
+    seen: list[tuple[str, str, str]] = []
+    return seen, lambda *a: seen.append(a)
+
+
+def test_a_lone_record_claiming_a_later_round_moves_nobody_and_is_named():
+    """The forged-record attack: a peer publishes round 999 (and serves a made-up θ with a
+    matching sha256). Three honest nodes at round 5 agree: nobody resyncs to it."""
+    liar = make(PEERS[6], round=999, params_sha256=H["f"], averaged_round=999)
+    others = {**{p: HONEST[p] for p in PEERS[1:3]}, PEERS[6]: liar}
+    seen, on_reject = _refusals()
+    assert resync_target(others, 5, H["c"], 5, quorum=2, on_reject=on_reject) is None
+    assert [(p, r) for p, r, _ in seen] == [(PEERS[6], "unvouched-state")]
+    # a node that is behind goes to the honest round, exactly their θ, never to the liar's
+    target = resync_target({**HONEST, PEERS[6]: liar}, 3, H["a"], 3, quorum=2)
+    assert target is not None and (target.min_round, target.params_hash) == (5, H["c"])
+    # quorum 1 (the old rule) would have followed it: the test above can fail
+    assert resync_target(others, 5, H["c"], 5, quorum=1).min_round == 999
+
+
+def test_a_superseding_averaged_round_does_not_make_honest_records_stale():
+    liar = make(PEERS[6], round=5, params_sha256=H["f"], averaged_round=500)
+    assert resync_target({**HONEST, PEERS[6]: liar}, 5, H["c"], 5, quorum=2) is None
+
+
+def test_never_past_max_rounds():
+    """Even two peers backing a round past train.max_rounds do not move us there."""
+    ahead = {p: make(p, round=50, params_sha256=H["f"], averaged_round=50) for p in PEERS[5:7]}
+    seen, on_reject = _refusals()
+    assert resync_target({**HONEST, **ahead}, 5, H["c"], 5, quorum=2, max_round=10, on_reject=on_reject) is None
+    assert sorted((p, r) for p, r, _ in seen) == [(PEERS[5], "past-max-rounds"), (PEERS[6], "past-max-rounds")]
+    assert "train.max_rounds 10" in seen[0][2]
+    # within max_rounds the same two would be followed (they have a quorum and the newest round)
+    assert resync_target({**HONEST, **ahead}, 5, H["c"], 5, quorum=2, max_round=50).min_round == 50
+
+
+def test_without_any_quorum_every_record_counts():
+    """A joiner with one established node in the swarm: nothing has a quorum of 2, so the
+    lone node's state is the swarm's (an open run cannot tell it from a liar: README)."""
+    one = {PEERS[1]: make(PEERS[1], round=7, params_sha256=H["d"], status="alone", group_size=1)}
+    assert vouched_records(one, quorum=2) == one
+    target = resync_target(one, 0, H["a"], quorum=2)
+    assert target is not None and (target.min_round, target.params_hash) == (7, H["d"])
+
+
+def test_vouched_records_leave_stragglers_out_silently():
+    straggler = make(PEERS[5], round=2, params_sha256=H["a"])
+    seen, on_reject = _refusals()
+    assert vouched_records({**HONEST, PEERS[5]: straggler}, quorum=2, on_reject=on_reject) == HONEST
+    assert seen == []
+
+
+def test_behind_with_two_vouched_hashes_at_the_top_round_takes_whichever_a_donor_has():
+    split = {**{p: make(p, round=5, params_sha256=H["c"]) for p in PEERS[:2]},
+             **{p: make(p, round=5, params_sha256=H["d"]) for p in PEERS[2:4]}}
+    target = resync_target(split, 3, H["a"], quorum=2)
+    assert target is not None and target.min_round == 5 and target.params_hash is None

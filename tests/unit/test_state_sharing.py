@@ -18,7 +18,8 @@ from diloco_p2p.swarm.state.announcements import (
     state_key,
     state_validator,
 )
-from tests.unit.dht_fixtures import dht_record
+from tests.unit.dht_fixtures import PEERS as SIGNED
+from tests.unit.dht_fixtures import dht_record, subkey
 
 NOW = 1_000_000.0  # the same as dht_fixtures.NOW: its records expire at NOW + 60
 # Valid base58 peer ids (sha2-256 multihashes of fixed bytes: "Qm..."), deterministic.
@@ -35,22 +36,25 @@ def _value(round=3, sha=SHA_A, size=100, params_hash=THETA):
 
 
 def test_parse_keeps_valid_entries_newest_first_and_drops_the_rest():
+    P = SIGNED
     found = SimpleNamespace(value={
-        PEERS[0]: _entry(_value(round=3)),
-        PEERS[1]: _entry(_value(round=5, sha=SHA_B, params_hash=None)),
-        PEERS[2]: _entry(None),  # tombstone: the donor withdrew
-        PEERS[3]: _entry(_value(), expiration=NOW - 1),  # expired
-        PEERS[4]: _entry(_value(round=-1)),
-        PEERS[5]: _entry(_value(size=1.5)),
-        PEERS[6]: _entry({**_value(), "extra": 1}),
-        PEERS[7]: _entry(_value(sha="A" * 64)),  # not lowercase hex
-        PEERS[8]: _entry(_value(round=True)),  # bool is not a round
+        subkey(P[0]): _entry(_value(round=3)),
+        subkey(P[1]): _entry(_value(round=5, sha=SHA_B, params_hash=None)),
+        subkey(P[2]): _entry(None),  # tombstone: the donor withdrew
+        subkey(P[3]): _entry(_value(), expiration=NOW - 1),  # expired
+        subkey(P[4]): _entry(_value(round=-1)),
+        subkey(P[5]): _entry(_value(size=1.5)),
+        subkey(P[6]): _entry({**_value(), "extra": 1}),
+        subkey(P[7]): _entry(_value(sha="A" * 64)),  # not lowercase hex
+        subkey(P[8]): _entry(_value(round=True)),  # bool is not a round
+        subkey(P[2], signer=P[3]): _entry(_value(round=9)),  # P3 announcing in P2's name
+        P[4]: _entry(_value(round=9)),  # unsigned
         "not-a-peer-id": _entry(_value()),
     })
     anns = parse_announcements(found, now=NOW)
     assert anns == [
-        StateAnnouncement(PEERS[1], 5, SHA_B, 100, None),
-        StateAnnouncement(PEERS[0], 3, SHA_A, 100, THETA),
+        StateAnnouncement(P[1], 5, SHA_B, 100, None),
+        StateAnnouncement(P[0], 3, SHA_A, 100, THETA),
     ]
     assert parse_announcements(None, now=NOW) == []
     assert parse_announcements(SimpleNamespace(value="junk"), now=NOW) == []
@@ -58,12 +62,14 @@ def test_parse_keeps_valid_entries_newest_first_and_drops_the_rest():
 
 def test_hivemind_validator_accepts_announcements_and_tombstones_only():
     v = state_validator("r")
-    assert v.validate(dht_record(state_key("r"), PEERS[0], _value()))
-    assert v.validate(dht_record(state_key("r"), PEERS[0], _value(params_hash=None)))
-    assert v.validate(dht_record(state_key("r"), PEERS[0], None))
-    assert not v.validate(dht_record(state_key("r"), PEERS[0], _value(size=-5)))
-    assert not v.validate(dht_record(state_key("r"), PEERS[0], {**_value(), "how": "pickle"}))
+    own = subkey(SIGNED[0])
+    assert v.validate(dht_record(state_key("r"), own, _value()))
+    assert v.validate(dht_record(state_key("r"), own, _value(params_hash=None)))
+    assert v.validate(dht_record(state_key("r"), own, None))
+    assert not v.validate(dht_record(state_key("r"), own, _value(size=-5)))
+    assert not v.validate(dht_record(state_key("r"), own, {**_value(), "how": "pickle"}))
     assert not v.validate(dht_record(state_key("r"), "nonsense!", _value()))
+    assert not v.validate(dht_record(state_key("r"), PEERS[0], _value()))  # unsigned
     assert v.validate(dht_record(state_key("another-run"), PEERS[0], {"whatever": 1}))
     assert pydantic.BaseConfig.extra == pydantic.Extra.ignore  # the global config is untouched
 
@@ -117,3 +123,21 @@ def test_prefer_puts_named_donors_first_within_their_group():
     # a preferred donor of an older round does not jump ahead of the newest state
     older = StateAnnouncement(PEERS[9], 4, SHA_B, 10, None)
     assert order_candidates([*anns, older], "j", prefer=[PEERS[9]])[-1] == older
+
+
+def test_state_check_accepts_only_the_vouched_round_and_theta():
+    import torch
+
+    from diloco_p2p.swarm.state.codec import StateCheck, pack_state, theta_sha256
+
+    theta = {"outer.theta": torch.arange(8, dtype=torch.float32), "outer.momentum": torch.zeros(8)}
+    good = theta_sha256(theta)
+    blob = pack_state(theta, {"round": 5})
+    check = StateCheck(5, good, max_round=10)
+    assert check(blob) is None and check.unpacked is not None and check.unpacked[1]["round"] == 5
+    made_up = pack_state({**theta, "outer.theta": theta["outer.theta"] * 2}, {"round": 5})
+    assert "hashes to" in StateCheck(5, good, 10)(made_up)  # the forged state with its own matching sha256
+    assert "of round 6, not the round 5" in StateCheck(5, good, 10)(pack_state(theta, {"round": 6}))
+    assert "past train.max_rounds 4" in StateCheck(None, None, 4)(blob)
+    assert "no round" in StateCheck(None, None, None)(pack_state(theta, {}))
+    assert "truncated" in StateCheck(None, None, None)(b"xx")

@@ -38,7 +38,10 @@ Progress = Callable[[str, int, int], Optional[Awaitable[None]]]
 
 
 class StateUnavailable(RuntimeError):
-    """No donor could provide a valid state; the message says what was tried and why it failed."""
+    """No donor could provide a valid state; the message says what was tried and why it failed.
+    `forged`: donors whose verified bytes `verify` refused (donor -> why)."""
+
+    forged: dict[str, str] = {}
 
 
 @dataclass
@@ -52,6 +55,7 @@ class FetchedState:
     bytes: int  # bytes received over the wire, discarded ones included
     params_hash: str | None = None
     failures: list[str] = field(default_factory=list)  # one line per failed attempt
+    forged: dict[str, str] = field(default_factory=dict)  # donors whose state `verify` refused, and why
 
 
 @dataclass
@@ -72,7 +76,7 @@ class _Partial:
 
 @dataclass
 class _Outcome:
-    status: str  # ok | busy | corrupt | failed
+    status: str  # ok | busy | corrupt | failed | forged (`verify` refused it)
     reason: str = ""
     received: int = 0
 
@@ -156,6 +160,7 @@ async def fetch_state(
     prefer: Sequence[str] = (),
     wait: float = 0.0,
     progress: Progress | None = None,
+    verify: Callable[[bytes], str | None] | None = None,
 ) -> FetchedState:
     """Download and verify the newest state announced for `run_id` (see `diloco_p2p.swarm.state`).
 
@@ -164,7 +169,9 @@ async def fetch_state(
     peers we averaged with last). `wait`: keep looking this long for a qualifying announcement
     before giving up (default: fail at once). `progress(donor, received, size)` is called after
     every read; if it returns an awaitable, that is awaited (tests pause or kill a donor there).
-    Raises `StateUnavailable` when no donor provides a valid state within `timeout` seconds.
+    `verify(blob)`: a check of a blob whose sha256 matched, beyond it (e.g. that its θ is the one
+    the swarm vouches for, `codec.StateCheck`): a reason refuses that donor's state
+    (`FetchedState.forged`) and the next donor is tried. Raises `StateUnavailable` when no donor provides a valid state within `timeout` seconds.
     """
     fetch = _Fetch(dht, p2p, run_id, min_round, params_hash, frozenset(exclude), tuple(prefer), timeout)
     backoff = 0.1
@@ -182,6 +189,11 @@ async def fetch_state(
         for ann in candidates:
             fetch.check_deadline()
             outcome = await fetch.attempt(ann, stall_timeout, progress)
+            if outcome.status == "ok" and verify is not None:
+                assert fetch.part is not None
+                if (why := await asyncio.to_thread(verify, bytes(fetch.part.buf))) is not None:
+                    fetch.forged[ann.peer_id] = why
+                    outcome = _Outcome("forged", why, outcome.received)
             if outcome.status == "ok":
                 return fetch.fetched(ann)
             busy = fetch.record_failure(ann, outcome) or busy
@@ -208,6 +220,7 @@ class _Fetch:
         self.failures: list[str] = []
         self.attempts = self.received = self.busy_refusals = 0
         self.part: _Partial | None = None
+        self.forged: dict[str, str] = {}
 
     def elapsed(self) -> float:
         return self.loop.time() - self.t0
@@ -224,7 +237,9 @@ class _Fetch:
         tried = f"; {self.attempts} attempts" if self.attempts else ""
         tried += f" ({self.busy_refusals} answered busy)" if self.busy_refusals else ""
         tried += ": " + "; ".join(self.failures) if self.failures else ""
-        return StateUnavailable(f"no valid state for {what} after {self.elapsed():.1f} s: {why}{tried}")
+        e = StateUnavailable(f"no valid state for {what} after {self.elapsed():.1f} s: {why}{tried}")
+        e.forged = dict(self.forged)
+        return e
 
     async def lookup(self) -> tuple[list[StateAnnouncement], str | None]:
         """The announcements in the DHT, and why the lookup failed if it did."""
@@ -277,7 +292,7 @@ class _Fetch:
         )
         return FetchedState(
             bytes(self.part.buf), ann.round, ann.sha256, ann.peer_id, seconds, self.attempts, self.received,
-            ann.params_hash, self.failures,
+            ann.params_hash, self.failures, self.forged,
         )
 
     def record_failure(self, ann: StateAnnouncement, outcome: _Outcome) -> bool:
@@ -298,6 +313,8 @@ class _Fetch:
             self.part = None
         else:
             self.failed[(ann.peer_id, ann.sha256)] = outcome.reason
+            if outcome.status == "forged":  # the bytes are what was announced: that state is refused
+                self.part = None
         return False
 
 

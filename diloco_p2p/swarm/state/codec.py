@@ -5,6 +5,7 @@ See `diloco_p2p.swarm.state` for what goes in it and why the bytes are determini
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -58,3 +59,43 @@ def unpack_state(blob: bytes | bytearray | memoryview) -> tuple[dict[str, torch.
     except Exception as e:  # safetensors raises its own Rust-side error types
         raise StateError(f"state tensors do not load: {' '.join(str(e).split()) or type(e).__name__}") from None
     return tensors, meta
+
+
+THETA = "outer.theta"  # the tensor whose sha256 is a node's params hash (`OuterOptimizer.params_sha256`)
+
+
+def theta_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The params hash of a state: sha256 of θ's bytes, as every node computes it of its own θ."""
+    return hashlib.sha256(tensors[THETA].contiguous().numpy().tobytes()).hexdigest()
+
+
+class StateCheck:
+    """A joiner's check of a downloaded blob, beyond its sha256 (which only proves that the donor
+    sent what it announced): it must be a state of `round` (when given, else of any round up to
+    `max_round`) whose θ hashes to `params_hash` (when given): the (round, θ) the swarm vouches
+    for, not what the donor claims. Called with each blob (`fetch_state(verify=...)`): returns
+    why it is refused, or None and keeps the unpacked state in `unpacked`."""
+
+    def __init__(self, round: int | None, params_hash: str | None, max_round: int | None):
+        self.round, self.params_hash, self.max_round = round, params_hash, max_round
+        self.unpacked: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+
+    def __call__(self, blob: bytes) -> str | None:
+        try:
+            tensors, meta = unpack_state(blob)
+        except StateError as e:
+            return str(e)
+        got = meta.get("round")
+        if not isinstance(got, int) or isinstance(got, bool) or got < 0:
+            return f"its state has no round ({got!r})"
+        if self.round is not None and got != self.round:
+            return f"its state is of round {got}, not the round {self.round} the swarm vouches for"
+        if self.max_round is not None and got > self.max_round:
+            return f"its state is of round {got}, past train.max_rounds {self.max_round}"
+        if self.params_hash is not None:
+            if THETA not in tensors:
+                return f"its state has no {THETA}"
+            if (theirs := theta_sha256(tensors)) != self.params_hash:
+                return f"its θ hashes to {theirs[:12]}, not the {self.params_hash[:12]} the swarm vouches for"
+        self.unpacked = tensors, meta
+        return None

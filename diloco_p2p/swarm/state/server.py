@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import Any
 
@@ -14,6 +15,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from diloco_p2p.swarm import streams
+from diloco_p2p.swarm.signing import own_subkey
 from diloco_p2p.swarm.state.announcements import (
     DEFAULT_ANNOUNCE_TTL,
     MAX_HEADER_BYTES,
@@ -71,6 +73,9 @@ class StateServer:
         self._refresh: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._started = False
+        # Whether to serve a peer (its id proven by p2pd): a closed run serves its members only
+        # (`diloco_p2p.swarm.admission.Admission.check_stream`); None serves everyone.
+        self.admit: Callable[[str, str], Awaitable[bool]] | None = None
 
     @property
     def announcement(self) -> StateAnnouncement | None:
@@ -146,7 +151,8 @@ class StateServer:
             return ok
 
     async def _store(self, value: dict[str, Any] | None, expiration: float, timeout: float) -> bool:
-        future = self.dht.store(state_key(self.run_id), value, expiration, subkey=self.peer_id, return_future=True)
+        subkey = own_subkey(self.dht, self.peer_id)  # signed: nobody else can announce for us
+        future = self.dht.store(state_key(self.run_id), value, expiration, subkey=subkey, return_future=True)
         return bool(await asyncio.wait_for(future, timeout))
 
     async def _refresh_loop(self) -> None:
@@ -160,8 +166,11 @@ class StateServer:
 
     # ------------------------------------------------------------------------- serving
 
-    async def _handle(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            if self.admit is not None and not await self.admit(info.peer_id.to_base58(), "state"):
+                self.refused_count += 1
+                return  # closing the stream is all a stranger gets
             await self._serve(reader, writer)
         except (TimeoutError, WireError, *NETWORK_ERRORS) as e:
             logger.debug("state transfer ended early: %r", e)

@@ -1,0 +1,58 @@
+"""What a node refuses, seen and counted.
+
+Every refusal of a peer (a forged record, a peer a closed run has not admitted, a state nobody
+vouches for or past `train.max_rounds`, a downloaded θ that is not the one vouched for) goes
+through `Guard.reject`: one log line naming the peer (full base58 id) and the reason, once per
+peer and reason per round; the round's refusals go into the round record (`rejections`, then
+``diloco_rejections_total{reason}`` in Prometheus, `diloco_p2p.metrics`), and the peers refused
+recently into our progress record (`excluded`), which `diloco-p2p status` shows.
+
+Reasons are a small fixed set (`diloco_p2p.contract.REJECTION_REASONS`) so they can be labels.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from diloco_p2p.contract import REJECTION_REASONS
+
+log = logging.getLogger(__name__)
+
+# How long a refused peer stays listed in our record's `excluded` after its last refusal.
+EXCLUDED_FOR = 600.0
+
+
+class Guard:
+    """The refusals of one swarm endpoint. Thread-safe: stream handlers run on the network loop,
+    the record checks on the training thread."""
+
+    def __init__(self, excluded_for: float = EXCLUDED_FOR, clock=time.monotonic):
+        self.excluded_for, self.clock = excluded_for, clock
+        self._round: dict[str, str] = {}
+        self._last: dict[str, tuple[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def reject(self, peer: str, reason: str, detail: str) -> None:
+        """Refuse `peer` for `reason` (one of `REJECTION_REASONS`); `detail` says what it did."""
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        with self._lock:
+            new = self._round.get(peer) != reason
+            self._round[peer] = reason
+            self._last[peer] = (reason, self.clock())
+        if new:
+            log.warning("refused peer %s: %s (%s)", peer, reason, detail)
+
+    def drain(self) -> dict[str, str] | None:
+        """This round's refusals (peer -> reason), None if none; the next round starts empty."""
+        with self._lock:
+            out, self._round = self._round, {}
+        return out or None
+
+    def excluded(self) -> dict[str, str]:
+        """Peers refused within `excluded_for` seconds, with the last reason."""
+        now = self.clock()
+        with self._lock:
+            return {p: reason for p, (reason, t) in self._last.items() if now - t <= self.excluded_for}
