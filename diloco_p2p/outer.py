@@ -15,6 +15,16 @@ flat buffer each so the network layer can hand an averaged flat vector straight 
 peer that applies the same Δ̄ to the same (θ, m) ends with bit-identical θ, which
 `params_sha256` makes checkable. With η = 1 and β = 0 the step is plain parameter averaging.
 
+Delayed Nesterov (AsyncDiLoCo, Liu et al. 2024; ``shared/papers/review-diloco-opendiloco-asyncdiloco.txt``,
+MATH ENTRY 4), with ``outer.delayed_nesterov = N``: each step's Δ̄ goes into a buffer b; on
+steps 1..N-1 of each cycle θ ← θ − η·(Δ̄ + c·m) (plain SGD, c = ``outer.dn_momentum_fraction``),
+and on the N-th the momentum step uses the buffer and empties it:
+
+    m ← β·m + b;   θ ← θ − η·(b + β·m);   b ← 0
+
+The buffer and the step count are part of the outer state (`state_tensors`) so a joiner that
+adopts the swarm's state flushes in step with it.
+
 Hashing θ costs a pass over it (4 GB at 1B parameters), so the hash is cached by `version`,
 which changes whenever θ does: θ is hashed once per distinct value, not once per caller.
 """
@@ -47,6 +57,9 @@ class OuterOptimizer:
         self.numels = [p.numel() for p in params]
         self.theta = flatten(params)
         self.momentum = torch.zeros_like(self.theta)
+        # Delayed Nesterov only: the buffer of Δ̄ since the last flush, and outer steps taken.
+        self.dn_buffer = torch.zeros_like(self.theta) if cfg.delayed_nesterov else None
+        self.dn_steps = 0
         self.version = 0  # bumped whenever θ changes
         self._hash: tuple[int, str] | None = None
 
@@ -67,10 +80,26 @@ class OuterOptimizer:
             raise ValueError("averaged pseudo-gradient is not finite; refusing to apply it to the global parameters")
         delta = avg_delta.to(torch.float32)
         beta, lr = self.cfg.momentum, self.cfg.lr
-        self.momentum.mul_(beta).add_(delta)
-        update = delta.add(self.momentum, alpha=beta) if self.cfg.nesterov else self.momentum
-        self.theta.sub_(update, alpha=lr)
+        if self.dn_buffer is not None:
+            self._delayed_step(delta)
+        else:
+            self.momentum.mul_(beta).add_(delta)
+            update = delta.add(self.momentum, alpha=beta) if self.cfg.nesterov else self.momentum
+            self.theta.sub_(update, alpha=lr)
         self.version += 1
+
+    def _delayed_step(self, delta: torch.Tensor) -> None:
+        """Delayed Nesterov (see the module docstring)."""
+        assert self.dn_buffer is not None and self.cfg.delayed_nesterov
+        beta, lr = self.cfg.momentum, self.cfg.lr
+        self.dn_buffer.add_(delta)
+        self.dn_steps += 1
+        if self.dn_steps % self.cfg.delayed_nesterov == 0:
+            self.momentum.mul_(beta).add_(self.dn_buffer)
+            self.theta.sub_(self.dn_buffer.add(self.momentum, alpha=beta), alpha=lr)
+            self.dn_buffer.zero_()
+        else:
+            self.theta.sub_(delta.add(self.momentum, alpha=self.cfg.dn_momentum_fraction), alpha=lr)
 
     def copy_into(self, params: Sequence[torch.Tensor]) -> None:
         """Load θ into the model's (local) parameters, whatever their device and dtype."""
@@ -85,7 +114,11 @@ class OuterOptimizer:
         return self._hash[1]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"outer.theta": self.theta, "outer.momentum": self.momentum}
+        state = {"outer.theta": self.theta, "outer.momentum": self.momentum}
+        if self.dn_buffer is not None:
+            state["outer.dn_buffer"] = self.dn_buffer
+            state["outer.dn_steps"] = torch.tensor([self.dn_steps], dtype=torch.int64)
+        return state
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         theta, momentum = tensors["outer.theta"], tensors["outer.momentum"]
@@ -95,4 +128,10 @@ class OuterOptimizer:
             )
         self.theta = theta.to(torch.float32).clone()
         self.momentum = momentum.to(torch.float32).clone()
+        if self.dn_buffer is not None:  # a state without them (a checkpoint): an empty buffer
+            buffer = tensors.get("outer.dn_buffer")
+            ok = buffer is not None and buffer.shape == self.theta.shape
+            self.dn_buffer = buffer.to(torch.float32).clone() if ok else torch.zeros_like(self.theta)
+            steps = tensors.get("outer.dn_steps")
+            self.dn_steps = int(steps.reshape(-1)[0]) if ok and steps is not None and steps.numel() == 1 else 0
         self.version += 1

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from diloco_p2p.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -101,3 +102,39 @@ def test_momentum_survives_save_and_load(tmp_path):
     _round(a, more)
     _round(b, more)
     assert torch.equal(a.theta, b.theta)
+
+
+def test_delayed_nesterov_matches_the_worked_example():
+    """AsyncDiLoCo's Delayed Nesterov, the review's worked example (MATH ENTRY 4): N=4, β=0.9,
+    η=0.7, c=0, θ=[1, 1]; four Δ, SGD on the first three, the Nesterov step on the buffer at the fourth."""
+    theta = torch.tensor([1.0, 1.0])
+    outer = OuterOptimizer([theta], OuterConfig(lr=0.7, momentum=0.9, delayed_nesterov=4))
+    expected = [[0.972, 1.007], [0.951, 0.993], [0.916, 0.9965], [0.7298, 0.9766]]
+    deltas = [[0.04, -0.01], [0.03, 0.02], [0.05, -0.005], [0.02, 0.01]]
+    for delta, want in zip(deltas, expected, strict=True):
+        outer.step(torch.tensor(delta))
+        torch.testing.assert_close(outer.theta, torch.tensor(want), rtol=0, atol=6e-5)  # the paper prints 4 decimals
+    torch.testing.assert_close(outer.momentum, torch.tensor([0.14, 0.015]), rtol=0, atol=1e-6)
+    assert torch.equal(outer.dn_buffer, torch.zeros(2))
+    # ordinary Nesterov on the same Δ: a different θ (the check can fail)
+    plain = OuterOptimizer([torch.tensor([1.0, 1.0])], OuterConfig(lr=0.7, momentum=0.9))
+    for delta in deltas:
+        plain.step(torch.tensor(delta))
+    assert (plain.theta - outer.theta).abs().max() > 0.03
+
+
+def test_delayed_nesterov_state_travels_with_theta():
+    cfg = OuterConfig(lr=0.7, momentum=0.9, delayed_nesterov=3, dn_momentum_fraction=0.2)
+    a = OuterOptimizer([torch.zeros(5)], cfg)
+    g = torch.Generator().manual_seed(1)
+    steps = [torch.randn(5, generator=g) for _ in range(7)]
+    for d in steps[:4]:
+        a.step(d)
+    b = OuterOptimizer([torch.zeros(5)], cfg)
+    b.load_state_tensors({k: v.clone() for k, v in a.state_tensors().items()})  # a joiner adopts a's state
+    for d in steps[4:]:
+        a.step(d)
+        b.step(d)
+    assert torch.equal(a.theta, b.theta) and a.params_sha256() == b.params_sha256()
+    with pytest.raises(ValueError, match="dn_momentum_fraction"):
+        OuterConfig(delayed_nesterov=4, dn_momentum_fraction=0.5)
