@@ -84,7 +84,7 @@ class RoundOutcome:
     state_bytes: int | None = None  # a resync: the download
     state_seconds: float | None = None
     donor: str | None = None
-    rejections: dict[str, str] | None = None  # peer -> reason (`REJECTION_REASONS`) refused this round
+    rejections: dict[str, list[str]] | None = None  # peer -> why it was refused this round (`REJECTION_REASONS`)
 
 
 @dataclass
@@ -127,7 +127,7 @@ class RoundRecord:
     state_bytes: int | None = None
     state_seconds: float | None = None
     donor: str | None = None
-    rejections: dict[str, str] | None = None
+    rejections: dict[str, list[str]] | None = None
     dropped_round: int | None = None  # a resync: the round of our own θ that was given up
     resyncs: int | None = None
     joined_at_round: int | None = None

@@ -228,9 +228,10 @@ class NodeMetrics:
             self.state_bytes.inc(v)
         if (v := _number(get("state_seconds"))) is not None:
             self.state_seconds.observe(v)
-        for reason in (get("rejections") or {}).values():
-            if reason in REJECTION_REASONS:
-                self.rejections.labels(reason=reason).inc()
+        for reasons in (get("rejections") or {}).values():
+            for reason in reasons if isinstance(reasons, list) else [reasons]:
+                if reason in REJECTION_REASONS:
+                    self.rejections.labels(reason=reason).inc()
 
     def set_dht_peers(self, n: int) -> None:
         self.dht_peers.set(n)

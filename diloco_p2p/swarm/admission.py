@@ -152,4 +152,4 @@ class Admission:
                         await self.refresh()
                     except Exception:  # the DHT did not answer: decide on what we know
                         pass
-        return bool(self.filter([peer], f"a {what} stream"))
+        return bool(self.filter([peer], f"a stream ({what})"))

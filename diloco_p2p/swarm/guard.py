@@ -2,8 +2,8 @@
 
 Every refusal of a peer (a forged record, a peer a closed run has not admitted, a state nobody
 vouches for or past `train.max_rounds`, a downloaded θ that is not the one vouched for) goes
-through `Guard.reject`: one log line naming the peer (full base58 id) and the reason, once per
-peer and reason per round; the round's refusals go into the round record (`rejections`, then
+through `Guard.reject`: one log line naming the peer (full base58 id), the reason and what it
+did, once per round for the same refusal (records are read several times a round); the round's refusals go into the round record (`rejections`, then
 ``diloco_rejections_total{reason}`` in Prometheus, `diloco_p2p.metrics`), and the peers refused
 recently into our progress record (`excluded`), which `diloco-p2p status` shows.
 
@@ -30,7 +30,8 @@ class Guard:
 
     def __init__(self, excluded_for: float = EXCLUDED_FOR, clock=time.monotonic):
         self.excluded_for, self.clock = excluded_for, clock
-        self._round: dict[str, str] = {}
+        self._round: dict[str, set[str]] = {}
+        self._logged: set[tuple[str, str, str]] = set()
         self._last: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
 
@@ -39,17 +40,19 @@ class Guard:
         if reason not in REJECTION_REASONS:
             raise ValueError(f"unknown rejection reason {reason!r}")
         with self._lock:
-            new = self._round.get(peer) != reason
-            self._round[peer] = reason
+            new = (peer, reason, detail) not in self._logged
+            self._logged.add((peer, reason, detail))
+            self._round.setdefault(peer, set()).add(reason)
             self._last[peer] = (reason, self.clock())
         if new:
             log.warning("refused peer %s: %s (%s)", peer, reason, detail)
 
-    def drain(self) -> dict[str, str] | None:
-        """This round's refusals (peer -> reason), None if none; the next round starts empty."""
+    def drain(self) -> dict[str, list[str]] | None:
+        """This round's refusals (peer -> its reasons, sorted), None if none; the next round starts empty."""
         with self._lock:
             out, self._round = self._round, {}
-        return out or None
+            self._logged.clear()
+        return {peer: sorted(reasons) for peer, reasons in out.items()} or None
 
     def excluded(self) -> dict[str, str]:
         """Peers refused within `excluded_for` seconds, with the last reason."""

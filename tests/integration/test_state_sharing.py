@@ -231,3 +231,37 @@ def test_announcement_is_refreshed_while_serving(swarm: StatePeers):
 
     first, later, peer = swarm.loop.run(scenario(), timeout=30)
     assert [a.peer_id for a in first] == [peer] and [a.peer_id for a in later] == [peer]
+
+
+def test_a_donor_serving_another_theta_under_the_vouched_hash_is_refused_and_named(swarm: StatePeers):
+    """The forged-state attack: donor B announces the θ hash the swarm vouches for at round 4,
+    but serves a made-up θ (its blob's sha256 matches its announcement). The joiner checks θ
+    itself (`StateCheck`), refuses B's state, names B and takes A's; tried first, B cost it one
+    download. A stranger or a node of another round can never be adopted this way either."""
+    from diloco_p2p.swarm.state.codec import StateCheck, theta_sha256
+
+    run_id = _run_id()
+    honest = {"outer.theta": torch.arange(64, dtype=torch.float32), "outer.momentum": torch.zeros(64)}
+    made_up = {"outer.theta": torch.full((64,), 9.0), "outer.momentum": torch.zeros(64)}
+    vouched = theta_sha256(honest)
+    good, forged = pack_state(honest, {"round": 4}), pack_state(made_up, {"round": 4})
+
+    async def scenario():
+        a, b = swarm.server(0, run_id=run_id), swarm.server(1, run_id=run_id)
+        for d, blob in ((a, good), (b, forged)):
+            await d.start()
+            await d.set_state(4, blob, params_hash=vouched)  # B lies about its θ
+        try:
+            check = StateCheck(4, vouched, max_round=10)
+            fetched = await fetch_state(swarm.dhts[2], swarm.p2ps[2], run_id=run_id, params_hash=vouched,
+                                        prefer=[b.peer_id], verify=check, timeout=30)
+            return fetched, check, a, b
+        finally:
+            for d in (a, b):
+                await d.stop()
+
+    fetched, check, a, b = swarm.loop.run(scenario(), timeout=60)
+    assert fetched.blob == good and fetched.donor == a.peer_id
+    assert list(fetched.forged) == [b.peer_id] and "hashes to" in fetched.forged[b.peer_id]
+    assert theta_sha256(check.unpacked[0]) == vouched
+    assert fetched.attempts == 2 and b.bytes_served == len(forged)

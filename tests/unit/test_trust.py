@@ -117,7 +117,7 @@ def test_open_runs_admit_everyone_closed_runs_their_list_and_token_holders():
                   (PEERS[5], issue_token(KEYS[7], "r", PEERS[5]))])  # not the owner's: not
     assert closed.admits(PEERS[2]) and not closed.admits(PEERS[3]) and not closed.admits(PEERS[5])
     assert closed.filter(PEERS[:4], "a progress record") == set(PEERS[:3])
-    assert guard.drain() == {PEERS[3]: "not-admitted", PEERS[5]: "not-admitted"}
+    assert guard.drain() == {PEERS[3]: ["not-admitted"], PEERS[5]: ["not-admitted"]}
 
 
 def test_a_stream_from_an_unknown_peer_rereads_the_records_at_most_every_interval():
@@ -133,7 +133,7 @@ def test_a_stream_from_an_unknown_peer_rereads_the_records_at_most_every_interva
     assert asyncio.run(closed.check_stream(PEERS[2], "state")) is True
     assert asyncio.run(closed.check_stream(PEERS[3], "state")) is False
     # within REFRESH_INTERVAL of the last re-read the records are not read again
-    assert len(calls) == 1 and guard.drain() == {PEERS[3]: "not-admitted"}
+    assert len(calls) == 1 and guard.drain() == {PEERS[3]: ["not-admitted"]}
 
 
 def test_a_node_with_a_token_for_another_peer_is_told_at_start(tmp_path):
@@ -160,9 +160,12 @@ def test_guard_logs_each_peer_and_reason_once_per_round_and_remembers_them(caplo
         for _ in range(3):
             guard.reject(PEERS[1], "forged-record", "x")
         guard.reject(PEERS[2], "not-admitted", "y")
+        guard.reject(PEERS[2], "not-admitted", "z")  # another thing it did: another line
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == [f"refused peer {PEERS[1]}: forged-record (x)", f"refused peer {PEERS[2]}: not-admitted (y)"]
-    assert guard.drain() == {PEERS[1]: "forged-record", PEERS[2]: "not-admitted"}
+    assert lines == [f"refused peer {PEERS[1]}: forged-record (x)", f"refused peer {PEERS[2]}: not-admitted (y)",
+                     f"refused peer {PEERS[2]}: not-admitted (z)"]
+    guard.reject(PEERS[1], "unvouched-state", "w")
+    assert guard.drain() == {PEERS[1]: ["forged-record", "unvouched-state"], PEERS[2]: ["not-admitted"]}
     assert guard.drain() is None
     now[0] = 61
     guard.reject(PEERS[2], "bad-state", "z")

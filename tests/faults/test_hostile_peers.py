@@ -1,0 +1,141 @@
+"""A hostile peer against real honest nodes (issue 12): it cannot fork, poison or take over a run.
+
+The attacker (`tests.faults.hostile.HostilePeer`) is a real DHT peer in the test's process with
+its own identity; the honest nodes are real `diloco-p2p train` processes. Its lies are in place
+before the honest nodes' first round (start gate), so every round meets them. Each test asserts
+that the honest nodes end every round committed together with identical θ, that none adopts
+anything of the attacker's, and that each names it in a log line and in its round records.
+
+- Open run: a record for a later round with a made-up θ (served, its blob's sha256 matching),
+  and a record under an honest node's id.
+- Closed run (`sync.admission`: one node listed, one admitted by an owner-signed token): the
+  stranger's record (a later round; the quorum is 1 here, so admission alone must stop it), its
+  matchmaking and all-reduce streams, and its download of θ are all refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hivemind.p2p import P2P
+
+from diloco_p2p.swarm.matchmaking import PROTOCOL_VERSION as MATCHMAKING_VERSION
+from diloco_p2p.swarm.state.client import StateUnavailable
+from tests.faults.hostile import HostilePeer
+from tests.harness.procs import run_cli, wait_until
+from tests.harness.swarm import ProcessSwarm
+
+pytestmark = pytest.mark.timeout(420)
+
+ROUNDS = 2  # committed rounds each test checks; the nodes then hold at round 3, records still live
+OPTS = ["train.max_rounds=3", "sync.target_group_size={n}", "sync.matchmaking_timeout=10"]
+HOLD = {"DILOCO_P2P_FAULTS": "hold@delta:3"}
+
+
+def _opts(n: int, *more: str) -> list[str]:
+    return [o.format(n=n) for o in OPTS] + list(more)
+
+
+def _wait_records(attacker: HostilePeer, run_id: str, n: int) -> dict:
+    wait_until(lambda: len(attacker.honest_records(run_id)) >= n, 60, f"{n} honest records")
+    return attacker.honest_records(run_id)
+
+
+def _assert_rounds_committed_together(nodes) -> None:
+    for node in nodes:
+        node.wait_round(ROUNDS, timeout=240)
+    for round_ in range(1, ROUNDS + 1):
+        records = [n.by_round()[round_] for n in nodes]
+        assert {(r["status"], r["group_size"]) for r in records} == {("committed", len(nodes))}, records
+        assert len({r["params_sha256"] for r in records}) == 1, records
+    for node in nodes:
+        assert all(r["status"] != "resynced" for r in node.records()), node.records()
+
+
+def _refusals(node, peer: str) -> set[str]:
+    """The reasons `node`'s round records give for refusing `peer`."""
+    return {reason for r in node.records() for reason in (r.get("rejections") or {}).get(peer, [])}
+
+
+@pytest.fixture
+def attacker():
+    with HostilePeer() as peer:
+        yield peer
+
+
+def test_forged_later_round_forged_state_and_a_record_under_another_id_change_nothing(tmp_path, attacker):
+    run_id = "swarm-test"  # tests.harness.settings.SWARM
+    with ProcessSwarm(tmp_path, seed_args=["--initial-peers", attacker.maddr]) as swarm:
+        a, b, c = (swarm.node(name, _opts(3), env=HOLD) for name in "abc")
+        swarm.wait_joined(a, b, c)
+        honest = _wait_records(attacker, run_id, 3)
+        template = next(iter(honest.values()))
+        victim = sorted(honest)[0]
+        # A made-up θ, served with a blob whose sha256 matches its announcement, and a record
+        # claiming the last round with that θ: adopting it, a node would stop there as "done".
+        forged_hash = attacker.serve_forged_state(run_id, 3, numel=16)
+        attacker.publish_claim(run_id, attacker.claim(template, round=3, params_sha256=forged_hash,
+                                                      status="committed", averaged_round=3))
+        # The victim's row, forged: round 777 and a record naming the victim.
+        attacker.forge_record_as(run_id, victim, attacker.claim(template, peer_id=victim, round=777))
+        swarm.release(a, b, c)
+
+        _assert_rounds_committed_together([a, b, c])
+        assert attacker.server is not None and attacker.server.bytes_served == 0  # nobody even asked
+        for node in (a, b, c):
+            log = node.output()
+            assert f"refused peer {attacker.peer_id}: unvouched-state" in log, node.tail()
+            assert f"refused peer {attacker.peer_id}: forged-record" in log, node.tail()
+            assert _refusals(node, attacker.peer_id) == {"unvouched-state", "forged-record"}
+
+        out = run_cli(["status", "--initial-peers", swarm.maddr, "--run-id", run_id, "--json"], timeout=120)
+        assert out.returncode == 0, out.stderr
+        rows = {row["peer_id"]: row for row in json.loads(out.stdout)}
+        assert rows[victim]["round"] == ROUNDS  # its own record, not the forged round 777
+        assert rows[attacker.peer_id]["round"] == 3  # listed as what it claims, and...
+        assert all(rows[n]["excluded"].get(attacker.peer_id) for n in honest)  # ...excluded by every node
+
+
+def _identity(run_dir) -> str:
+    run_dir.mkdir(parents=True)
+    P2P.generate_identity(str(run_dir / "identity.key"))  # the node's default identity path
+    from diloco_p2p.swarm.dht import peer_id_of
+
+    return peer_id_of(run_dir / "identity.key")
+
+
+def test_a_closed_run_refuses_a_strangers_records_streams_and_downloads(tmp_path, attacker):
+    from diloco_p2p.swarm.admission import issue_token
+    from diloco_p2p.swarm.allreduce import AllreduceService
+    from diloco_p2p.swarm.signing import load_private_key, public_key_text
+
+    run_id = "closed-test"
+    owner_path = tmp_path / "owner.key"
+    P2P.generate_identity(str(owner_path))
+    owner = load_private_key(owner_path)
+    with ProcessSwarm(tmp_path, seed_args=["--initial-peers", attacker.maddr]) as swarm:
+        listed, holder = _identity(tmp_path / "a"), _identity(tmp_path / "b")
+        (tmp_path / "b.token").write_text(issue_token(owner, run_id, holder))
+        closed = _opts(2, f"run_id={run_id}", "sync.resync_quorum=1", "sync.admission.mode=closed",
+                       f"sync.admission.peers=['{listed}']", f"sync.admission.owner_key='{public_key_text(owner)}'")
+        a = swarm.node("a", closed, env=HOLD)
+        b = swarm.node("b", [*closed, f"sync.admission.token_path={tmp_path / 'b.token'}"], env=HOLD)
+        swarm.wait_joined(a, b)
+        template = next(iter(_wait_records(attacker, run_id, 2).values()))
+        # with quorum 1 an open run would follow this record to round 3 (test_resync shows it)
+        attacker.publish_claim(run_id, attacker.claim(template, round=3, params_sha256="f" * 64, averaged_round=3))
+        swarm.release(a, b)
+
+        wait_until(lambda: 1 in a.by_round() and 1 in b.by_round(), 240, "round 1", a, b)
+        fetched = attacker.fetch(run_id)  # a state is announced from round 1 on
+        assert isinstance(fetched, StateUnavailable), fetched
+        assert attacker.knock(listed, f"/diloco-p2p/{run_id}/matchmaking/{MATCHMAKING_VERSION}") == b""
+        assert attacker.knock(listed, AllreduceService(attacker.p2p, prefix=run_id).handler_name) == b""
+
+        _assert_rounds_committed_together([a, b])  # the token holder is in every group
+        log = a.output()
+        for what in ("a progress record", "a stream (state)", "a stream (matchmaking)", "a stream (all-reduce)"):
+            assert f"refused peer {attacker.peer_id}: not-admitted ({what} from a peer" in log, (what, a.tail())
+        assert _refusals(a, attacker.peer_id) == {"not-admitted"}
+        assert _refusals(b, attacker.peer_id) == {"not-admitted"}
