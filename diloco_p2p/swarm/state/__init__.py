@@ -47,10 +47,14 @@ Protocol:
   `timeout`, and ends in `StateUnavailable` whose one-line message says what was tried and why
   each attempt failed.
 
-What this does not defend against: a donor that announces a state it made up, with a matching
-hash. Among donors of the newest round a joiner prefers the θ hash (`params_hash`) that most
-donors announce; a caller that knows the swarm's θ hash from the progress records should pass
-it as `params_hash` to fetch only a state with that θ.
+A donor may announce a state it made up, with a matching sha256: the blob's hash only proves
+that the donor sent what it announced. So a node resyncs to a (round, θ hash) that the swarm's
+signed progress records vouch for (`diloco_p2p.swarm.resync`) and passes both to `fetch_state`
+(`params_hash`, and `verify=codec.StateCheck`, which hashes the θ received): a donor whose blob
+holds another θ or round is refused (`FetchedState.forged`) and the next one tried. Without a
+`params_hash` (a plain `diloco-p2p fetch`), a joiner prefers the θ hash most donors announce.
+Donors announce under a signed subkey (`diloco_p2p.swarm.signing`): nobody announces, or
+withdraws, in another donor's name. In a closed run the donor serves admitted peers only.
 
 Costs: the blob lives in memory on both sides (the joiner briefly holds it twice when it hands
 it over), fine for the small and 150M presets; a 1B state (θ and m in fp32, 8 GB) would want a
