@@ -103,6 +103,11 @@ class OuterConfig(_Section):
     lr: float = Field(0.7, ge=0, description="Outer SGD learning rate (1.0 with momentum 0 = plain averaging).")
     momentum: float = Field(0.9, ge=0, lt=1, description="Outer SGD momentum.")
     nesterov: bool = Field(True, description="Use Nesterov momentum in the outer step.")
+    dynamic_local_updates: bool = Field(
+        False,
+        description="Dynamic local updates (AsyncDiLoCo): a node slower than the fastest of its last group runs "
+        "proportionally fewer inner steps (at least 1), so the group reaches the all-reduce together.",
+    )
     delayed_nesterov: int | None = Field(
         None, ge=1,
         description="Delayed Nesterov (AsyncDiLoCo): sum N outer steps' averaged Δ in a buffer, apply plain SGD "

@@ -44,7 +44,7 @@ from diloco_p2p.fsdp import (
 from diloco_p2p.inner import InnerTrainer, StepStats
 from diloco_p2p.logs import log_context, set_log_context
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
-from diloco_p2p.outer import OuterOptimizer
+from diloco_p2p.outer import OuterOptimizer, dylu_steps
 from diloco_p2p.ranks import Ranks, resolve_device
 from diloco_p2p.rundir import node_key, prepare_run_dir
 from diloco_p2p.threads import ThreadBudget
@@ -120,7 +120,7 @@ class Node:
             start, losses, round_tokens = time.perf_counter(), [], 0
             self.outer.copy_into(self.layout.local_views())  # every round starts from θ
 
-            for _ in range(cfg.outer.inner_steps):  # H inner steps on our own data
+            for _ in range(self._inner_steps()):  # H inner steps on our own data
                 if self._stopping():
                     break
                 stats = self.trainer.step(self._next_batch)
@@ -145,6 +145,13 @@ class Node:
         if self._stopping():
             self._save()
         return records
+
+    def _inner_steps(self) -> int:
+        """H, or fewer on a node slower than its last group under outer.dynamic_local_updates."""
+        speeds = getattr(self.sync, "speeds", None)  # the swarm's measure (SwarmSync); none alone
+        if not (self.config.outer.dynamic_local_updates and speeds):
+            return self.config.outer.inner_steps
+        return dylu_steps(speeds, self.sync.peer_id, self.config.outer.inner_steps)
 
     def _stopping(self) -> bool:
         """A stop request on any local rank, seen by every rank at the same point of the loop."""

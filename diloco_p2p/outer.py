@@ -32,7 +32,8 @@ which changes whenever θ does: θ is hashed once per distinct value, not once p
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -42,6 +43,18 @@ from diloco_p2p.config import OuterConfig
 def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """Concatenate tensors (any device or dtype) into one flat fp32 CPU vector."""
     return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
+def dylu_steps(speeds: Mapping[str, float], me: str, h: int) -> int:
+    """Dynamic local updates (AsyncDiLoCo, Liu et al. 2024; review MATH ENTRY 6): the fastest
+    member runs H inner steps, a slower one ⌊v/max v · H⌋ (at least 1), so all reach the
+    all-reduce together; the token weighting of the average accounts for the fewer steps.
+    H when our speed or the group's is unknown."""
+    fastest = max(speeds.values(), default=0.0)
+    mine = speeds.get(me, 0.0)
+    if not (fastest > 0 and mine > 0):
+        return h
+    return max(1, min(h, math.floor(mine / fastest * h)))
 
 
 def tensor_sha256(flat: torch.Tensor) -> str:

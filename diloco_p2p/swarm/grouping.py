@@ -34,6 +34,7 @@ class Group:
     my_index: int
     weights: dict[str, float] | None = None  # base58 peer id -> weight the member announced
     leader: PeerID | None = None
+    speeds: dict[str, float] | None = None  # base58 peer id -> its compute speed (tokens/s), for DyLU
 
     @property
     def size(self) -> int:
@@ -63,6 +64,7 @@ class Epoch:
     """A stretch of time during which this node leads: its members and the one answer all get."""
 
     members: dict[str, tuple[float, int]]  # peer -> (weight, token of the stream that joined it)
+    speeds: dict[str, float] = field(default_factory=dict)  # peer -> announced speed (tokens/s of compute)
     answer: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     close_reason: str | None = None  # "full", "complete" or "expired" once closed with a group
 
@@ -84,6 +86,7 @@ class Session:
     # The live swarm at this round and θ besides us (from progress records, given by the caller):
     # once all of them are members there is no one left to wait for.
     expected: frozenset[str] = frozenset()
+    speed: float = 0.0  # our tokens per second of compute this round (0: not measured)
 
     @property
     def close_at(self) -> float:
@@ -94,7 +97,7 @@ class Session:
         return self.t + self.timeout + self.request_timeout
 
     def lead(self) -> Epoch:
-        self.epoch, self.following = Epoch({self.me: (self.weight, 0)}), None
+        self.epoch, self.following = Epoch({self.me: (self.weight, 0)}, {self.me: self.speed}), None
         return self.epoch
 
     def follow(self, leader: str, leader_t: float) -> None:
@@ -136,6 +139,7 @@ class Session:
         epoch.answer.set_result({
             "s": "group", "id": digest, "leader": self.me, "why": reason, "peers": peers,
             "w": {p: epoch.members[p][0] for p in peers},
+            "sp": {p: epoch.speeds.get(p, 0.0) for p in peers},
         })
 
     def final(self, answer: dict[str, Any], *, own: bool) -> Final | None:
@@ -165,7 +169,11 @@ class Session:
             leader_id = PeerID.from_base58(leader)
         except Exception:
             return None
-        group = Group(group_id, peer_ids, peers.index(self.me), {p: float(w) for p, w in weights.items()}, leader_id)
+        speeds = answer.get("sp")
+        speeds = ({p: float(v) for p, v in speeds.items()} if isinstance(speeds, dict) and set(speeds) == set(peers)
+                  and all(valid_weight(v) for v in speeds.values()) else None)  # optional: absent = unknown
+        group = Group(group_id, peer_ids, peers.index(self.me), {p: float(w) for p, w in weights.items()}, leader_id,
+                      speeds)
         return Final(group, GROUP, why if why in ("full", "complete", "expired") else None)
 
     def rejects(self, request: dict[str, Any], follower: str) -> bool:

@@ -205,6 +205,7 @@ class Matchmaker:
         timeout: float,
         request_timeout: float | None = None,
         expected: Collection[str] = (),
+        speed: float = 0.0,
     ) -> Group | None:
         """Find the peers at `round` with `params_hash`; return our group, or None if we end alone.
 
@@ -212,7 +213,8 @@ class Matchmaker:
         tokens we processed) is passed on to every member in `Group.weights`. A group of one is
         no group: the result is then None with `last_outcome` ``"alone"``. `expected` names the
         peers known to be at this round with this θ (base58 ids): a group we lead closes as soon
-        as all of them have joined.
+        as all of them have joined. `speed` (tokens per second of compute) reaches every member
+        in `Group.speeds`, for dynamic local updates.
         """
         if not self._started:
             raise RuntimeError("Matchmaker.start() must be awaited before form_group()")
@@ -228,6 +230,7 @@ class Matchmaker:
             key=key, round=int(round), params_hash=params_hash, me=self.me, t=get_dht_time(),
             weight=float(weight), min_size=min_group_size, target=target_group_size,
             timeout=timeout, request_timeout=request_timeout, expected=frozenset(expected) - {self.me},
+            speed=float(speed) if valid_weight(speed) else 0.0,
         )
         session.lead()  # serve join requests from the start: they may arrive before our first read
         self._sessions[key] = session
@@ -339,7 +342,7 @@ class Matchmaker:
             )
             await _send_frame(writer, {
                 "v": PROTOCOL_VERSION, "key": session.key, "h": session.params_hash,
-                "t": session.t, "w": session.weight, "hb": rt / 3,
+                "t": session.t, "w": session.weight, "hb": rt / 3, "sp": session.speed,
             })
             while True:
                 remaining = session.deadline - get_dht_time()
@@ -419,6 +422,7 @@ class Matchmaker:
 
         token = next(self._tokens)
         epoch.members[follower] = (float(request["w"]), token)
+        epoch.speeds[follower] = float(request["sp"]) if valid_weight(request.get("sp")) else 0.0
         gone = asyncio.ensure_future(reader.read(1))  # EOF (or anything) = the follower left
         try:
             await _send_frame(writer, {"s": "wait"})

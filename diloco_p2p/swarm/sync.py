@@ -83,6 +83,10 @@ class SwarmSync:
         self.faults = faults or Faults()
         self.swarm_view, self.config_hash = swarm_view, view_hash(swarm_view)
         self.agreement: dict[str, bool] = {}
+        # Dynamic local updates: each member's tokens per second of compute in our last group
+        # (None: no group), measured from the end of `before_round` to `average`.
+        self.speeds: dict[str, float] | None = None
+        self._computing_since: float | None = None
         # The last round our θ came out of a group, directly or via a resync (`reference_records`).
         self.averaged_round: int | None = None
         self._adopted_averaged_round: int | None = None
@@ -155,6 +159,7 @@ class SwarmSync:
         target = resync_target(others, node.round, ours, self.averaged_round, quorum=self.cfg.resync_quorum,
                                max_round=self.max_round, on_reject=self.guard.reject)
         if target is None:
+            self._computing_since = time.perf_counter()  # the node trains now: its speed for DyLU
             return None
         log.warning("%s; downloading the swarm's state", target.reason)
         # What we serve is stale from now on: a joiner must not download it while we catch up.
@@ -197,6 +202,7 @@ class SwarmSync:
         try:
             group = self._interruptible(self._form_group(round, params_hash, weight),
                                         timeout=self.cfg.matchmaking_timeout + 30)
+            self.speeds = group.speeds if group is not None else None
             if group is None:
                 log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
                 return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement))
@@ -229,9 +235,12 @@ class SwarmSync:
             records = {}
         expected = [peer for peer, r in records.items()
                     if peer != self.peer_id and r.round == round - 1 and r.params_sha256 == params_hash]
+        computing = time.perf_counter() - self._computing_since if self._computing_since else 0.0
+        self._computing_since = None
         return await self.matchmaker.form_group(round, params_hash, weight, min_group_size=self.cfg.min_group_size,
                                                 target_group_size=self.cfg.target_group_size,
-                                                timeout=self.cfg.matchmaking_timeout, expected=expected)
+                                                timeout=self.cfg.matchmaking_timeout, expected=expected,
+                                                speed=weight / computing if computing > 0 else 0.0)
 
     def _keep(self, round: int, delta: torch.Tensor, weight: float, result: AllreduceResult) -> None:
         """Tests (``keep@average``): each round's Δ and the average, to recompute the mean."""

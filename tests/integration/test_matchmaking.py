@@ -439,7 +439,8 @@ def test_group_closes_once_the_expected_swarm_is_in_and_waits_for_a_quiet_peer(s
     async def form(mms: list[Matchmaker], round: int, expected: list[str]):
         t0 = time.perf_counter()
         groups = await asyncio.gather(*[
-            _form(m, round=round, target_group_size=8, timeout=timeout, expected=expected) for m in mms
+            _form(m, round=round, target_group_size=8, timeout=timeout, expected=expected, speed=100.0 * (i + 1))
+            for i, m in enumerate(mms)
         ])
         return groups, time.perf_counter() - t0
 
@@ -453,6 +454,8 @@ def test_group_closes_once_the_expected_swarm_is_in_and_waits_for_a_quiet_peer(s
     (quick, quick_s), (slow, slow_s), mms = swarm.loop.run(scenario(), timeout=30)
     _assert_same_group(quick, mms[:3])
     _assert_same_group(slow, mms[:3])
+    # every member learns every member's compute speed (dynamic local updates)
+    assert all(g.speeds == {m.me: 100.0 * (i + 1) for i, m in enumerate(mms[:3])} for g in quick + slow)
     assert quick_s < timeout / 2, f"everyone expected was in, yet formation took {quick_s:.2f}s"
     assert slow_s >= timeout * 0.9, f"a quiet expected peer was not waited for ({slow_s:.2f}s)"
     print(f"\n3 expected peers: {quick_s * 1000:.0f} ms; with a quiet 4th: {slow_s:.2f} s")

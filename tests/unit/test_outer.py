@@ -3,7 +3,7 @@ import torch
 
 from diloco_p2p.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from diloco_p2p.config import OuterConfig
-from diloco_p2p.outer import OuterOptimizer, flatten
+from diloco_p2p.outer import OuterOptimizer, dylu_steps, flatten
 
 
 def _workers(theta: torch.Tensor, n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -138,3 +138,13 @@ def test_delayed_nesterov_state_travels_with_theta():
     assert torch.equal(a.theta, b.theta) and a.params_sha256() == b.params_sha256()
     with pytest.raises(ValueError, match="dn_momentum_fraction"):
         OuterConfig(delayed_nesterov=4, dn_momentum_fraction=0.5)
+
+
+def test_dynamic_local_updates_match_the_worked_example():
+    """AsyncDiLoCo's DyLU rule, the review's worked example (MATH ENTRY 6): speeds 100, 80, 60, 50
+    steps/s and H=500 give 500, 400, 300, 250 steps."""
+    speeds = {"a": 100.0, "b": 80.0, "c": 60.0, "d": 50.0}
+    assert [dylu_steps(speeds, w, 500) for w in "abcd"] == [500, 400, 300, 250]
+    assert dylu_steps(speeds, "e", 500) == 500  # our speed unknown: H
+    assert dylu_steps({"a": 1000.0, "b": 1.0}, "b", 500) == 1  # never zero steps
+    assert dylu_steps({"a": 0.0, "b": 0.0}, "a", 30) == 30
