@@ -133,7 +133,8 @@ def start_dht(
 
     Create it before starting threads of your own (hivemind forks). Every DHT signs its entries
     with its identity and verifies those of others (`diloco_p2p.swarm.signing`); without an
-    identity file it gets a throwaway one (a client, a test), deleted once p2pd has read it. `record_validators` must be
+    identity file a DHT that stores gets a throwaway one (tests), deleted once p2pd has read it,
+    and a client (status, fetch) only verifies. `record_validators` must be
     given here, not added later: validators added to a running DHT are pickled to its process,
     and our schema models are built per run id, so they only travel by fork.
     Raises `UserError` for a malformed address, an unusable identity, a daemon that cannot
@@ -150,13 +151,15 @@ def start_dht(
     if announce:
         kwargs["announce_maddrs"] = announce
     throwaway = None
-    if identity_path is None:  # a fresh identity for this process only, so that it can sign too
+    if identity_path is None and not client_mode:  # a fresh identity for this process, so that it can sign
         throwaway = tempfile.TemporaryDirectory(prefix="diloco-identity-")
         identity_path = Path(throwaway.name) / "identity.key"
         P2P.generate_identity(str(identity_path))
-    kwargs["identity_path"] = str(load_or_create_identity(Path(identity_path)))
-    # Every DHT of ours signs its entries with its identity and verifies everyone's (`signing`).
-    validators = [signature_validator(kwargs["identity_path"]), *record_validators]
+    if identity_path is not None:
+        kwargs["identity_path"] = str(load_or_create_identity(Path(identity_path)))
+    # Every DHT of ours signs its entries with its identity and verifies everyone's (`signing`);
+    # a client without an identity stores nothing: it only verifies.
+    validators = [signature_validator(kwargs.get("identity_path")), *record_validators]
     try:
         return _start(initial, p2p_cfg.connect_timeout if initial else STARTUP_TIMEOUT, validators, kwargs,
                       identity_path)
