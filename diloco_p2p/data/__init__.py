@@ -74,6 +74,9 @@ def open_dataset(cfg: DataConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, 
     plain ``data.path`` into `cache_dir` while the others wait at `barrier`."""
     key = cfg.order_key or order_key
     if cfg.path is None:
+        if cfg.dataset_id is not None:
+            raise UserError(f"data.dataset_id is {cfg.dataset_id} (the run trains on a prepared corpus) but data.path "
+                            "is unset; point data.path at that corpus (see `diloco-p2p prepare`)")
         return build_dataset(cfg, tokenizer, seq_len, order_key)
     identity = tokenizer_identity(model_cfg, tokenizer)
     path = Path(cfg.path)

@@ -37,7 +37,9 @@ from diloco_p2p.model import Tokenizer
 
 STATE = "prepare-state.json"
 DEFAULT_SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 ids per shard
-_BATCH_BYTES = 1 << 20  # documents encoded together (a fast tokenizer spreads them over its threads)
+# Documents encoded together: a fast tokenizer spreads one batch's documents over its threads,
+# so a batch holds many documents' worth of text (and bounds the text held in memory).
+_BATCH_BYTES = 32 << 20
 
 
 @dataclass

@@ -195,9 +195,17 @@ def test_the_dataset_id_is_agreed_by_the_swarm_and_names_both_ids(corpus, tmp_pa
     assert ca.swarm_view()["data.dataset_id"] == a.id
     assert diff_swarm_fields(ca.swarm_view(), cb.swarm_view()) == [f"data.dataset_id: {a.id!r} != {b.id!r}"]
     assert "data.dataset_id" not in Config().swarm_view()  # a plain corpus: as before, older checkpoints resume
+    from diloco_p2p.swarm.resync import check_config
+    from tests.unit.dht_fixtures import PEERS, make
+
+    swarm = {p: make(p, cfg=cb) for p in PEERS[:2]}  # the swarm trains on b; we start with a
+    with pytest.raises(UserError, match=f"data.dataset_id: '{a.id}' != '{b.id}' \\(ours != swarm's\\)"):
+        check_config(swarm, ca.swarm_view(), ca.swarm_hash(), PEERS[6])
     pinned = DataConfig(path=str(tmp_path / "a"), dataset_id=b.id)
     with pytest.raises(UserError, match=f"holds dataset {a.id} but data.dataset_id is {b.id}"):
         open_dataset(pinned, ModelConfig(), BYTE, 16, "k", tmp_path / "cache")
+    with pytest.raises(UserError, match=f"data.dataset_id is {b.id} .* but data.path is unset"):
+        open_dataset(DataConfig(dataset_id=b.id), ModelConfig(), BYTE, 16, "k", tmp_path / "cache")
 
 
 def test_prepare_cli_prints_the_dataset_and_a_bad_input_exits_2(corpus, tmp_path, capsys):
