@@ -28,23 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.swarm_procs
 
-from diloco_p2p.config import load_config  # noqa: E402
-from diloco_p2p.model import build_model, build_tokenizer, count_parameters  # noqa: E402
+from model_sizes import parameters, size_overrides  # noqa: E402
 from tests.swarm_procs import Swarm, wait_until  # noqa: E402
-
-
-def size_overrides(size: str) -> list[str]:
-    if size == "tiny":
-        return []
-    hidden, layers = (int(x) for x in size.split("x"))
-    return [f"model.hidden_size={hidden}", f"model.intermediate_size={3 * hidden}",
-            f"model.num_hidden_layers={layers}", f"model.num_attention_heads={hidden // 64}",
-            f"model.num_key_value_heads={hidden // 64}"]
-
-
-def parameters(overrides: list[str]) -> int:
-    cfg = load_config(None, overrides).model
-    return count_parameters(build_model(cfg, build_tokenizer(cfg).vocab_size, 0))
 
 
 def measure(size: str, join_at: int, extra: list[str], root: Path) -> dict:

@@ -185,6 +185,9 @@ class SyncConfig(_Section):
     allreduce_timeout: float = Field(
         60.0, gt=0, description="Seconds the all-reduce may take; peers silent past it are left out."
     )
+    link_mbit: float | None = Field(
+        None, gt=0, description="This node's uplink in Mbit/s, if known: each round record then carries `wire_ratio`, the all-reduce's seconds over the time its bytes take at this rate (1.0 = line rate). Unset: no ratio."
+    )
     state_timeout: float = Field(
         3600.0, gt=0, description="Seconds a resync or join may spend downloading the swarm's state (θ and momentum: 8 bytes per parameter); a donor silent for 10 s is left for the next one well before this."
     )

@@ -85,6 +85,7 @@ class RoundOutcome:
     state_seconds: float | None = None
     donor: str | None = None
     rejections: dict[str, list[str]] | None = None  # peer -> why it was refused this round (`REJECTION_REASONS`)
+    wire_ratio: float | None = None  # all-reduce seconds / wire time of bytes_sent at sync.link_mbit (1.0 = line rate)
 
 
 @dataclass
@@ -128,6 +129,10 @@ class RoundRecord:
     state_seconds: float | None = None
     donor: str | None = None
     rejections: dict[str, list[str]] | None = None
+    wire_ratio: float | None = None
+    compute_seconds: float | None = None  # inner steps of the round (the work a volunteer's GPU does)
+    exposed_seconds: float | None = None  # the loop stood still for the swarm: matchmaking + all-reduce
+    utilization: float | None = None  # compute_seconds / seconds
     dropped_round: int | None = None  # a resync: the round of our own θ that was given up
     resyncs: int | None = None
     joined_at_round: int | None = None

@@ -157,6 +157,14 @@ class NodeMetrics:
                                       registry=r)
         self.allreduce_received = Counter("diloco_allreduce_received_bytes",
                                           "Bytes this node received in all-reduces.", registry=r)
+        self.exposed_seconds = Gauge("diloco_exposed_sync_seconds",
+                                     "Seconds the last round's training stood still for the swarm (matchmaking + "
+                                     "all-reduce).", registry=r)
+        self.utilization = Gauge("diloco_compute_utilization_ratio",
+                                 "Inner-step seconds over round seconds, last round.", registry=r)
+        self.wire_ratio = Gauge("diloco_allreduce_wire_time_ratio",
+                                "Last all-reduce's seconds over the wire time of its bytes at sync.link_mbit "
+                                "(1.0 = line rate; NaN without sync.link_mbit).", registry=r)
         self.state_bytes = Counter("diloco_state_download_bytes",
                                    "Bytes of swarm state (parameters, momentum) downloaded from donors.", registry=r)
         self.state_seconds = Histogram("diloco_state_download_seconds", "Time of one state download.",
@@ -179,7 +187,7 @@ class NodeMetrics:
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)
         for g in (self.train_loss, self.round_train_loss, self.eval_loss, self.params_agree, self.config_agree,
-                  self.dht_peers):
+                  self.dht_peers, self.exposed_seconds, self.utilization, self.wire_ratio):
             g.set(NAN)
         self._warned: set[str] = set()
 
@@ -213,6 +221,10 @@ class NodeMetrics:
             self.allreduce_sent.inc(v)
         if (v := _number(get("bytes_received"))) is not None:
             self.allreduce_received.inc(v)
+        for key, gauge in (("exposed_seconds", self.exposed_seconds), ("utilization", self.utilization),
+                           ("wire_ratio", self.wire_ratio)):
+            if (v := _number(get(key))) is not None:
+                gauge.set(v)
         if (v := _number(get("tokens_per_s"))) is not None:
             self.tokens_per_second.set(v)
         if (v := _number(get("train_loss"))) is not None:

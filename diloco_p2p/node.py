@@ -131,15 +131,19 @@ class Node:
             if self._stopping():
                 break  # abandon the partial round: nothing of it reaches θ or the swarm
 
+            compute = time.perf_counter() - start
             delta = self.outer.pseudo_gradient(self.layout.local_views())  # Δ = θ − θ_local
+            synced = time.perf_counter()
             outcome = self.sync.average(self.round + 1, delta, float(round_tokens), self.params_sha256())
+            exposed = time.perf_counter() - synced  # communication not hidden behind compute
             if self._stopping():
                 break  # the group carries on without us; our partial round is dropped
             if outcome.average is not None:
                 self.outer.step(outcome.average)  # outer Nesterov step, identical on every group member
             self.round += 1
             self.tokens += round_tokens
-            records.append(self._commit(self._record(outcome, start, losses, round_tokens)))
+            records.append(self._commit(self._record(outcome, start, losses, round_tokens, compute_seconds=compute,
+                                                     exposed_seconds=exposed)))
 
         self.outer.copy_into(self.layout.local_views())
         if self._stopping():
@@ -204,7 +208,9 @@ class Node:
             outcome, round=self.round, step=self.step, tokens=self.tokens, params_sha256=self.params_sha256(),
             train_loss=sum(losses) / len(losses) if losses else None, eval_loss=eval_loss,
             tokens_per_s=tokens / seconds if seconds > 0 else 0.0, seconds=seconds,
-            compression=cfg.sync.compression, lr=self.trainer.lr, **node,
+            compression=cfg.sync.compression, lr=self.trainer.lr,
+            utilization=node["compute_seconds"] / seconds if "compute_seconds" in node and seconds > 0 else None,
+            **node,
         )
 
     def _commit(self, record: RoundRecord) -> RoundRecord:

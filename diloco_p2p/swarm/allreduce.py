@@ -12,24 +12,39 @@ We keep hivemind's transport (p2pd streams, NAT traversal, peer ids) and write o
 One all-reduce (a group: ordered list of k peers, the same on every member, and a group_id
 unique to this all-reduce):
 
-1. The flat fp32 vector is split into k contiguous near-equal parts; member j reduces part j.
+1. The flat fp32 vector is split into k contiguous near-equal parts (`wire.partition`, a pure
+   function of n and k); member j reduces part j. Each part streams in chunks of
+   `chunk_elements` values (one frame each).
 2. Scatter: every member streams its part j, compressed (`wire`), with its weight (tokens) to
    member j. The reducer's own part goes through the same encode/decode, so every contribution
    has the same precision.
-3. Reduce: at the scatter deadline (or when all k contributions are in) the reducer sums
-   weight·value in fp32 in member-index order (deterministic) over the accepted contributions
-   and divides by their total weight. Checked at the boundary: sizes ("shape"), compression, group
-   view ("group": digest of the ordered member list), finite values after decoding ("nan"), weight
-   finite and > 0 ("weight"), late or missing ("timeout"). Each scatter header also says whether
-   the sender's *whole* vector is finite, so a peer whose Δ holds a NaN anywhere is dropped by
-   every reducer, not only by the one whose part holds it. A member whose messages contradict our
-   view (another size, format or member list) is excluded: not waited for, its mask ignored.
-   The weight bound is ``weight <= max_weight_ratio * lower_median(weights offered
-   for this part)`` rather than "times the reducer's own weight": with the own-weight rule a
-   reducer that itself claims an absurd weight would accept its own contribution for its part;
-   the lower median (own weight included) rejects an inflated weight on every reducer alike.
-4. Gather: the reducer encodes its averaged part once and sends those bytes to every member.
-   Members validate size and finiteness and write the decoded values into their result.
+3. Reduce, pipelined. The reducer fixes the part's contributors once the scatter header of every
+   live member is in (or at the scatter deadline): weights checked, late ones "timeout". Then,
+   for chunk i = 0, 1, ..., as soon as chunk i of every contributor has arrived it sums
+   weight·value in fp32 in member-index order, divides by the total weight, encodes the result
+   once and queues those bytes on its gather streams (step 4): the gather of chunk i leaves
+   while chunk i+1 is still being scattered, so the link does not idle between the phases.
+   Checked at the boundary: sizes ("shape"), compression, group view ("group": digest of the
+   ordered member list), finite values after decoding ("nan"), weight finite and > 0
+   ("weight"), late or missing ("timeout"). Each scatter header also says whether the sender's
+   *whole* vector is finite, so a peer whose Δ holds a NaN anywhere is dropped by every reducer,
+   not only by the one whose part holds it. A member whose messages contradict our view (another
+   size, format or member list) is excluded: not waited for, its mask ignored. The weight bound
+   is ``weight <= max_weight_ratio * lower_median(weights offered for this part)`` rather than
+   "times the reducer's own weight": with the own-weight rule a reducer that itself claims an
+   absurd weight would accept its own contribution for its part; the lower median (own weight
+   included) rejects an inflated weight on every reducer alike.
+   A contributor that breaks off mid-part (its stream dies, a chunk decodes to NaN although its
+   header said finite, it stalls past the scatter deadline) cannot be taken out of chunks
+   already sent. So the streamed gather ends with a *void* trailer, and the reducer reduces the
+   part again, whole, over the complete contributions only (`wire.reduce_part`: the same
+   per-chunk arithmetic, so the same bits for the same contributors) and sends that as a second,
+   unstreamed gather message. A part is therefore always the reduce of *complete* per-sender
+   contributions, in a deterministic order; faults cost a resend, never a mixed part.
+4. Gather: each gather message is a header (contributors, rejected, ``stream``), the encoded
+   chunks of the average, and for a streamed message a one-byte trailer (ok or void). Members
+   validate size and finiteness, write the decoded values into their result as they land, and
+   count the part as held only after an ok trailer (or a complete unstreamed message).
 5. Agreement: every member sends every other member the bitmask of parts it holds and waits
    (bounded) for theirs. Committed parts = AND of the masks heard (a dead member is not heard).
    A member that hears no other member's mask returns "failed" (zeros): it agreed with nobody.
@@ -48,8 +63,33 @@ heard from in this all-reduce is not waited for in the gather and mask steps. Ne
 faults never raise out of `allreduce()`: they end up in the result (`rejected`, `status`).
 
 Cost per member: it sends (k-1) parts in the scatter and its averaged part to k-1 members in
-the gather, 2(k-1)/k · n · bytes/element, the all-reduce lower bound, plus ~200-byte headers and
-k-1 masks; int8 adds a 4-byte scale per 1024 elements.
+the gather, 2(k-1)/k · n · bytes/element, the all-reduce lower bound, plus ~200-byte headers,
+8-byte frame prefixes per chunk and k-1 masks; int8 adds a 4-byte scale per 1024 elements. Time:
+with the gather pipelined behind the scatter, one all-reduce takes about the wire time of those
+bytes plus one chunk and a few round trips (`benchmarks/allreduce_wan.py` measures it on shaped
+links); stream setup is one libp2p stream per message over the connection p2pd keeps open
+between the peers (no TCP or TLS handshake per round).
+
+Where later schemes plug in (keep these properties when changing this module):
+
+- Robust aggregation and per-part contribution checks (a reducer that clips, trims or rejects a
+  contribution by its norm relative to the others) replace ``wire.reduce_chunk`` /
+  ``wire.reduce_part`` for a part: both are pure functions of the complete, ordered per-sender
+  contributions of that part. A coordinatewise rule (trimmed mean) works chunk by chunk as is.
+  A rule that needs a whole-part statistic (norms for clipping, centered clipping) gets it
+  before the first chunk is reduced from a per-part norm each sender puts in its scatter header;
+  the reducer checks the claimed norm against the chunks as they land and, on a lie, voids the
+  streamed part and falls back to the whole-part reduce without that sender (step 3), so the
+  committed bytes stay a deterministic function of complete contributions.
+- Reducer checks (members comparing digests of the gathered bytes before committing) fit in
+  step 5: a digest per part rides in the mask message; a part whose digests differ is dropped
+  from every member's mask alike.
+- A hierarchical (2-D grid) all-reduce runs this protocol twice over sub-groups (rows, then
+  columns over the row results) with the same deterministic partition and commit rule; each
+  level's ``AllreduceResult`` says which parts committed, and a part lost at either level is
+  zero on every member alike.
+
+
 
 Each message is one libp2p stream: header frame (JSON) -> receiver answers GO/NO_GO once its
 session for that group_id has started -> payload frames -> receiver answers GO (accepted) or NO_GO.
@@ -59,7 +99,9 @@ in the sender's buffers, not our memory) up to `buffer_ttl` for the local `allre
 Fault-injection hooks (tests and the node's `--fault` plans): `allreduce(..., on_phase=hook)` calls
 ``hook(phase)`` (awaited if it returns an awaitable) at "scattered" (after our scatter sends have
 finished or failed, bounded by the scatter deadline, so a member killed there has delivered its
-contributions), "reduced" (before our gather goes out) and "gathered" (before the masks);
+contributions; our own part may be streaming out meanwhile), "reduced" (once our part's
+contributors are fixed, before its first gathered chunk goes out; it may come before
+"scattered") and "gathered" (before the masks);
 `on_scattered=fn` is a plain callable for the first point alone. An exception raised by a hook
 propagates out of `allreduce()` (pending sends are cancelled): that is how a test makes a member
 die mid-protocol in-process; a hook may also SIGKILL/SIGSTOP its own process.
@@ -72,7 +114,7 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import suppress
 from typing import Any
 
@@ -89,6 +131,7 @@ GO, NO_GO = b"\x01", b"\x00"
 _LINGER_TIMEOUT = 5.0  # how long a receiver keeps a stream open after its last byte, for the sender to close it
 
 PhaseHook = Callable[[str], object]  # may return an awaitable
+Frames = Iterable[bytes] | AsyncIterator[bytes]
 
 
 class _PeerGone(Exception):
@@ -119,6 +162,9 @@ class AllreduceService:
         self._background: set[asyncio.Task] = set()  # sends
         self._handlers: set[asyncio.Task] = set()  # incoming streams being served
         self._running = False
+        # Whether to serve a peer's stream (its id proven by p2pd): a closed run admits its members
+        # only (`diloco_p2p.swarm.admission`); None serves everyone.
+        self.admit: Callable[[str, str], Awaitable[bool]] | None = None
 
     async def start(self) -> None:
         key = (id(self.p2p), self.handler_name)
@@ -185,35 +231,36 @@ class AllreduceService:
         me, n = names.index(own), tensor.numel()
         s.start(list(peers), me, n, compression, self.chunk_elements, loop.time(), timeout)
         tensor = tensor.detach()
+        tasks: list[asyncio.Task] = []
         scatter_tasks: list[asyncio.Task] = []
-        later_tasks: list[asyncio.Task] = []
         clean = False
         try:
-            scatter_tasks = self._scatter(s, tensor, float(weight))
+            tasks += self._scatter(s, tensor, float(weight))
+            scatter_tasks = list(tasks)
+            reducer = self._spawn(self._pipeline(s, max_weight_ratio, on_phase, started, tasks))
+            tasks.append(reducer)
             if on_phase is not None or on_scattered is not None:
                 await asyncio.wait(scatter_tasks, timeout=max(s.d_scatter - loop.time(), 0.0))
                 await _phase(on_phase, "scattered")
                 if on_scattered is not None:
                     on_scattered()
-            await self._wait(s, lambda: s.pending(s.contribs.keys() | s.rejected.keys(), False), s.d_scatter)
-
-            header, frames = await self._reduce(s, max_weight_ratio)
-            await _phase(on_phase, "reduced")
-            later_tasks += [self._spawn(self._send(s, j, header, frames or [], s.d_end)) for j in s.others]
+            await reducer  # our part reduced, its gather sent or on its way (a hook's exception surfaces here)
+            s.mark("reduced", started)
             await self._wait(s, lambda: s.pending(s.gathered, only_heard=True), s.d_gather)
+            s.mark("gathered", started)
             await _phase(on_phase, "gathered")
 
             s.mask_fixed = True
             s.masks[s.me] = [int(p in s.gathered and not s.gathered[p]["empty"]) for p in range(s.k)]
             mask = s.header("mask", mask=s.masks[s.me])
-            later_tasks += [self._spawn(self._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone]
+            tasks += [self._spawn(self._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone]
             await self._wait(s, lambda: s.pending(s.masks, only_heard=True), s.d_end)
             result = conclude(s, time.perf_counter() - started)
             clean = True
             return result
         finally:
             s.finish(loop.time())
-            for task in scatter_tasks + ([] if clean else later_tasks):
+            for task in scatter_tasks if clean else tasks:
                 task.cancel()  # gather/mask sends of a clean run finish in the background by d_end
 
     def _scatter(self, s: Session, tensor: torch.Tensor, weight: float) -> list[asyncio.Task]:
@@ -237,7 +284,94 @@ class AllreduceService:
             s.rejected[s.me] = reason
         else:
             s.contribs[s.me] = (weight, own)
+            s.complete.add(s.me)
         return tasks
+
+    async def _pipeline(
+        self, s: Session, max_ratio: float, on_phase: PhaseHook | None, started: float, tasks: list[asyncio.Task]
+    ) -> None:
+        """Reduce our part chunk by chunk as the contributions stream in; each reduced chunk is
+        queued (`s.out`) for the gather streams at once. The contributors are fixed first, from the
+        scatter headers; if one of them then fails mid-part, the streamed gather ends void and the
+        part is reduced again, whole, over the complete contributions (`s.fallback`)."""
+        await self._wait(s, lambda: s.pending(s.contribs.keys() | s.rejected.keys(), False), s.d_scatter)
+        s.reduced = True  # from here on, scatter headers are late
+        s.mark("scattered", started)
+        for j in range(s.k):
+            if j not in s.contribs and j not in s.rejected:
+                s.rejected[j] = "timeout"
+        candidates, heavy = wire.accept_weights({j: w for j, (w, _) in s.contribs.items()}, max_ratio)
+        s.rejected.update({j: "weight" for j in heavy})
+        await _phase(on_phase, "reduced")
+        lo, hi = s.bounds[s.me]
+        fields = {"part": s.me, "n": s.n, "numel": hi - lo, "chunk": s.chunk, "comp": s.compression}
+        s.gather_header = s.header(
+            "gather", **fields, empty=not candidates, stream=True, contributors=candidates,
+            rejected={str(j): r for j, r in sorted(s.rejected.items())},
+        )
+        tasks += [self._spawn(self._gather_to(s, j)) for j in s.others]
+        ok = bool(candidates)
+        for c, (a, b) in enumerate(wire.chunk_ranges(hi - lo, s.chunk)):
+            if not ok:
+                break
+
+            def missing(c=c) -> list[int]:
+                return [j for j in candidates if len(s.contribs[j][1]) <= c and j not in s.failed]
+
+            await self._wait(s, lambda: [j for j in missing() if j not in s.gone], s.d_scatter)
+            s.failed.update({j: "timeout" for j in missing()})
+            out = None if any(j in s.failed for j in candidates) else wire.reduce_chunk(
+                [(s.contribs[j][0], s.contribs[j][1][c]) for j in candidates], b - a, s.compression
+            )
+            if out is None or s.result is None:
+                ok = False
+                break
+            s.out.append(out[0])
+            s.result[lo + a : lo + b] = out[1]
+            await s.notify()
+        if ok:
+            s.gathered[s.me] = s.gather_header
+        else:  # reduce again over the complete contributions, without those that failed
+            s.rejected.update(s.failed)
+            await self._wait(s, lambda: [j for j in s.contribs if j not in s.complete | s.failed.keys()
+                                         and j not in s.gone], s.d_scatter)
+            complete = {j: c for j, c in s.contribs.items() if j in s.complete and j not in s.rejected}
+            accepted, heavy, frames, values = await asyncio.to_thread(
+                wire.reduce_part, complete, max_ratio, hi - lo, s.chunk, s.compression
+            )
+            s.rejected.update({j: "weight" for j in heavy})
+            if values is not None and s.result is not None:
+                s.result[lo:hi] = values
+            rejected = {str(j): r for j, r in sorted(s.rejected.items())}
+            header = s.header(
+                "gather", **fields, empty=frames is None, stream=False, contributors=accepted, rejected=rejected
+            )
+            s.fallback = (header, frames or [])
+            s.gathered[s.me] = header
+            log.debug("allreduce %s: part %d reduced again without %s", s.group_id, s.me, sorted(s.failed))
+        s.out_final = wire.TRAILER_OK if ok else wire.TRAILER_VOID
+        await s.notify()
+
+    async def _streamed_part(self, s: Session) -> AsyncIterator[bytes]:
+        """Our reduced chunks as the pipeline produces them, then the trailer (ok or void)."""
+        i = 0
+        while True:
+            await s.wait_until(lambda i=i: len(s.out) > i or s.out_final is not None, s.d_gather)
+            if len(s.out) > i:
+                i += 1
+                yield s.out[i - 1]
+            elif s.out_final is not None:
+                yield s.out_final
+                return
+            else:
+                raise TimeoutError("our part was not reduced in time")
+
+    async def _gather_to(self, s: Session, j: int) -> None:
+        """Send member j our part: streamed as it is reduced, then, if that ended void, reduced again."""
+        if s.gather_header is not None:
+            await self._send(s, j, s.gather_header, self._streamed_part(s), s.d_end)
+        if s.fallback is not None:
+            await self._send(s, j, *s.fallback, s.d_end)
 
     async def _wait(self, s: Session, pending: Callable[[], list[int]], deadline: float) -> None:
         """Wait until nobody is `pending()` or `deadline`. Every `probe_interval` the silent members
@@ -253,25 +387,6 @@ class AllreduceService:
                 )
                 self._spawn(ping).add_done_callback(lambda _, j=j: s.probing.discard(j))
 
-    async def _reduce(self, s: Session, max_ratio: float) -> tuple[dict[str, Any], list[bytes] | None]:
-        s.reduced = True  # from here on, contributions still in flight are late
-        snapshot = dict(s.contribs)
-        for j in range(s.k):
-            if j not in snapshot and j not in s.rejected:
-                s.rejected[j] = "timeout"
-        lo, hi = s.bounds[s.me]
-        accepted, heavy, frames, values = await asyncio.to_thread(
-            wire.reduce_part, snapshot, max_ratio, hi - lo, s.chunk, s.compression
-        )
-        s.rejected.update({j: "weight" for j in heavy})
-        if values is not None and s.result is not None:
-            s.result[lo:hi] = values
-        fields = {"part": s.me, "n": s.n, "numel": hi - lo, "chunk": s.chunk, "comp": s.compression}
-        rejected = {str(j): r for j, r in sorted(s.rejected.items())}
-        header = s.header("gather", **fields, empty=frames is None, contributors=accepted, rejected=rejected)
-        s.gathered[s.me] = header
-        return header, frames
-
     # ------------------------------------------------------------------------- sending
 
     def _spawn(self, coro: Awaitable[bool]) -> asyncio.Task:
@@ -280,9 +395,7 @@ class AllreduceService:
         task.add_done_callback(self._background.discard)
         return task
 
-    async def _send(
-        self, s: Session, j: int, header: dict, frames: Iterable[bytes], deadline: float
-    ) -> bool:
+    async def _send(self, s: Session, j: int, header: dict, frames: Frames, deadline: float) -> bool:
         """Deliver one message to member j before `deadline`; True iff the receiver accepted it."""
         try:
             async with asyncio.timeout_at(deadline):
@@ -295,7 +408,7 @@ class AllreduceService:
             log.debug("allreduce %s: %s to %s failed: %r", s.group_id, header["kind"], s.names[j], e)
         return False
 
-    async def _send_stream(self, s: Session, j: int, header: dict, frames: Iterable[bytes]) -> bool:
+    async def _send_stream(self, s: Session, j: int, header: dict, frames: Frames) -> bool:
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(s.peer_ids[j], self.handler_name)
         except NETWORK_ERRORS as e:
@@ -309,7 +422,7 @@ class AllreduceService:
                 raise _PeerGone() from e
             if go != GO:
                 return False
-            for data in frames:
+            async for data in _frames(frames):
                 s.bytes_sent += streams.write_frame(writer, data)
                 await writer.drain()
             return await reader.readexactly(1) == GO
@@ -339,6 +452,8 @@ class AllreduceService:
         if task is not None:
             self._handlers.add(task)
         try:
+            if self.admit is not None and not await self.admit(info.peer_id.to_base58(), "all-reduce"):
+                return
             await self._serve(info.peer_id.to_base58(), reader, writer)
             await streams.linger(reader, _LINGER_TIMEOUT)  # until the sender has read our last byte
         except (*NETWORK_ERRORS, TimeoutError, wire.WireError) as e:
@@ -405,14 +520,20 @@ class AllreduceService:
             writer.write(NO_GO)
             return False
         writer.write(GO)
-        frames, reason = await self._read_payload(s, h, reader, lambda a, b, values: None)
-        if s.reduced or s.finished:  # arrived after we reduced: the reduce recorded a timeout
-            return False
+        frames: list[bytes] = []
+        s.contribs[j] = (float(h["weight"]), frames)  # the pipeline reduces chunks as they land here
+        try:
+            reason = await self._read_payload(s, h, reader, lambda a, b, values, data: frames.append(data))
+        except BaseException:
+            s.failed.setdefault(j, "timeout")
+            raise
+        finally:
+            await s.notify()
         if reason is not None:
-            s.rejected[j] = reason
+            s.failed.setdefault(j, reason)
             return False
-        s.contribs[j] = (float(h["weight"]), frames)
-        return True
+        s.complete.add(j)
+        return not s.finished
 
     async def _recv_gather(self, s: Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
         lo, hi = s.bounds[j]
@@ -432,11 +553,15 @@ class AllreduceService:
         writer.write(GO)
         if not h["empty"]:
 
-            def store(a: int, b: int, values: torch.Tensor) -> None:
+            def store(a: int, b: int, values: torch.Tensor, data: bytes) -> None:
                 if not s.mask_fixed and s.result is not None:  # no await between this check and the write
                     s.result[lo + a : lo + b] = values
 
-            _, reason = await self._read_payload(s, h, reader, store)
+            reason = await self._read_payload(s, h, reader, store)
+            if reason is None and h["stream"]:  # a streamed part counts only if its reducer says so at the end
+                trailer = await streams.read_frame(reader, 1)
+                s.bytes_received += streams.LENGTH_PREFIX + len(trailer)
+                reason = None if trailer == wire.TRAILER_OK else "void"
             if reason is not None or s.mask_fixed or s.finished:
                 return False
         s.gathered[j] = h
@@ -451,23 +576,30 @@ class AllreduceService:
             s.masks[j] = h["mask"]
         return accepted
 
-    async def _read_payload(
-        self, s: Session, h: dict, reader, store: Callable
-    ) -> tuple[list[bytes], str | None]:
-        """Read, decode and check the chunks announced by `h`; (frames, None) or (partial, reason)."""
-        frames: list[bytes] = []
+    async def _read_payload(self, s: Session, h: dict, reader, store: Callable) -> str | None:
+        """Read, decode and check the chunks announced by `h`, handing each to
+        ``store(a, b, values, data)`` as it lands; None, or the reason it stopped."""
         for a, b in wire.chunk_ranges(h["numel"], h["chunk"]):
             data = await streams.read_frame(reader, wire.encoded_size(b - a, h["comp"]))
             s.bytes_received += streams.LENGTH_PREFIX + len(data)
             try:
                 values = wire.decode(data, b - a, h["comp"])
             except wire.WireError:
-                return frames, "shape"
+                return "shape"
             if not wire.is_finite(values):
-                return frames, "nan"
-            store(a, b, values)
-            frames.append(data)
-        return frames, None
+                return "nan"
+            store(a, b, values, data)
+            await s.notify()
+        return None
+
+
+async def _frames(frames: Frames) -> AsyncIterator[bytes]:
+    if isinstance(frames, AsyncIterator):
+        async for data in frames:
+            yield data
+    else:
+        for data in frames:
+            yield data
 
 
 def _encoded_chunks(part: torch.Tensor, chunk: int, compression: str) -> Iterable[bytes]:

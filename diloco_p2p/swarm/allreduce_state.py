@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class AllreduceResult:
     seconds: float
     part_contributors: dict[int, list[str]] = field(default_factory=dict)  # committed part -> contributors
     agreed_with: list[str] = field(default_factory=list)  # members whose masks entered the intersection
+    phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds since the start, when it ended
 
 
 class Session:
@@ -65,7 +67,13 @@ class Session:
             t0 + T,
         )
         self.result: torch.Tensor | None = torch.zeros(n, dtype=torch.float32)
-        self.contribs: dict[int, tuple[float, list[bytes]]] = {}
+        self.contribs: dict[int, tuple[float, list[bytes]]] = {}  # accepted scatter header -> chunks so far
+        self.complete: set[int] = set()  # contributions whose every chunk arrived and checked out
+        self.failed: dict[int, str] = {}  # accepted contributions that broke off mid-part (reason)
+        self.gather_header: dict[str, Any] | None = None  # our streamed gather, once contributors are fixed
+        self.out: list[bytes] = []  # our reduced chunks, in order, as the pipeline produces them
+        self.out_final: bytes | None = None  # the streamed gather's trailer (ok/void), when it is decided
+        self.fallback: tuple[dict[str, Any], list[bytes]] | None = None  # our part reduced again, whole
         self.rejected: dict[int, str] = {}  # reasons for contributions to *our* part
         self.gathered: dict[int, dict[str, Any]] = {}  # part -> its (validated, complete) gather header
         self.masks: dict[int, list[int]] = {}
@@ -75,7 +83,11 @@ class Session:
         self.excluded: set[int] = set()  # sent us a message that contradicts our view (sizes, group, format)
         self.reduced = self.mask_fixed = False
         self.bytes_sent = self.bytes_received = 0
+        self.phases: dict[str, float] = {}
         self.started.set()
+
+    def mark(self, phase: str, started: float) -> None:
+        self.phases[phase] = time.perf_counter() - started
 
     def header(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"kind": kind, "group": self.group_id, "digest": self.digest, **fields}
@@ -135,4 +147,5 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
         seconds=seconds,
         part_contributors=part_contributors,
         agreed_with=[s.names[j] for j in agreed],
+        phases=dict(s.phases),
     )

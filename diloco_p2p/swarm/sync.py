@@ -221,7 +221,10 @@ class SwarmSync:
         return self._seen(round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement))
 
     def _seen(self, outcome: RoundOutcome) -> RoundOutcome:
-        """The round's refusals of peers go into its record (`diloco_p2p.swarm.guard`)."""
+        """The round's refusals of peers go into its record (`diloco_p2p.swarm.guard`), and the
+        all-reduce's wire-time ratio when the operator declared the link (`sync.link_mbit`)."""
+        if self.cfg.link_mbit and outcome.bytes_sent and outcome.allreduce_seconds > 0:
+            outcome.wire_ratio = outcome.allreduce_seconds / (outcome.bytes_sent * 8 / (self.cfg.link_mbit * 1e6))
         outcome.rejections = self.guard.drain()
         return outcome
 

@@ -38,10 +38,11 @@ from diloco_p2p.swarm.streams import WireError, dump_json, load_json
 
 COMPRESSIONS = ("fp32", "fp16", "int8")
 INT8_BLOCK = 1024
-DEFAULT_CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32, 2 MiB of fp16, ~1 MiB of int8 per frame
+DEFAULT_CHUNK_ELEMENTS = 1 << 16  # 256 KiB of fp32, 128 KiB of fp16, ~64 KiB of int8 per frame: the pipeline's step
 MAX_CHUNK_ELEMENTS = 1 << 24
 MAX_HEADER_BYTES = 1 << 16
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: pipelined gather (stream flag, trailer frame)
+TRAILER_OK, TRAILER_VOID = b"\x01", b"\x00"  # the last frame of a streamed gather
 REJECT_REASONS = ("nan", "shape", "weight", "timeout", "compression", "group")
 KINDS = ("scatter", "gather", "mask", "ping")
 
@@ -219,9 +220,12 @@ def parse_header(raw: bytes) -> dict[str, Any]:
         return h
     contributors, rejected = h.get("contributors"), h.get("rejected")
     if not (
-        isinstance(h.get("empty"), bool) and isinstance(contributors, list) and isinstance(rejected, dict)
+        isinstance(h.get("empty"), bool)
+        and isinstance(h.get("stream"), bool)
+        and isinstance(contributors, list)
+        and isinstance(rejected, dict)
     ):
-        raise WireError("gather header needs empty, contributors, rejected")
+        raise WireError("gather header needs empty, stream, contributors, rejected")
     if not all(_is_int(c) and c >= 0 for c in contributors):
         raise WireError("contributors must be member indices")
     if not all(isinstance(p, str) and p.isdigit() and r in REJECT_REASONS for p, r in rejected.items()):
@@ -232,31 +236,52 @@ def parse_header(raw: bytes) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- reduction
 
 
+def accept_weights(weights: dict[int, float], max_ratio: float) -> tuple[list[int], list[int]]:
+    """(accepted, rejected for weight) members, each sorted: a weight above `max_ratio` times the
+    lower median of the weights offered for the part is refused (see allreduce's module docstring)."""
+    if not weights:
+        return [], []
+    reference = lower_median(list(weights.values()))
+    accepted = [j for j in sorted(weights) if weight_problem(weights[j], reference, max_ratio) is None]
+    return accepted, [j for j in sorted(weights) if j not in accepted]
+
+
+def reduce_chunk(
+    contribs: Sequence[tuple[float, bytes]], numel: int, compression: str
+) -> tuple[bytes, torch.Tensor] | None:
+    """Weighted mean of one chunk: (weight, encoded chunk) in member-index order -> (encoded mean,
+    its decoded values), or None when the mean is not finite (overflow of the sum or of fp16).
+
+    Pure and deterministic: sums weight·value in fp32 in the given order and divides by the total
+    weight, elementwise, so reducing a part chunk by chunk gives exactly the values of reducing it
+    whole. The decoded values are what every member (the reducer included) uses.
+    """
+    acc, total = torch.zeros(numel, dtype=torch.float32), 0.0
+    for weight, data in contribs:
+        total += weight
+        acc.add_(decode(data, numel, compression), alpha=weight)
+    acc.div_(total)
+    encoded = encode(acc, compression)
+    values = decode(encoded, numel, compression)
+    return (encoded, values) if is_finite(values) else None
+
+
 def reduce_part(
     contribs: dict[int, tuple[float, list[bytes]]], max_ratio: float, numel: int, chunk: int, compression: str
 ) -> tuple[list[int], list[int], list[bytes] | None, torch.Tensor | None]:
-    """Weighted mean of validated contributions (member index -> (weight, encoded chunks)).
+    """Weighted mean of complete, validated contributions (member index -> (weight, encoded chunks)).
 
     Returns (accepted, rejected_for_weight, encoded average chunks, decoded average); the last two
-    are None when nothing usable remains. Pure and deterministic: sums in member-index order.
+    are None when nothing usable remains. `reduce_chunk` over each chunk, in member-index order.
     """
-    if not contribs:
-        return [], [], None, None
-    reference = lower_median([w for w, _ in contribs.values()])
-    accepted = [j for j in sorted(contribs) if weight_problem(contribs[j][0], reference, max_ratio) is None]
-    heavy = [j for j in sorted(contribs) if j not in accepted]
-    ranges = chunk_ranges(numel, chunk)
-    acc, total = torch.zeros(numel, dtype=torch.float32), 0.0
-    for j in accepted:
-        weight, frames = contribs[j]
-        total += weight
-        for (a, b), data in zip(ranges, frames, strict=True):
-            acc[a:b].add_(decode(data, b - a, compression), alpha=weight)
-    acc.div_(total)
-    encoded = [encode(acc[a:b], compression) for a, b in ranges]
-    values = torch.zeros(numel, dtype=torch.float32)
-    for (a, b), data in zip(ranges, encoded, strict=True):
-        values[a:b] = decode(data, b - a, compression)
-    if not is_finite(values):  # overflow of the sum or of fp16: this part carries no update
+    accepted, heavy = accept_weights({j: w for j, (w, _) in contribs.items()}, max_ratio)
+    if not accepted:
         return [], heavy, None, None
+    encoded, values = [], torch.zeros(numel, dtype=torch.float32)
+    for c, (a, b) in enumerate(chunk_ranges(numel, chunk)):
+        out = reduce_chunk([(contribs[j][0], contribs[j][1][c]) for j in accepted], b - a, compression)
+        if out is None:
+            return [], heavy, None, None
+        encoded.append(out[0])
+        values[a:b] = out[1]
     return accepted, heavy, encoded, values

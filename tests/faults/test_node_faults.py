@@ -47,9 +47,14 @@ def test_sigkill_during_the_all_reduce_survivors_finish_and_agree(swarm):
     _assert_agree([a, b], [1, 2, 3])
     for node in (a, b):
         r2 = node.by_round()[2]
-        # The victim's contributions arrived (it died after its scatter) but its reduced part
-        # never did: that part is dropped on every survivor, the other two are committed.
-        assert (r2["status"], r2["group_size"], r2["parts"], r2["parts_committed"]) == ("committed", 3, 3, 2)
+        # The victim's contributions arrived (it died after its scatter). Its own part streams out
+        # while it scatters (the pipelined all-reduce): it reached both survivors before the kill or
+        # it is dropped on both alike (the hashes agree); the other two parts are committed.
+        assert (r2["status"], r2["group_size"], r2["parts"]) == ("committed", 3, 3)
+        assert r2["parts_committed"] in (2, 3)
+    assert a.by_round()[2]["parts_committed"] == b.by_round()[2]["parts_committed"]
+    for node in (a, b):
+        r2 = node.by_round()[2]
         assert r2["allreduce_seconds"] < ALLREDUCE_TIMEOUT + 2
         assert r2["dropped_peers"] == 0  # its Δ is in the average of the parts that committed
         r3 = node.by_round()[3]
@@ -65,7 +70,8 @@ def test_sigstop_past_the_deadline_the_others_proceed_and_it_catches_up(swarm):
         assert node.wait(timeout=180) == 0, node.tail()
     _assert_agree([a, b], [1, 2, 3, 4, 5])
     for node in (a, b):
-        assert node.by_round()[2]["parts_committed"] == 2  # the frozen reducer's part is dropped
+        # the frozen reducer's part is dropped, unless it streamed out whole before the stop
+        assert node.by_round()[2]["parts_committed"] in (2, 3)
     statuses = [r["status"] for r in victim.records()]
     assert "resynced" in statuses, statuses  # it noticed it fell behind and downloaded the state
     resync = next(r for r in victim.records() if r["status"] == "resynced")

@@ -221,3 +221,34 @@ def test_nan_weight_parses_then_fails_the_weight_check():
 def test_peers_digest_depends_on_order():
     assert wire.peers_digest(["a", "b"]) != wire.peers_digest(["b", "a"])
     assert wire.peers_digest(["a", "b"]) == wire.peers_digest(["a", "b"])
+
+
+@pytest.mark.parametrize("compression", ["fp32", "fp16", "int8"])
+def test_reducing_chunk_by_chunk_equals_reducing_the_part_whole(compression):
+    """The pipelined reducer reduces each chunk as it lands; the fallback reduces the part whole.
+    Both must give the same bits, whatever the chunking (elementwise sums in member order)."""
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(5000, generator=g) * (j + 1) for j in range(3)]
+    weights = [1.0, 2.5, 7.0]
+    whole = wire.reduce_part(contributions(xs, weights, compression, chunk=5000), 64.0, 5000, 5000, compression)
+    pieces = []
+    for a, b in wire.chunk_ranges(5000, 1024):
+        chunk = [(w, wire.encode(x[a:b], compression)) for x, w in zip(xs, weights, strict=True)]
+        encoded, values = wire.reduce_chunk(chunk, b - a, compression)
+        assert torch.equal(wire.decode(encoded, b - a, compression), values)
+        pieces.append(values)
+    assert torch.equal(torch.cat(pieces), whole[3])  # int8: chunks of 1024 keep the 1024-blocks aligned
+
+
+def test_accept_weights_and_a_non_finite_chunk():
+    assert wire.accept_weights({2: 1.0, 0: 3.0, 1: 1e12}, 64.0) == ([0, 2], [1])
+    assert wire.accept_weights({}, 64.0) == ([], [])
+    assert wire.reduce_chunk([(1.0, wire.encode(torch.full((4,), 3e38), "fp32"))] * 2, 4, "fp32") is None
+
+
+def test_gather_header_must_say_whether_it_is_streamed():
+    fields = {"kind": "gather", "group": "g", "digest": "d", "part": 0, "n": 4, "numel": 2, "chunk": 2,
+              "comp": "fp16", "empty": False, "contributors": [0], "rejected": {}}
+    with pytest.raises(wire.WireError, match="stream"):
+        wire.parse_header(wire.pack_header(fields))
+    assert wire.parse_header(wire.pack_header({**fields, "stream": True}))["stream"] is True

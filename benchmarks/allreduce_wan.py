@@ -1,0 +1,202 @@
+"""The all-reduce alone over shaped links: k peers on separate hosts, each link R Mbit/s each way.
+
+Hosts are Linux network namespaces on a bridge (`tests/netns.py`, needs root and iproute2), every
+host's link shaped with a token bucket in both directions. Each peer is a process on its host
+running a hivemind DHT, its p2pd and an `AllreduceService`; no training, so one configuration takes
+seconds. All peers start each all-reduce at the same wall-clock instant (one machine, one clock),
+so the time measured is the protocol's, not matchmaking skew. Printed per (rate, k, compression),
+medians over `--rounds` all-reduces (after one warm-up that opens the connections):
+
+- MB sent per peer and the lower bound 2(k-1)/k · n · bytes/value;
+- all-reduce seconds (the slowest peer of the round), the wire time of the bytes a peer sent at
+  the link rate (bytes · 8 / R; the all-reduce cannot be faster), and their ratio (goal <= 1.15).
+
+    sudo python benchmarks/allreduce_wan.py [--rates 20,100,200] [--ks 2,3,4]
+                                            [--compressions fp16,int8] [--numel 3500000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.netns
+
+from tests import netns  # noqa: E402
+
+args_verbose = "-v" in sys.argv
+
+
+def worker(ip: str, initial: list[str], chunk: int) -> None:
+    """One peer: print its maddrs and peer id, then run the all-reduces the coordinator sends on stdin."""
+
+    import hivemind
+    import torch
+    from hivemind.p2p import PeerID
+
+    from diloco_p2p.swarm.allreduce import AllreduceService
+    from diloco_p2p.swarm.runner import BackgroundLoop
+
+    torch.set_num_threads(1)  # as a node does (train.num_threads): OpenMP spinning on busy cores costs seconds
+    dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=initial)
+    loop = BackgroundLoop()
+    p2p = loop.run(dht.replicate_p2p(), 60)
+    service = AllreduceService(p2p, prefix="bench", chunk_elements=chunk)
+    loop.run(service.start(), 30)
+    print(json.dumps({"maddrs": [str(a) for a in dht.get_visible_maddrs()], "peer": p2p.peer_id.to_base58()}),
+          flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        if job.get("stop"):
+            break
+        peers = [PeerID.from_base58(p) for p in job["peers"]]
+        x = torch.randn(job["numel"], generator=torch.Generator().manual_seed(job["seed"]))
+        time.sleep(max(job["at"] - time.time(), 0.0))
+        r = loop.run(service.allreduce(job["group"], peers, x, 1.0, compression=job["comp"], timeout=120), 180)
+        print(json.dumps({"status": r.status, "seconds": r.seconds, "sent": r.bytes_sent,
+                          "received": r.bytes_received, "phases": r.phases}), flush=True)
+    loop.run(service.stop(), 30)
+    loop.run(p2p.shutdown(), 30)
+    loop.close()
+    dht.shutdown()
+
+
+class _Sampler:
+    """Bytes each host sent per 100 ms during a round (-v): where the link idles."""
+
+    def __init__(self, hosts: netns.Hosts, k: int):
+        import threading
+
+        self.hosts, self.k, self.samples, self.done = hosts, k, [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def tx(self) -> list[int]:
+        out = []
+        for i in range(self.k):
+            raw = subprocess.run(["ip", "-n", self.hosts[i].ns, "-s", "-j", "link", "show", "eth0"],
+                                 capture_output=True, text=True).stdout
+            out.append(json.loads(raw)[0]["stats64"]["tx"]["bytes"])
+        return out
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.samples.append((time.time(), self.tx()))
+            time.sleep(0.1)
+
+    def stop(self, at: float) -> None:
+        self.done.set()
+        self.thread.join()
+        for (t0, b0), (t1, b1) in zip(self.samples, self.samples[1:], strict=False):
+            if t1 < at:
+                continue
+            mbit = [(y - x) * 8 / (t1 - t0) / 1e6 for x, y in zip(b0, b1, strict=True)]
+            print(f"{t1 - at:6.2f} " + " ".join(f"{m:5.1f}" for m in mbit), file=sys.stderr)
+
+
+class Peer:
+    def __init__(self, host: netns.Host, initial: list[str], chunk: int):
+        argv = [*host.prefix(), sys.executable, __file__, "--worker", host.ip, "--chunk", str(chunk),
+                "--initial", json.dumps(initial)]
+        self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.hello = self.read()
+
+    def read(self) -> dict:
+        assert self.popen.stdout is not None
+        line = self.popen.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer exited with {self.popen.wait()}")
+        return json.loads(line)
+
+    def send(self, job: dict) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps(job) + "\n")
+        self.popen.stdin.flush()
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                self.send({"stop": True})
+                self.popen.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.popen.kill()
+                self.popen.wait()
+
+
+def measure(hosts: netns.Hosts, k: int, comps: list[str], numel: int, rounds: int, chunk: int) -> dict:
+    peers: list[Peer] = []
+    try:
+        for i in range(k):
+            initial = peers[0].hello["maddrs"] if peers else []
+            peers.append(Peer(hosts[i], initial, chunk))
+        ids = [p.hello["peer"] for p in peers]
+        out = {}
+        for comp in comps:
+            runs = []
+            for r in range(rounds + 1):  # round 0 warms up the connections
+                at = time.time() + 1.0
+                for i, p in enumerate(peers):
+                    p.send({"group": f"{comp}-{k}-{r}", "peers": ids, "numel": numel, "seed": i, "at": at,
+                            "comp": comp})
+                sampler = _Sampler(hosts, k) if args_verbose else None
+                results = [p.read() for p in peers]
+                if sampler is not None:
+                    sampler.stop(at)
+                assert all(x["status"] == "ok" for x in results), results
+                if r:
+                    runs.append(results)
+                    if args_verbose:
+                        print([{k: round(v, 3) for k, v in x["phases"].items()} for x in results], file=sys.stderr)
+            out[comp] = {
+                "seconds": statistics.median(max(x["seconds"] for x in rs) for rs in runs),
+                "sent": statistics.median(statistics.mean(x["sent"] for x in rs) for rs in runs),
+            }
+        return out
+    finally:
+        for p in peers:
+            p.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="20,100,200", help="link rates in Mbit/s, comma-separated")
+    parser.add_argument("--ks", default="2,3,4", help="group sizes, comma-separated")
+    parser.add_argument("--compressions", default="fp16,int8")
+    parser.add_argument("--numel", type=int, default=3_500_000, help="values per peer (3.5M = the tiny model)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=None, help="chunk elements (default: the service's)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("-v", action="store_true", help="print each peer's phase times")
+    parser.add_argument("--initial", default="[]", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    from diloco_p2p.swarm import wire
+
+    chunk = args.chunk or wire.DEFAULT_CHUNK_ELEMENTS
+    if args.worker:
+        return worker(args.worker, json.loads(args.initial), chunk)
+    if not netns.available():
+        raise SystemExit("benchmarks/allreduce_wan.py needs root and iproute2 (ip, tc) to make network namespaces")
+    ks = [int(k) for k in args.ks.split(",")]
+    comps = args.compressions.split(",")
+    print(f"{args.numel:,} values per peer; medians over {args.rounds} all-reduces; chunk {chunk} values")
+    print(f"{'Mbit/s':>6} {'k':>2} {'wire':>5} {'sent MB':>8} {'bound MB':>8} {'all-reduce s':>12} "
+          f"{'wire-time s':>11} {'ratio':>6}")
+    for rate in (float(r) for r in args.rates.split(",")):
+        with netns.Hosts(max(ks), rate_mbit=rate) as hosts:
+            for k in ks:
+                got = measure(hosts, k, comps, args.numel, args.rounds, chunk)
+                for comp in comps:
+                    r = got[comp]
+                    bound = 2 * (k - 1) / k * args.numel * wire.bytes_per_element(comp)
+                    wire_s = r["sent"] * 8 / (rate * 1e6)
+                    print(f"{rate:>6g} {k:>2} {comp:>5} {r['sent'] / 1e6:>8.3f} {bound / 1e6:>8.3f} "
+                          f"{r['seconds']:>12.3f} {wire_s:>11.3f} {r['seconds'] / wire_s:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
