@@ -59,9 +59,11 @@ leader closes at ``t + timeout``.
 Stragglers. A node that arrives after a committed group of its round was closed *by the
 deadline* has missed the round: it learns so from a ``done: expired`` marker or from a
 ``closed: expired`` answer and returns ``None`` at once (`last_outcome == "late"`), so the
-caller can catch up instead of averaging stale state. Groups that closed because they were
-full (target reached) or complete (everyone expected was in) do not make later nodes late: those
-may still group with each other.
+caller can catch up instead of averaging stale state. So does a node that arrives after a group
+closed *complete*: the live swarm has done the round without it (it was not at this round with
+this θ when the leader read the records, e.g. it was still downloading the swarm's state). Groups
+that closed because they were full (target reached) do not make later nodes late: those may still
+group with each other.
 
 Agreement is as strong as a single round trip allows: a follower whose deadline fires in the
 instant the leader sends the final list ends alone while the others count it in. The all-reduce
@@ -120,6 +122,7 @@ _LENGTH_PREFIX = 4  # bytes of a join frame's big-endian length
 _MAX_FRAME_BYTES = 1 << 20  # a member list of thousands of peers fits; anything bigger is hostile
 _FINISHED_MEMORY = 64  # how many finished rounds we still answer "closed: <reason>" for
 _REQUEST_READ_TIMEOUT = 10.0  # a stream that sends no join request within this is dropped
+_ROUND_OVER = ("expired", "complete")  # a group closed so: who comes later has missed the round
 _LINGER_TIMEOUT = 10.0  # how long a leader keeps a stream open after its last frame, for the follower to close it
 
 
@@ -270,8 +273,8 @@ class Matchmaker:
             closed = self._closed_epoch(session)
             if closed is not None:
                 return closed  # joiners filled our group while we read: they hold its answer, so it binds us
-            if first and any(e.done == "expired" for p, e in view.items() if p != self.me):
-                return Final(None, LATE)  # a committed group of this round closed at its deadline
+            if first and any(e.done in _ROUND_OVER for p, e in view.items() if p != self.me):
+                return Final(None, LATE)  # a committed group of this round closed at its deadline or complete
             first = False
             best = session.best_candidate(view, excluded)
             if best is None:
@@ -362,7 +365,7 @@ class Matchmaker:
                     return session.final(msg, own=False)
                 if status == "redirect" and isinstance(msg.get("to"), str) and finite_number(msg.get("t")):
                     return Redirect(msg["to"], float(msg["t"]))
-                if status == "closed" and msg.get("reason") == "expired":
+                if status == "closed" and msg.get("reason") in _ROUND_OVER:
                     return Final(None, LATE)
                 logger.debug("%s: leader %s answered %s", session.key, leader, msg)
                 return None

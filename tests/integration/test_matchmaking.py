@@ -448,10 +448,15 @@ def test_group_closes_once_the_expected_swarm_is_in_and_waits_for_a_quiet_peer(s
         async with swarm.matchmakers(4) as mms:
             live = [m.me for m in mms[:3]]
             quick = await form(mms[:3], 1, live)
+            t0 = time.perf_counter()
+            late = await _form(mms[3], round=1, target_group_size=8, timeout=timeout)  # not expected, after close
+            late_s = time.perf_counter() - t0
             slow = await form(mms[:3], 2, live + [mms[3].me])
-            return quick, slow, mms
+            return quick, (late, late_s), slow, mms
 
-    (quick, quick_s), (slow, slow_s), mms = swarm.loop.run(scenario(), timeout=30)
+    (quick, quick_s), (late, late_s), (slow, slow_s), mms = swarm.loop.run(scenario(), timeout=30)
+    # the live swarm did round 1 without the 4th: it learns so at once and catches up
+    assert late is None and mms[3].last_outcome == mm.LATE and late_s < timeout / 2, (late, late_s)
     _assert_same_group(quick, mms[:3])
     _assert_same_group(slow, mms[:3])
     # every member learns every member's compute speed (dynamic local updates)
