@@ -50,9 +50,9 @@ from diloco_p2p.swarm.records import (
     read_progress_async,
     withdraw_progress_async,
 )
-from diloco_p2p.swarm.resync import check_config, reference_records, resync_target
+from diloco_p2p.swarm.resync import check_config, reference_records, resync_target, vouched_records
 from diloco_p2p.swarm.runner import BackgroundLoop
-from diloco_p2p.swarm.state.announcements import state_validator
+from diloco_p2p.swarm.state.announcements import StateAnnouncement, state_validator
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import StateCheck, pack_state
 from diloco_p2p.swarm.state.server import StateServer
@@ -169,16 +169,30 @@ class SwarmSync:
     def fetch(self, min_round: int, exclude: frozenset[str] | None = None,
               params_hash: str | None = None) -> SwarmState | None:
         """Download and verify the swarm's state at `min_round` or later, never past
-        `max_round`; with `params_hash`, exactly that θ at `min_round` (None if no donor could
-        serve it in time, or a stop was requested). A donor whose blob holds another θ or round
-        than it announced is refused (``bad-state``) and not asked again."""
+        `max_round`; with `params_hash`, that θ at `min_round` or a later (round, θ) that the
+        records vouch for once downloaded (the swarm may move on meanwhile). None if no donor
+        could serve it in time, or a stop was requested. A donor whose blob holds another θ or
+        round than it announced is refused (``bad-state``) and not asked again."""
         start = time.perf_counter()
         exclude = (self.resync_exclude if exclude is None else exclude) | self.guard.excluded().keys()
-        check = StateCheck(min_round if params_hash else None, params_hash, self.max_round)
+        accepted: set[tuple[int, str | None]] = set()
+
+        async def accept(ann: StateAnnouncement) -> bool:
+            """Try a donor only for the target state or a later one the records vouch for."""
+            if params_hash is None or (ann.round, ann.params_hash) in accepted:
+                return True
+            if ann.round > min_round and await self._vouched(ann.round, ann.params_hash):
+                accepted.add((ann.round, ann.params_hash))
+            return (ann.round, ann.params_hash) in accepted
+
+        if params_hash is not None:
+            accepted.add((min_round, params_hash))
+        check = StateCheck(min_round if params_hash else None, params_hash, self.max_round,
+                           vouched=lambda r, h: (r, h) in accepted)
         try:
             fetched = self._interruptible(
                 fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=min_round, exclude=exclude,
-                            params_hash=params_hash, verify=check, timeout=self.cfg.state_timeout),
+                            verify=check, accept=accept, timeout=self.cfg.state_timeout),
                 timeout=self.cfg.state_timeout + 10,
             )
         except (StateUnavailable, TimeoutError, Interrupted) as e:
@@ -195,6 +209,16 @@ class SwarmSync:
                                state_seconds=time.perf_counter() - start, donor=fetched.donor, **self.agreement)
         outcome.rejections = self.guard.drain()
         return SwarmState(tensors=tensors, round=int(meta["round"]), outcome=outcome)
+
+    async def _vouched(self, round: int, params_hash: str | None) -> bool:
+        """Whether the records, read now, vouch for θ `params_hash` at `round`."""
+        try:
+            records = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
+        except Exception:  # no view of the swarm now: not vouched
+            return False
+        others = {p: r for p, r in records.items() if p != self.peer_id}
+        vouched = vouched_records(others, quorum=self.cfg.resync_quorum, max_round=self.max_round)
+        return any((r.round, r.params_sha256) == (round, params_hash) for r in vouched.values())
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
         self.faults.fire("delta", round)

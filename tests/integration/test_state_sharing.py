@@ -262,6 +262,6 @@ def test_a_donor_serving_another_theta_under_the_vouched_hash_is_refused_and_nam
 
     fetched, check, a, b = swarm.loop.run(scenario(), timeout=60)
     assert fetched.blob == good and fetched.donor == a.peer_id
-    assert list(fetched.forged) == [b.peer_id] and "hashes to" in fetched.forged[b.peer_id]
+    assert list(fetched.forged) == [b.peer_id] and "served θ" in fetched.forged[b.peer_id]
     assert theta_sha256(check.unpacked[0]) == vouched
     assert fetched.attempts == 2 and b.bytes_served == len(forged)

@@ -125,19 +125,32 @@ def test_prefer_puts_named_donors_first_within_their_group():
     assert order_candidates([*anns, older], "j", prefer=[PEERS[9]])[-1] == older
 
 
-def test_state_check_accepts_only_the_vouched_round_and_theta():
+def test_state_check_accepts_only_a_vouched_state_and_blames_only_liars():
     import torch
 
     from diloco_p2p.swarm.state.codec import StateCheck, pack_state, theta_sha256
 
     theta = {"outer.theta": torch.arange(8, dtype=torch.float32), "outer.momentum": torch.zeros(8)}
-    good = theta_sha256(theta)
+    other = {**theta, "outer.theta": theta["outer.theta"] * 2}
+    good, made_up = theta_sha256(theta), theta_sha256(other)
     blob = pack_state(theta, {"round": 5})
+
+    def ann(round=5, params_hash=good):
+        return StateAnnouncement("QmDonor", round, "0" * 64, len(blob), params_hash)
+
     check = StateCheck(5, good, max_round=10)
-    assert check(blob) is None and check.unpacked is not None and check.unpacked[1]["round"] == 5
-    made_up = pack_state({**theta, "outer.theta": theta["outer.theta"] * 2}, {"round": 5})
-    assert "hashes to" in StateCheck(5, good, 10)(made_up)  # the forged state with its own matching sha256
-    assert "of round 6, not the round 5" in StateCheck(5, good, 10)(pack_state(theta, {"round": 6}))
-    assert "past train.max_rounds 4" in StateCheck(None, None, 4)(blob)
-    assert "no round" in StateCheck(None, None, None)(pack_state(theta, {}))
-    assert "truncated" in StateCheck(None, None, None)(b"xx")
+    assert check(blob, ann()) is None and check.unpacked is not None and check.unpacked[1]["round"] == 5
+    # a made-up θ announced under the vouched hash (its blob's sha256 matching): the donor lied
+    why, lied = StateCheck(5, good, 10)(pack_state(other, {"round": 5}), ann())
+    assert lied and "announced θ" in why
+    # a round other than announced: lied; junk: lied
+    assert StateCheck(5, good, 10)(pack_state(theta, {"round": 6}), ann())[1] is True
+    assert StateCheck(None, None, None)(b"xx", ann()) == ("state of 2 bytes is truncated: no safetensors header", True)
+    # what it announced, but not what the swarm vouches for: refused, nobody blamed
+    assert StateCheck(5, good, 10)(pack_state(other, {"round": 5}), ann(params_hash=made_up)) == (
+        f"its round 5 θ {made_up[:12]} is not the round 5 θ {good[:12]} the swarm vouches for", False)
+    later = pack_state(other, {"round": 7})
+    assert StateCheck(5, good, 10)(later, ann(7, made_up))[1] is False
+    assert StateCheck(5, good, 10, vouched=lambda r, h: (r, h) == (7, made_up))(later, ann(7, made_up)) is None
+    assert "past train.max_rounds 4" in StateCheck(None, None, 4)(blob, ann())[0]
+    assert "no round" in StateCheck(None, None, None)(pack_state(theta, {}), None)[0]

@@ -49,9 +49,11 @@ Protocol:
 
 A donor may announce a state it made up, with a matching sha256: the blob's hash only proves
 that the donor sent what it announced. So a node resyncs to a (round, θ hash) that the swarm's
-signed progress records vouch for (`diloco_p2p.swarm.resync`) and passes both to `fetch_state`
-(`params_hash`, and `verify=codec.StateCheck`, which hashes the θ received): a donor whose blob
-holds another θ or round is refused (`FetchedState.forged`) and the next one tried. Without a
+signed progress records vouch for (`diloco_p2p.swarm.resync`), tries only donors announcing
+that state or a later one the records vouch for by then (`fetch_state(accept=...)`), and checks
+what it received (`verify=codec.StateCheck`, which hashes the θ): a donor whose blob holds
+another θ or round than it announced is refused and named (`FetchedState.forged`), and the
+next one tried. Without a
 `params_hash` (a plain `diloco-p2p fetch`), a joiner prefers the θ hash most donors announce.
 Donors announce under a signed subkey (`diloco_p2p.swarm.signing`): nobody announces, or
 withdraws, in another donor's name. In a closed run the donor serves admitted peers only.

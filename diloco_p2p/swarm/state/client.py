@@ -160,7 +160,8 @@ async def fetch_state(
     prefer: Sequence[str] = (),
     wait: float = 0.0,
     progress: Progress | None = None,
-    verify: Callable[[bytes], str | None] | None = None,
+    verify: Callable[[bytes, StateAnnouncement], tuple[str, bool] | None] | None = None,
+    accept: Callable[[StateAnnouncement], Awaitable[bool]] | None = None,
 ) -> FetchedState:
     """Download and verify the newest state announced for `run_id` (see `diloco_p2p.swarm.state`).
 
@@ -169,9 +170,11 @@ async def fetch_state(
     peers we averaged with last). `wait`: keep looking this long for a qualifying announcement
     before giving up (default: fail at once). `progress(donor, received, size)` is called after
     every read; if it returns an awaitable, that is awaited (tests pause or kill a donor there).
-    `verify(blob)`: a check of a blob whose sha256 matched, beyond it (e.g. that its θ is the one
-    the swarm vouches for, `codec.StateCheck`): a reason refuses that donor's state
-    (`FetchedState.forged`) and the next donor is tried. Raises `StateUnavailable` when no donor provides a valid state within `timeout` seconds.
+    `verify(blob, announcement)`: a check of a blob whose sha256 matched, beyond it (e.g. that
+    its θ is one the swarm vouches for, `codec.StateCheck`): None accepts it; (reason, lied)
+    refuses it and the next donor is tried; `lied` (the blob is not what the donor announced)
+    also names the donor in `FetchedState.forged`. `accept(announcement)`: whether to try a
+    donor at all (before downloading anything). Raises `StateUnavailable` when no donor provides a valid state within `timeout` seconds.
     """
     fetch = _Fetch(dht, p2p, run_id, min_round, params_hash, frozenset(exclude), tuple(prefer), timeout)
     backoff = 0.1
@@ -179,6 +182,8 @@ async def fetch_state(
         fetch.check_deadline()
         announced, lookup_error = await fetch.lookup()
         candidates = fetch.candidates(announced)
+        if accept is not None:
+            candidates = [a for a in candidates if await accept(a)]
         if not candidates:
             if fetch.elapsed() < wait and fetch.remaining() > backoff:
                 await asyncio.sleep(backoff)
@@ -191,8 +196,10 @@ async def fetch_state(
             outcome = await fetch.attempt(ann, stall_timeout, progress)
             if outcome.status == "ok" and verify is not None:
                 assert fetch.part is not None
-                if (why := await asyncio.to_thread(verify, bytes(fetch.part.buf))) is not None:
-                    fetch.forged[ann.peer_id] = why
+                if (refused := await asyncio.to_thread(verify, bytes(fetch.part.buf), ann)) is not None:
+                    why, lied = refused
+                    if lied:
+                        fetch.forged[ann.peer_id] = why
                     outcome = _Outcome("forged", why, outcome.received)
             if outcome.status == "ok":
                 return fetch.fetched(ann)
@@ -313,7 +320,7 @@ class _Fetch:
             self.part = None
         else:
             self.failed[(ann.peer_id, ann.sha256)] = outcome.reason
-            if outcome.status == "forged":  # the bytes are what was announced: that state is refused
+            if outcome.status == "forged":  # the bytes are what was announced: that state is not for us
                 self.part = None
         return False
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import safetensors.torch
@@ -71,31 +71,40 @@ def theta_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
 
 class StateCheck:
     """A joiner's check of a downloaded blob, beyond its sha256 (which only proves that the donor
-    sent what it announced): it must be a state of `round` (when given, else of any round up to
-    `max_round`) whose θ hashes to `params_hash` (when given): the (round, θ) the swarm vouches
-    for, not what the donor claims. Called with each blob (`fetch_state(verify=...)`): returns
-    why it is refused, or None and keeps the unpacked state in `unpacked`."""
+    sent the bytes it announced). The state must be what the donor announced (its round, and θ
+    hashing to the announced `params_hash`): otherwise the donor lied (``lied``). And it must be
+    one the swarm vouches for, not merely what the donor claims: exactly (`round`,
+    `params_hash`) when given, or a later round whose (round, θ hash) `vouched` accepts (the
+    swarm moved on during the download), never past `max_round`. Called with each blob
+    (`fetch_state(verify=...)`): returns (why it is refused, whether the donor lied), or None
+    and keeps the unpacked state in `unpacked`."""
 
-    def __init__(self, round: int | None, params_hash: str | None, max_round: int | None):
-        self.round, self.params_hash, self.max_round = round, params_hash, max_round
+    def __init__(self, round: int | None, params_hash: str | None, max_round: int | None,
+                 vouched: Callable[[int, str], bool] | None = None):
+        self.round, self.params_hash, self.max_round, self.vouched = round, params_hash, max_round, vouched
         self.unpacked: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
 
-    def __call__(self, blob: bytes) -> str | None:
+    def __call__(self, blob: bytes, announced: Any = None) -> tuple[str, bool] | None:
         try:
             tensors, meta = unpack_state(blob)
         except StateError as e:
-            return str(e)
+            return str(e), True
         got = meta.get("round")
         if not isinstance(got, int) or isinstance(got, bool) or got < 0:
-            return f"its state has no round ({got!r})"
-        if self.round is not None and got != self.round:
-            return f"its state is of round {got}, not the round {self.round} the swarm vouches for"
+            return f"its state has no round ({got!r})", True
+        if THETA not in tensors:
+            return f"its state has no {THETA}", True
+        theta = theta_sha256(tensors)
+        if announced is not None and got != announced.round:
+            return f"it announced round {announced.round} and served a state of round {got}", True
+        if announced is not None and announced.params_hash not in (None, theta):
+            return f"it announced θ {announced.params_hash[:12]} and served θ {theta[:12]}", True
         if self.max_round is not None and got > self.max_round:
-            return f"its state is of round {got}, past train.max_rounds {self.max_round}"
-        if self.params_hash is not None:
-            if THETA not in tensors:
-                return f"its state has no {THETA}"
-            if (theirs := theta_sha256(tensors)) != self.params_hash:
-                return f"its θ hashes to {theirs[:12]}, not the {self.params_hash[:12]} the swarm vouches for"
+            return f"its state is of round {got}, past train.max_rounds {self.max_round}", False
+        exact = self.round is None or (got == self.round and self.params_hash in (None, theta))
+        later = self.vouched is not None and self.round is not None and got > self.round and self.vouched(got, theta)
+        if not exact and not later:
+            wanted = f"round {self.round}" + (f" θ {self.params_hash[:12]}" if self.params_hash else "")
+            return f"its round {got} θ {theta[:12]} is not the {wanted} the swarm vouches for", False
         self.unpacked = tensors, meta
         return None
