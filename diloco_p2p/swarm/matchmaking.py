@@ -34,11 +34,12 @@ Protocol
    leader had counted it in.
 4. **Close.** The leader closes the group as soon as it has `target_group_size` members
    (``full``), as soon as every peer it expects has joined (``complete``), or at ``t + timeout``
-   (its own registration time; ``expired``). It expects the live swarm at this round and θ: the
-   peers the caller names (their progress records say they hold our θ at this round). So a
-   round of three nodes closes when the third joins, not at the timeout; only a peer that went
-   quiet makes the group wait for it. With nothing expected (no records) it waits as before:
-   registrations alone do not say who is still computing its inner steps. Every member gets the *same* answer object:
+   (its own registration time; ``expired``). It expects the live swarm: the peers the caller
+   names (`SwarmSync`: those whose progress record is not past this round, so a node catching
+   up by a resync is waited for too). So a round of three nodes closes when the third joins, not
+   at the timeout; only a peer that went quiet (or catches up too slowly) makes the group wait
+   for it. With nothing expected (no records) it waits as before: registrations alone do not
+   say who is still computing its inner steps. Every member gets the *same* answer object:
    members sorted by peer id, ``group_id = sha256(run, round, hash, leader, close time,
    members)``. While open, the leader re-reads the key every ``request_timeout / 2``; a better
    candidate makes it forfeit: its followers are redirected and it joins that leader itself.
@@ -60,8 +61,8 @@ Stragglers. A node that arrives after a committed group of its round was closed 
 deadline* has missed the round: it learns so from a ``done: expired`` marker or from a
 ``closed: expired`` answer and returns ``None`` at once (`last_outcome == "late"`), so the
 caller can catch up instead of averaging stale state. So does a node that arrives after a group
-closed *complete*: the live swarm has done the round without it (it was not at this round with
-this θ when the leader read the records, e.g. it was still downloading the swarm's state). Groups
+closed *complete*: the live swarm has done the round without it (it had no live record when the
+leader read them, e.g. it had just started). Groups
 that closed because they were full (target reached) do not make later nodes late: those may still
 group with each other.
 

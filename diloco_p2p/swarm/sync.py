@@ -253,15 +253,15 @@ class SwarmSync:
         return outcome
 
     async def _form_group(self, round: int, params_hash: str, weight: float):
-        """Matchmaking for `round`, expecting the live swarm: the peers whose progress record says
-        they finished the previous round with our θ (a group closes once they are all in)."""
+        """Matchmaking for `round`, expecting the live swarm: every peer whose progress record is
+        not past this round (at it, or catching up to it by a resync); a group closes once they are
+        all in, or at the timeout for one that does not come (it went quiet, or caught up too late)."""
         try:
             records = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
         except Exception as e:  # no view of the swarm: the group closes when full or at the timeout
             log.debug("round %d: could not read progress records (%r)", round, e)
             records = {}
-        expected = [peer for peer, r in records.items()
-                    if peer != self.peer_id and r.round == round - 1 and r.params_sha256 == params_hash]
+        expected = [peer for peer, r in records.items() if peer != self.peer_id and r.round < round]
         computing = time.perf_counter() - self._computing_since if self._computing_since else 0.0
         self._computing_since = None
         return await self.matchmaker.form_group(round, params_hash, weight, min_group_size=self.cfg.min_group_size,
