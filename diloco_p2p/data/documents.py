@@ -1,7 +1,7 @@
 """Where the text comes from: documents, in a fixed order, from files a user already has.
 
 An input is a text file (one document), a directory (its files in sorted path order, hidden
-files skipped), a JSONL file (one document per line, from its text field), a Parquet file (one
+files and directories skipped), a JSONL file (one document per line, from its text field), a Parquet file (one
 document per row) or a directory written by `datasets`' ``save_to_disk`` (its Arrow files, in
 the order its ``state.json`` lists them). JSONL, Parquet and Arrow are read with pyarrow, a batch
 at a time, so a file larger than memory is fine; a text file is one document and is read whole.
@@ -20,7 +20,7 @@ from pathlib import Path
 from diloco_p2p.errors import UserError
 
 _SKIP_STDLIB_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo"}
-_BATCH_BYTES = 8 << 20  # pyarrow's read block: a batch of JSONL/Parquet rows is about this big
+_BATCH_BYTES = 32 << 20  # pyarrow's JSON read block: also the longest JSONL line it accepts
 
 
 def default_corpus_files() -> Iterator[Path]:
@@ -57,7 +57,8 @@ def input_files(inputs: list[str], what: str = "input") -> list[Path]:
         if p.is_dir() and is_saved_dataset(p):
             found = _arrow_files(p)
         elif p.is_dir():
-            found = [f for f in sorted(p.rglob("*")) if f.is_file() and not f.name.startswith(".")]
+            found = [f for f in sorted(p.rglob("*")) if f.is_file()
+                     and not any(part.startswith(".") for part in f.relative_to(p).parts)]
         else:
             found = [p]
         if not found or all(f.stat().st_size == 0 for f in found):

@@ -91,6 +91,8 @@ def test_text_dir_jsonl_parquet_and_saved_dataset_inputs(tmp_path):
     docs.mkdir()
     (docs / "1.txt").write_text("abc " * 50)
     (docs / "2.txt").write_text("xyz " * 50)
+    (docs / ".git").mkdir()
+    (docs / ".git" / "HEAD").write_text("ref: refs/heads/main")  # hidden: not a document
     jl = tmp_path / "c.jsonl"
     jl.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(["first doc", "second doc"])))
     assert len(load_tokens(DataConfig(path=str(tmp_path / "a.txt")), TOK)) == 1201
