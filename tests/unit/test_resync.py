@@ -266,7 +266,7 @@ def test_never_past_max_rounds():
     ahead = {p: make(p, round=50, params_sha256=H["f"], averaged_round=50) for p in PEERS[5:7]}
     seen, on_reject = _refusals()
     assert resync_target({**HONEST, **ahead}, 5, H["c"], 5, quorum=2, max_round=10, on_reject=on_reject) is None
-    assert sorted((p, r) for p, r, _ in seen) == [(PEERS[5], "past-max-rounds"), (PEERS[6], "past-max-rounds")]
+    assert {(p, r) for p, r, _ in seen} == {(PEERS[5], "past-max-rounds"), (PEERS[6], "past-max-rounds")}
     assert "train.max_rounds 10" in seen[0][2]
     # within max_rounds the same two would be followed (they have a quorum and the newest round)
     assert resync_target({**HONEST, **ahead}, 5, H["c"], 5, quorum=2, max_round=50).min_round == 50
