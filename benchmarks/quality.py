@@ -52,6 +52,8 @@ def main() -> None:
     p.add_argument("--outer", nargs="+", default=["0.7:0.5", "1.0:0.5"], help="outer lr:momentum pairs to sweep")
     p.add_argument("--eval-every", type=int, default=2)
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in --json (same scale) and run only the missing ones, e.g. a wider sweep")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                    help="extra config override for every run (e.g. inner.seq_len=64)")
     p.add_argument("--png", type=Path, default=Path("benchmarks/results/quality.png"))
@@ -69,11 +71,13 @@ def main() -> None:
             lr, mom = pair.split(":")
             jobs[f"diloco-M{m}-{lr}:{mom}"] = (m, [*common, f"inner.batch_size={args.batch}", f"outer.lr={lr}",
                                                    f"outer.momentum={mom}"])
+    done = json.loads(args.json.read_text())["results"] if args.resume and args.json.exists() else {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diloco-quality-") as tmp, \
             concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {name: pool.submit(run, name, Path(tmp), m, sets) for name, (m, sets) in jobs.items()}
-        results = {name: f.result() for name, f in futures.items()}
+        futures = {name: pool.submit(run, name, Path(tmp), m, sets) for name, (m, sets) in jobs.items()
+                   if name not in done}
+        results = {**done, **{name: f.result() for name, f in futures.items()}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
     steps = args.rounds * args.inner_steps
