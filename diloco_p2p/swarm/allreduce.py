@@ -65,10 +65,11 @@ faults never raise out of `allreduce()`: they end up in the result (`rejected`, 
 Cost per member: it sends (k-1) parts in the scatter and its averaged part to k-1 members in
 the gather, 2(k-1)/k · n · bytes/element, the all-reduce lower bound, plus ~200-byte headers,
 8-byte frame prefixes per chunk and k-1 masks; int8 adds a 4-byte scale per 1024 elements. Time:
-with the gather pipelined behind the scatter, one all-reduce takes about the wire time of those
-bytes plus one chunk and a few round trips (`benchmarks/allreduce_wan.py` measures it on shaped
-links); stream setup is one libp2p stream per message over the connection p2pd keeps open
-between the peers (no TCP or TLS handshake per round).
+with the gather pipelined behind the scatter the link does not idle between the phases; what is
+left above the wire time (1.3-1.6x on tbf-shaped links, `benchmarks/allreduce_wan.py`) is the
+uneven sharing of a link by the k-1 concurrent flows (a chunk waits for its slowest flow). Stream
+setup is one libp2p stream per message over the connection p2pd keeps open between the peers (no
+TCP or TLS handshake per round).
 
 Where later schemes plug in (keep these properties when changing this module):
 
