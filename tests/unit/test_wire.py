@@ -184,27 +184,30 @@ def test_header_roundtrip():
     assert wire.parse_header(wire.pack_header(h)) == {"v": wire.PROTOCOL_VERSION, **h}
 
 
+V = wire.PROTOCOL_VERSION
+
+
 @pytest.mark.parametrize(
     "raw",
     [
         b"\x80\x81not json",
         b"[1, 2]",
         json.dumps({"v": 99, **scatter_header()}).encode(),
-        json.dumps({"v": 1, **scatter_header(kind="reboot")}).encode(),
-        json.dumps({"v": 1, **scatter_header(numel=-1)}).encode(),
-        json.dumps({"v": 1, **scatter_header(numel=4.0)}).encode(),
-        json.dumps({"v": 1, **scatter_header(chunk=wire.MAX_CHUNK_ELEMENTS + 1)}).encode(),
-        json.dumps({"v": 1, **scatter_header(comp="fp8")}).encode(),
-        json.dumps({"v": 1, **scatter_header(weight="1")}).encode(),
-        json.dumps({"v": 1, **scatter_header(finite=1)}).encode(),
-        json.dumps({"v": 1, **scatter_header(group="")}).encode(),
-        json.dumps({"v": 1, "kind": "mask", "group": "g", "digest": "d", "mask": [1, True]}).encode(),
-        json.dumps({"v": 1, "kind": "mask", "group": "g", "digest": "d", "mask": [1, 2]}).encode(),
+        json.dumps({"v": V, **scatter_header(kind="reboot")}).encode(),
+        json.dumps({"v": V, **scatter_header(numel=-1)}).encode(),
+        json.dumps({"v": V, **scatter_header(numel=4.0)}).encode(),
+        json.dumps({"v": V, **scatter_header(chunk=wire.MAX_CHUNK_ELEMENTS + 1)}).encode(),
+        json.dumps({"v": V, **scatter_header(comp="fp8")}).encode(),
+        json.dumps({"v": V, **scatter_header(weight="1")}).encode(),
+        json.dumps({"v": V, **scatter_header(finite=1)}).encode(),
+        json.dumps({"v": V, **scatter_header(group="")}).encode(),
+        json.dumps({"v": V, "kind": "mask", "group": "g", "digest": "d", "mask": [1, True]}).encode(),
+        json.dumps({"v": V, "kind": "mask", "group": "g", "digest": "d", "mask": [1, 2]}).encode(),
         json.dumps(
-            {"v": 1, **scatter_header(kind="gather", empty=False, contributors=[0], rejected={"0": "bored"})}
+            {"v": V, **scatter_header(kind="gather", empty=False, stream=True, contributors=[0], rejected={"0": "bored"})}
         ).encode(),
         json.dumps(
-            {"v": 1, **scatter_header(kind="gather", empty=False, contributors=[-1], rejected={})}
+            {"v": V, **scatter_header(kind="gather", empty=False, stream=True, contributors=[-1], rejected={})}
         ).encode(),
     ],
 )
