@@ -54,6 +54,23 @@ def run_nodes(root: Path, n: int, config: str, overrides: list[str], peers: list
     return [records(root / f"node-{i}") for i in range(n)]
 
 
+def print_swarm_costs(swarm: list[dict[int, dict]], rounds: int) -> None:
+    """From the swarm's own records (compute_seconds, exposed_seconds): per round, the node that
+    arrived last at the all-reduce (least exposed time) waited only for matchmaking and the
+    all-reduce; what it adds over its inner steps + all-reduce is matchmaking, and the rest of
+    its round (eval, checkpoint, records) is the node's own bookkeeping, the same alone."""
+    print(f"{'round':>5} {'compute s':>9} {'allreduce s':>11} {'matchmaking s':>13} {'round s':>8} "
+          f"{'matchmaking':>11} {'whole round':>11}")
+    for r in range(1, rounds + 1):
+        last = min((n[r] for n in swarm), key=lambda rec: rec.get("exposed_seconds") or 0.0)
+        if last.get("compute_seconds") is None:
+            return
+        work = last["compute_seconds"] + last["allreduce_seconds"]
+        mm = last["exposed_seconds"] - last["allreduce_seconds"]
+        print(f"{r:>5} {last['compute_seconds']:>9.2f} {last['allreduce_seconds']:>11.3f} {mm:>13.3f} "
+              f"{last['seconds']:>8.2f} {mm / work:>+11.1%} {(last['seconds'] - work) / work:>+11.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/tiny-cpu.yaml")
@@ -76,6 +93,7 @@ def main() -> None:
             seed.wait()
         solo = run_nodes(root / "solo", args.nodes, args.config, overrides, [])
     print(f"{args.nodes} nodes, {args.config} {' '.join(args.overrides)}")
+    print_swarm_costs(swarm, args.rounds)
     print(f"{'round':>5} {'swarm s':>8} {'solo s':>7} {'allreduce s':>11} {'group':>5} {'overhead':>8}")
     overheads = []
     for r in range(2, args.rounds + 1):  # round 1 includes the start: nodes join at different times
