@@ -26,11 +26,14 @@ from round_cost import records, train  # benchmarks/ is on sys.path when run as 
 
 
 def throttle(proc: subprocess.Popen, stop: threading.Event, period: float = 0.05) -> None:
-    while not stop.is_set() and proc.poll() is None:
-        os.kill(proc.pid, signal.SIGSTOP)
-        time.sleep(period)
-        os.kill(proc.pid, signal.SIGCONT)
-        time.sleep(period)
+    try:
+        while not stop.is_set() and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGSTOP)
+            time.sleep(period)
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(period)
+    except ProcessLookupError:  # it finished between the check and the signal
+        pass
 
 
 def run_mode(root: Path, config: str, overrides: list[str], seed_maddr: str) -> tuple[list[dict[int, dict]], float]:
