@@ -9,6 +9,10 @@ hash each round). Here the reducer of a part quantizes the averaged part once an
 those bytes to every member; every member, the reducer included, uses the dequantized values.
 We keep hivemind's transport (p2pd streams, NAT traversal, peer ids) and write only the protocol.
 
+This module is long (about 600 lines, a sixth of it this description) because the sender and the
+receiver sides of one protocol read best side by side; its pure parts (the commit rule, the
+reduce) already live in `allreduce_state.py` and `wire.py`.
+
 One all-reduce (a group: ordered list of k peers, the same on every member, and a group_id
 unique to this all-reduce):
 
