@@ -1,6 +1,6 @@
 """Join time and state-transfer throughput on loopback, for a few model sizes.
 
-For each size: a seed and two nodes (real processes, `tests/swarm_procs.Swarm`) train until
+For each size: a seed and two nodes (real processes, `tests.harness.swarm.ProcessSwarm`) train until
 round `--join-at`; then a third node starts with an empty run directory. It downloads the
 swarm's state (θ and outer momentum) from a donor, records `status: resynced` with
 `state_bytes` / `state_seconds`, and averages with the others from the next round on.
@@ -26,17 +26,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.swarm_procs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.harness
 
 from model_sizes import parameters, size_overrides  # noqa: E402
-from tests.swarm_procs import Swarm, wait_until  # noqa: E402
+
+from tests.harness.procs import wait_until  # noqa: E402
+from tests.harness.swarm import ProcessSwarm  # noqa: E402
 
 
 def measure(size: str, join_at: int, extra: list[str], root: Path) -> dict:
     model = size_overrides(size)
     overrides = [*model, f"train.max_rounds={join_at + 4}", "sync.target_group_size=3",
                  "sync.matchmaking_timeout=6", *extra]
-    swarm = Swarm(root)
+    swarm = ProcessSwarm(root)
     try:
         a, b = swarm.node("a", overrides), swarm.node("b", overrides)
         swarm.release(a, b)
