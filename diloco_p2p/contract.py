@@ -151,6 +151,9 @@ class Sync(Protocol):
     """The swarm, as the training loop sees it."""
 
     peer_id: str
+    # Compute speed (tokens/s) of each member of our last group, for dynamic local updates;
+    # None when unknown (solo, no group yet, or a multi-rank node whose shards may differ).
+    speeds: dict[str, float] | None
 
     def announce(self, node: NodeState) -> None:
         """The node is built: make it visible (and refuse it now if its config differs)."""
@@ -174,6 +177,7 @@ class SoloSync:
 
     def __init__(self, peer_id: str):
         self.peer_id = peer_id
+        self.speeds: dict[str, float] | None = None
 
     def announce(self, node: NodeState) -> None:
         pass

@@ -152,7 +152,7 @@ class Node:
 
     def _inner_steps(self) -> int:
         """H, or fewer on a node slower than its last group under outer.dynamic_local_updates."""
-        speeds = getattr(self.sync, "speeds", None)  # the swarm's measure (SwarmSync); none alone
+        speeds = self.sync.speeds  # the swarm's measure of our last group; None alone
         if not (self.config.outer.dynamic_local_updates and speeds):
             return self.config.outer.inner_steps
         return dylu_steps(speeds, self.sync.peer_id, self.config.outer.inner_steps)

@@ -14,7 +14,9 @@ SMALL = ["model.preset=tiny", "data.max_bytes=200000", "data.eval_fraction=0.05"
 class GroupOfTwo(SoloSync):
     """Alone, but as if the last group measured us at half the speed of its fastest member."""
 
-    speeds = {"me": 50.0, "fast": 100.0}
+    def __init__(self, peer_id: str):
+        super().__init__(peer_id)
+        self.speeds = {"me": 50.0, "fast": 100.0}
 
 
 def test_a_node_at_half_the_group_speed_runs_half_the_inner_steps(tmp_path):

@@ -28,6 +28,7 @@ class ScriptedSync:
     """A swarm whose answers per round are given up front: `outcomes[r]` is called with Δ for round r."""
 
     peer_id = "scripted-peer"
+    speeds = None
 
     def __init__(self, outcomes=None, resyncs=None, stop: StopRequested | None = None):
         self.outcomes, self.resyncs, self.stop = outcomes or {}, resyncs or {}, stop
