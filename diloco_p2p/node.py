@@ -152,8 +152,10 @@ class Node:
 
     def _inner_steps(self) -> int:
         """H, or fewer on a node slower than its last group under outer.dynamic_local_updates."""
+        if not self.config.outer.dynamic_local_updates:
+            return self.config.outer.inner_steps
         speeds = self.sync.speeds  # the swarm's measure of our last group; None alone
-        if not (self.config.outer.dynamic_local_updates and speeds):
+        if not speeds:
             return self.config.outer.inner_steps
         return dylu_steps(speeds, self.sync.peer_id, self.config.outer.inner_steps)
 

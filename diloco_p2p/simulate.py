@@ -90,6 +90,7 @@ class ReplicaSync:
 
     def __init__(self, key: str, rendezvous: Rendezvous):
         self.peer_id, self.rendezvous = key, rendezvous
+        self.speeds: dict[str, float] | None = None  # every replica runs H steps
 
     def announce(self, node: NodeState) -> None:
         pass
