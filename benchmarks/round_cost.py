@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from diloco_p2p.faults import GATE_ENV
@@ -71,6 +73,21 @@ def print_swarm_costs(swarm: list[dict[int, dict]], rounds: int) -> None:
               f"{last['seconds']:>8.2f} {mm / work:>+11.1%} {(last['seconds'] - work) / work:>+11.1%}")
 
 
+@contextmanager
+def local_seed(root: Path) -> Iterator[list[str]]:
+    """A seed process on loopback for the benchmark's nodes; yields its multiaddrs."""
+    maddrs = root / "seed.maddrs"
+    seed = subprocess.Popen([sys.executable, "-m", "diloco_p2p", "seed", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                             "--maddrs-file", str(maddrs), "--log-level", "WARNING"])
+    try:
+        while not (maddrs.exists() and maddrs.read_text().strip()):
+            time.sleep(0.2)
+        yield maddrs.read_text().split()
+    finally:
+        seed.terminate()
+        seed.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/tiny-cpu.yaml")
@@ -81,16 +98,8 @@ def main() -> None:
     overrides = [f"train.max_rounds={args.rounds}", *args.overrides]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        maddrs = root / "seed.maddrs"
-        seed = subprocess.Popen([sys.executable, "-m", "diloco_p2p", "seed", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                                 "--maddrs-file", str(maddrs), "--log-level", "WARNING"])
-        try:
-            while not (maddrs.exists() and maddrs.read_text().strip()):
-                time.sleep(0.2)
-            swarm = run_nodes(root / "swarm", args.nodes, args.config, overrides, maddrs.read_text().split()[:1])
-        finally:
-            seed.terminate()
-            seed.wait()
+        with local_seed(root) as maddrs:
+            swarm = run_nodes(root / "swarm", args.nodes, args.config, overrides, maddrs[:1])
         solo = run_nodes(root / "solo", args.nodes, args.config, overrides, [])
     print(f"{args.nodes} nodes, {args.config} {' '.join(args.overrides)}")
     print_swarm_costs(swarm, args.rounds)

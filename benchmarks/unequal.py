@@ -16,13 +16,12 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from round_cost import records, train  # benchmarks/ is on sys.path when run as a script
+from round_cost import local_seed, records, train  # benchmarks/ is on sys.path when run as a script
 
 
 def throttle(proc: subprocess.Popen, stop: threading.Event, period: float = 0.05) -> None:
@@ -64,20 +63,12 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        maddrs = root / "seed.maddrs"
-        seed = subprocess.Popen([sys.executable, "-m", "diloco_p2p", "seed", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                                 "--maddrs-file", str(maddrs), "--log-level", "WARNING"])
-        try:
-            while not (maddrs.exists() and maddrs.read_text().strip()):
-                time.sleep(0.2)
+        with local_seed(root) as maddrs:
             results = {}
             for mode in ("off", "on"):
                 overrides = [f"train.max_rounds={args.rounds}", f"run_id=unequal-{mode}",
                              f"outer.dynamic_local_updates={'true' if mode == 'on' else 'false'}", *args.overrides]
-                results[mode] = run_mode(root / mode, args.config, overrides, maddrs.read_text().split()[0])
-        finally:
-            seed.terminate()
-            seed.wait()
+                results[mode] = run_mode(root / mode, args.config, overrides, maddrs[0])
     print(f"3 nodes ({args.config}), node 2 stopped half the time; rounds 2..{args.rounds}")
     print(f"{'DyLU':>4} {'fast nodes util':>15} {'slow node steps/round':>21} {'wall s':>7} {'final eval':>10}")
     for mode, (nodes, wall) in results.items():

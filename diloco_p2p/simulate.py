@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from diloco_p2p.config import Config, SyncConfig
-from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord
+from diloco_p2p.contract import RoundOutcome, RoundRecord, SoloSync
 from diloco_p2p.logs import log_context
 from diloco_p2p.swarm import wire
 
@@ -85,18 +85,12 @@ class Rendezvous:
             self._cond.notify_all()
 
 
-class ReplicaSync:
+class ReplicaSync(SoloSync):
     """The `Sync` of one replica: every round commits with all M (see the module docstring)."""
 
     def __init__(self, key: str, rendezvous: Rendezvous):
-        self.peer_id, self.rendezvous = key, rendezvous
-        self.speeds: dict[str, float] | None = None  # every replica runs H steps
-
-    def announce(self, node: NodeState) -> None:
-        pass
-
-    def before_round(self, node: NodeState) -> None:
-        return None
+        super().__init__(key)  # no swarm to announce to or resync from; speeds None: H steps each
+        self.rendezvous = rendezvous
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
         average = self.rendezvous.average(self.peer_id, round, delta, weight)
@@ -104,15 +98,6 @@ class ReplicaSync:
             return RoundOutcome(status="failed", group_size=len(self.rendezvous.keys))
         size = len(self.rendezvous.keys)
         return RoundOutcome(status="committed" if size > 1 else "alone", average=average, group_size=size)
-
-    def after_round(self, node: NodeState, record: RoundRecord) -> None:
-        pass
-
-    def dht_peers(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
 
 
 def simulate(config: Config, root: Path, keys: Sequence[str]) -> dict[str, list[RoundRecord]]:
