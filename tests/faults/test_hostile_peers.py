@@ -21,6 +21,7 @@ import pytest
 from hivemind.p2p import P2P
 
 from diloco_p2p.swarm.matchmaking import PROTOCOL_VERSION as MATCHMAKING_VERSION
+from diloco_p2p.swarm.state.announcements import list_donors
 from diloco_p2p.swarm.state.client import StateUnavailable
 from tests.faults.hostile import HostilePeer
 from tests.harness.procs import run_cli, wait_until
@@ -128,7 +129,11 @@ def test_a_closed_run_refuses_a_strangers_records_streams_and_downloads(tmp_path
         swarm.release(a, b)
 
         wait_until(lambda: 1 in a.by_round() and 1 in b.by_round(), 240, "round 1", a, b)
-        fetched = attacker.fetch(run_id)  # a state is announced from round 1 on
+        # A node announces its state just after it records the round: wait until the stranger
+        # sees an announcement, so its download really asks a donor.
+        wait_until(lambda: bool(attacker.loop.run(list_donors(attacker.dht, run_id), timeout=15)), 60,
+                   "a state announcement", a, b)
+        fetched = attacker.fetch(run_id)
         assert isinstance(fetched, StateUnavailable), fetched
         assert attacker.knock(listed, f"/diloco-p2p/{run_id}/matchmaking/{MATCHMAKING_VERSION}") == b""
         assert attacker.knock(listed, AllreduceService(attacker.p2p, prefix=run_id).handler_name) == b""
@@ -138,7 +143,7 @@ def test_a_closed_run_refuses_a_strangers_records_streams_and_downloads(tmp_path
         for what in ("a progress record", "a stream (matchmaking)", "a stream (all-reduce)"):
             assert f"refused peer {attacker.peer_id}: not-admitted ({what} from a peer" in log, (what, a.tail())
         # The stranger's download asked the donors it found in its own order: which of the two
-        # refused it (or both) depends on that order and on which had announced a state by then.
+        # refused it (or both) depends on that order.
         state = f"refused peer {attacker.peer_id}: not-admitted (a stream (state) from a peer"
         assert any(state in node.output() for node in (a, b)), (a.tail(), b.tail())
         assert _refusals(a, attacker.peer_id) == {"not-admitted"}
