@@ -178,7 +178,11 @@ class SyncConfig(_Section):
         "fp16", description="Wire format of pseudo-gradients in the all-reduce (accumulation is fp32)."
     )
     min_group_size: int = Field(2, ge=1, description="Fewest peers that make a group; fewer = the round ends alone.")
-    target_group_size: int = Field(16, ge=1, description="A group closes as soon as it has this many peers.")
+    target_group_size: int = Field(
+        16, ge=1,
+        description="Largest round averaged by one butterfly all-reduce; every node at a round joins one group, and "
+        "a larger one averages on a grid of sub-groups of about this size (the same result, fewer messages).",
+    )
     matchmaking_timeout: float = Field(
         15.0, gt=0, description="Seconds a round waits for peers to form a group before closing it."
     )

@@ -89,10 +89,11 @@ Where later schemes plug in (keep these properties when changing this module):
 - Reducer checks (members comparing digests of the gathered bytes before committing) fit in
   step 5: a digest per part rides in the mask message; a part whose digests differ is dropped
   from every member's mask alike.
-- A hierarchical (2-D grid) all-reduce runs this protocol twice over sub-groups (rows, then
-  columns over the row results) with the same deterministic partition and commit rule; each
-  level's ``AllreduceResult`` says which parts committed, and a part lost at either level is
-  zero on every member alike.
+- The hierarchical (2-D grid) all-reduce (`diloco_p2p.swarm.hierarchy`) runs this protocol over
+  rows with a ``part_hook``: the reducer reduces its part whole (the unstreamed path of step 3),
+  hands it to the hook (a column all-reduce of that part across rows) and gathers what the hook
+  returns, in fp32 when re-encoding it would not be exact. Its agreement across rows is two
+  more calls of this protocol on a 0/1 mask.
 
 
 
@@ -136,6 +137,7 @@ GO, NO_GO = b"\x01", b"\x00"
 _LINGER_TIMEOUT = 5.0  # how long a receiver keeps a stream open after its last byte, for the sender to close it
 
 PhaseHook = Callable[[str], object]  # may return an awaitable
+PartHook = Callable[[torch.Tensor, float], Awaitable[tuple[torch.Tensor, str] | None]]
 Frames = Iterable[bytes] | AsyncIterator[bytes]
 
 
@@ -209,8 +211,13 @@ class AllreduceService:
         max_weight_ratio: float = 64.0,
         on_phase: PhaseHook | None = None,
         on_scattered: Callable[[], object] | None = None,
+        part_hook: PartHook | None = None,
     ) -> AllreduceResult:
-        """Weighted average of `tensor` over `peers` (this peer included, same order on all members)."""
+        """Weighted average of `tensor` over `peers` (this peer included, same order on all members).
+
+        `part_hook` (a level of `diloco_p2p.swarm.hierarchy`): our part is reduced whole, then
+        ``await part_hook(values, total_weight)`` gives what we gather instead: ``(values,
+        compression)``, or None (the part is lost)."""
         if compression not in wire.COMPRESSIONS:
             raise ValueError(f"compression must be one of {wire.COMPRESSIONS}, got {compression!r}")
         if tensor.dim() != 1 or tensor.dtype != torch.float32 or tensor.device.type != "cpu":
@@ -235,6 +242,7 @@ class AllreduceService:
             raise ValueError(f"group_id {group_id!r} was already used on this peer")
         me, n = names.index(own), tensor.numel()
         s.start(list(peers), me, n, compression, self.chunk_elements, loop.time(), timeout)
+        s.part_hook = part_hook
         tensor = tensor.detach()
         tasks: list[asyncio.Task] = []
         scatter_tasks: list[asyncio.Task] = []
@@ -310,12 +318,14 @@ class AllreduceService:
         await _phase(on_phase, "reduced")
         lo, hi = s.bounds[s.me]
         fields = {"part": s.me, "n": s.n, "numel": hi - lo, "chunk": s.chunk, "comp": s.compression}
-        s.gather_header = s.header(
-            "gather", **fields, empty=not candidates, stream=True, contributors=candidates,
-            rejected={str(j): r for j, r in sorted(s.rejected.items())},
-        )
-        tasks += [self._spawn(self._gather_to(s, j)) for j in s.others]
-        ok = bool(candidates)
+        hooked = s.part_hook is not None  # no streaming: the part goes to the next level whole first
+        if not hooked:
+            s.gather_header = s.header(
+                "gather", **fields, empty=not candidates, stream=True, contributors=candidates,
+                rejected={str(j): r for j, r in sorted(s.rejected.items())},
+            )
+            tasks += [self._spawn(self._gather_to(s, j)) for j in s.others]
+        ok = bool(candidates) and not hooked
         for c, (a, b) in enumerate(wire.chunk_ranges(hi - lo, s.chunk)):
             if not ok:
                 break
@@ -345,6 +355,8 @@ class AllreduceService:
                 wire.reduce_part, complete, max_ratio, hi - lo, s.chunk, s.compression
             )
             s.rejected.update({j: "weight" for j in heavy})
+            if hooked and values is not None:
+                fields["comp"], frames, values = await self._next_level(s, values, [complete[j][0] for j in accepted])
             if values is not None and s.result is not None:
                 s.result[lo:hi] = values
             rejected = {str(j): r for j, r in sorted(s.rejected.items())}
@@ -353,9 +365,22 @@ class AllreduceService:
             )
             s.fallback = (header, frames or [])
             s.gathered[s.me] = header
+            if hooked:
+                tasks += [self._spawn(self._gather_to(s, j)) for j in s.others]
             log.debug("allreduce %s: part %d reduced again without %s", s.group_id, s.me, sorted(s.failed))
         s.out_final = wire.TRAILER_OK if ok else wire.TRAILER_VOID
         await s.notify()
+
+    async def _next_level(self, s: Session, values: torch.Tensor, weights: list[float]):
+        """(compression, encoded chunks, decoded values) of what `s.part_hook` makes of our reduced
+        part; (compression, None, None) when it lost the part."""
+        out = await s.part_hook(values, math.fsum(weights))
+        if out is None or out[0].shape != values.shape or out[1] not in wire.COMPRESSIONS:
+            return s.compression, None, None
+        frames = list(_encoded_chunks(out[0], s.chunk, out[1]))
+        decoded = torch.cat([wire.decode(f, b - a, out[1]) for f, (a, b) in
+                             zip(frames, wire.chunk_ranges(values.numel(), s.chunk), strict=True)] or [values[:0]])
+        return out[1], frames, decoded
 
     async def _streamed_part(self, s: Session) -> AsyncIterator[bytes]:
         """Our reduced chunks as the pipeline produces them, then the trailer (ok or void)."""
@@ -546,7 +571,7 @@ class AllreduceService:
             h["part"] == j
             and h["n"] == s.n
             and h["numel"] == hi - lo
-            and h["comp"] == s.compression
+            and h["comp"] in (s.compression, "fp32")  # fp32: a level of a hierarchy, exact (`part_hook`)
             and all(c < s.k for c in h["contributors"])
             and all(int(p) < s.k for p in h["rejected"])
         )

@@ -82,6 +82,7 @@ class Session:
         self.gone: set[int] = set()
         self.excluded: set[int] = set()  # sent us a message that contradicts our view (sizes, group, format)
         self.reduced = self.mask_fixed = False
+        self.part_hook: Any = None  # `AllreduceService.allreduce(part_hook=...)`: a hierarchy's next level
         self.bytes_sent = self.bytes_received = 0
         self.phases: dict[str, float] = {}
         self.started.set()

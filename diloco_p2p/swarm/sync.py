@@ -14,8 +14,10 @@
   (its own progress since is dropped: `status: resynced`).
   The majority rule (ties to the smallest hash) is the same on every node, so a fork heals
   deterministically: the smaller side adopts the larger side's state.
-- `average`: form a group of the nodes at the same round with the same θ, all-reduce Δ,
-  and hand back the average; a round with no group follows `sync.alone_policy`.
+- `average`: form the round's one group of the nodes at the same round with the same θ
+  (however many: past `sync.target_group_size` the all-reduce runs on a grid of sub-groups,
+  `hierarchy`), all-reduce Δ, and hand back the average; a round with no group follows
+  `sync.alone_policy`.
 - `after_round`: publish the progress record and serve the new state to joiners.
 
 Network faults are data: each round ends committed / alone / failed / resynced, never with
@@ -37,6 +39,7 @@ from diloco_p2p import __version__
 from diloco_p2p.config import P2PConfig, SyncConfig
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState, view_hash
 from diloco_p2p.faults import Faults
+from diloco_p2p.swarm import hierarchy
 from diloco_p2p.swarm.admission import Admission
 from diloco_p2p.swarm.allreduce import AllreduceService
 from diloco_p2p.swarm.allreduce_state import AllreduceResult
@@ -231,11 +234,12 @@ class SwarmSync:
                 log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
                 return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement))
             self.faults.fire("group", round)
-            result = self._interruptible(
-                self.allreduce.allreduce(group.group_id, group.peers, delta, weight,
-                                         compression=self.cfg.compression, timeout=self.cfg.allreduce_timeout,
-                                         max_weight_ratio=self.cfg.max_weight_ratio,
-                                         on_scattered=lambda: self.faults.fire("allreduce", round)),
+            result = self._interruptible(  # one butterfly, or the grid past target_group_size (`hierarchy`)
+                hierarchy.average(self.allreduce, group.group_id, group.peers, delta, weight,
+                                  butterfly_max=self.cfg.target_group_size,
+                                  compression=self.cfg.compression, timeout=self.cfg.allreduce_timeout,
+                                  max_weight_ratio=self.cfg.max_weight_ratio,
+                                  on_scattered=lambda: self.faults.fire("allreduce", round)),
                 timeout=self.cfg.allreduce_timeout + 30,
             )
         except Interrupted as e:
@@ -264,8 +268,10 @@ class SwarmSync:
         expected = [peer for peer, r in records.items() if peer != self.peer_id and r.round < round]
         computing = time.perf_counter() - self._computing_since if self._computing_since else 0.0
         self._computing_since = None
+        # One membership per round, whatever its size: the all-reduce runs in sub-groups past
+        # target_group_size (`hierarchy`), so the swarm never splits into groups that fork θ.
         return await self.matchmaker.form_group(round, params_hash, weight, min_group_size=self.cfg.min_group_size,
-                                                target_group_size=self.cfg.target_group_size,
+                                                target_group_size=hierarchy.MAX_MEMBERS,
                                                 timeout=self.cfg.matchmaking_timeout, expected=expected,
                                                 speed=weight / computing if computing > 0 else 0.0)
 
