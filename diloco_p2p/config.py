@@ -211,6 +211,13 @@ class SyncConfig(_Section):
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="Who may take part in the run (open or closed)."
     )
+    overlap: Literal["none", "delayed", "eager"] = Field(
+        "none",
+        description="Hide the all-reduce behind compute: `none` blocks on it each round; `delayed` and `eager` "
+        "average round t's pseudo-gradient during round t+1's inner steps and apply it at the end of round t+1, "
+        "`eager` with the local correction of the Eager Updates paper (arXiv:2502.12996). Every node of a run "
+        "must use the same.",
+    )
 
     @model_validator(mode="after")
     def _group_bounds(self) -> SyncConfig:
@@ -272,13 +279,24 @@ class Config(_Section):
     # corpus may differ between volunteers, and older checkpoints stay resumable).
     SWARM_FIELDS: ClassVar[tuple[str, ...]] = (
         "run_id", "seed", "model", "outer", "sync.compression", "inner.seq_len", "data.dataset_id",
+        "sync.overlap",  # absent when none: older runs keep their hash
     )
+
+    @model_validator(mode="after")
+    def _overlap_fits(self) -> Config:
+        # The eager correction runs the outer step on its own input (diloco_p2p.overlap): a plain
+        # (Nesterov) momentum step, and H known when the round in flight is averaged.
+        if self.sync.overlap != "none" and self.outer.delayed_nesterov:
+            raise ValueError("sync.overlap needs outer.delayed_nesterov unset (the overlapped step is plain Nesterov)")
+        if self.sync.overlap != "none" and self.outer.dynamic_local_updates:
+            raise ValueError("sync.overlap and outer.dynamic_local_updates cannot be combined")
+        return self
 
     def swarm_view(self) -> dict[str, Any]:
         """The flattened fields that must agree across the swarm, by dotted path."""
         flat = _flatten(self.model_dump(mode="json"))
         return {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in self.SWARM_FIELDS)
-                and not (k == "data.dataset_id" and v is None)}
+                and not (k == "data.dataset_id" and v is None) and not (k == "sync.overlap" and v == "none")}
 
     def swarm_hash(self) -> str:
         """sha256 over `swarm_view()`; peers with a different hash are refused."""

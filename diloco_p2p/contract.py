@@ -50,6 +50,11 @@ class NodeState:
     `params_sha256` is the node's hash of θ; `shard_sha256` the hash of the part of θ this
     process holds (the same value on a node of one rank). `state` holds references to the
     process's θ and momentum (flat, fp32): the swarm packs them to serve joiners, never edits them.
+
+    θ is always the *global* θ, the one every member of a round holds bit for bit. Under
+    ``sync.overlap`` (`diloco_p2p.overlap`) the average of round `in_flight_round` is still under
+    way and not in θ yet (`state` then carries it once known, for joiners); an eager node trains
+    from θ plus a local correction that is never hashed, served or averaged.
     """
 
     round: int
@@ -60,6 +65,7 @@ class NodeState:
     joined_at_round: int | None
     resyncs: int
     state: Mapping[str, torch.Tensor] = field(repr=False, compare=False)
+    in_flight_round: int | None = None
 
 
 @dataclass
@@ -136,6 +142,13 @@ class RoundRecord:
     dropped_round: int | None = None  # a resync: the round of our own θ that was given up
     resyncs: int | None = None
     joined_at_round: int | None = None
+    # sync.overlap (`diloco_p2p.overlap`): the mode, the round whose average this round's outer step
+    # applied (round - 1 while the pipeline runs; None: none), and wall-clock times (time.time) of
+    # this round's compute and of that average's background span ("compute_start", "compute_end",
+    # "average_start", "average_done"): exposed_seconds is then only the wait past compute_end.
+    overlap: str | None = None
+    applied_round: int | None = None
+    phases: dict[str, float] | None = None
 
     @classmethod
     def of(cls, outcome: RoundOutcome, **node: Any) -> RoundRecord:

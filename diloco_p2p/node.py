@@ -20,6 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from diloco_p2p import __version__
 from diloco_p2p.checkpoint import Checkpoint, join_tensors, load_checkpoint, save_checkpoint, split_tensors
 from diloco_p2p.config import Config, save_config
@@ -33,6 +35,7 @@ from diloco_p2p.contract import (
     Sync,
 )
 from diloco_p2p.data import DataPosition, open_dataset
+from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
 from diloco_p2p.fsdp import (
     ShardLayout,
@@ -45,6 +48,7 @@ from diloco_p2p.inner import InnerTrainer, StepStats
 from diloco_p2p.logs import log_context, set_log_context
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
 from diloco_p2p.outer import OuterOptimizer, dylu_steps
+from diloco_p2p.overlap import Pipeline
 from diloco_p2p.ranks import Ranks, resolve_device
 from diloco_p2p.rundir import node_key, prepare_run_dir
 from diloco_p2p.threads import ThreadBudget
@@ -74,6 +78,8 @@ class Node:
         self.joined_at_round: int | None = None
         self.resyncs = 0
         self._node_hash: tuple[int, str] | None = None
+        self._resumed_flight: tuple[int, torch.Tensor, float] | None = None  # a checkpoint's round in flight
+        self._last_record: RoundRecord | None = None
         self._resume()
         if leader:
             save_config(config, run_dir / "config.yaml")
@@ -97,6 +103,11 @@ class Node:
         total_steps = cfg.inner.total_steps or cfg.train.max_rounds * cfg.outer.inner_steps
         self.trainer = InnerTrainer(self.model, cfg.inner, total_steps, self.device, precision, ranks, faults)
         self.outer = OuterOptimizer(self.layout.local_views(), cfg.outer)
+        # sync.overlap: the average in flight behind the next round's compute (diloco_p2p.overlap)
+        self.pipeline = None if cfg.sync.overlap == "none" else Pipeline(
+            cfg.sync.overlap, self.outer.numel, cfg.outer, cfg.sync.min_group_size)
+        if self.pipeline is not None and ranks.sharded:
+            raise UserError("sync.overlap runs on a node of one local rank; set sync.overlap=none or use one rank")
         sharding = (f" sharded over {ranks.world_size} local ranks ({self.outer.numel:,} outer-state values on "
                     "this rank)" if ranks.sharded else "")
         log.info("model: %s parameters%s on %s; data: %s; run dir %s",
@@ -110,6 +121,10 @@ class Node:
         self.sync.announce(self.state())
         if self.round == 0 and self.step == 0:
             records.append(self._initial_record())
+        if self._resumed_flight is not None and self.pipeline is not None:  # average it again, with the swarm
+            round, delta, weight = self._resumed_flight
+            self.pipeline.begin(self.sync, round, delta, weight, self.params_sha256())
+            self._resumed_flight = None
         while self.round < cfg.train.max_rounds and not self._stopping():
             set_log_context(round=self.round + 1, step=self.step)
             self.threads.apply()  # nodes on this machine may have started or stopped
@@ -118,7 +133,9 @@ class Node:
                 records.append(self._adopt(resync))
                 continue
             start, losses, round_tokens = time.perf_counter(), [], 0
-            self.outer.copy_into(self.layout.local_views())  # every round starts from θ
+            compute_start = time.time()
+            offset = self.pipeline.local_offset() if self.pipeline else None
+            self.outer.copy_into(self.layout.local_views(), offset)  # every round starts from θ (+ eager c)
 
             for _ in range(self._inner_steps()):  # H inner steps on our own data
                 if self._stopping():
@@ -128,27 +145,67 @@ class Node:
                 round_tokens += stats.tokens
                 self.step += 1
                 self._observe_step(stats, len(losses))
+                if self.pipeline and self._last_record and self.pipeline.ready_to_serve():
+                    self.sync.after_round(self.state(), self._last_record)  # joiners need the average in flight
             if self._stopping():
                 break  # abandon the partial round: nothing of it reaches θ or the swarm
 
             compute = time.perf_counter() - start
-            delta = self.outer.pseudo_gradient(self.layout.local_views())  # Δ = θ − θ_local
+            delta = self.outer.pseudo_gradient(self.layout.local_views(), offset)  # Δ = θ (+ c) − θ_local
+            phases = {"compute_start": compute_start, "compute_end": time.time()}
             synced = time.perf_counter()
-            outcome = self.sync.average(self.round + 1, delta, float(round_tokens), self.params_sha256())
+            outcome, applied = self._average(delta, float(round_tokens), phases)
             exposed = time.perf_counter() - synced  # communication not hidden behind compute
             if self._stopping():
                 break  # the group carries on without us; our partial round is dropped
-            if outcome.average is not None:
-                self.outer.step(outcome.average)  # outer Nesterov step, identical on every group member
             self.round += 1
             self.tokens += round_tokens
+            overlap = {} if self.pipeline is None else {"overlap": self.pipeline.mode, "phases": phases}
             records.append(self._commit(self._record(outcome, start, losses, round_tokens, compute_seconds=compute,
-                                                     exposed_seconds=exposed)))
+                                                     exposed_seconds=exposed, applied_round=applied, **overlap)))
 
         self.outer.copy_into(self.layout.local_views())
         if self._stopping():
             self._save()
+        if self.pipeline is not None:
+            self.pipeline.drop()  # a stop: the checkpoint holds the round in flight; wait out its thread
+            self.pipeline.settle()
         return records
+
+    def _average(self, delta: torch.Tensor, weight: float, phases: dict[str, float]) -> tuple[RoundOutcome, int | None]:
+        """The round's outer step: the round's average now (blocking), or under sync.overlap the
+        previous round's, which ran behind this round's inner steps, while this round's starts in
+        the background (`diloco_p2p.overlap`). Returns the outcome applied and its round."""
+        round, pipe = self.round + 1, self.pipeline
+        if pipe is None or round >= self.config.train.max_rounds:  # blocking; the last round drains the pipeline
+            flight = pipe.take() if pipe is not None else None
+            if flight is not None and not self._stopping():
+                phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
+                self._apply(flight.result())
+            outcome = self.sync.average(round, delta, weight, self.params_sha256())
+            if pipe is not None and pipe.correction is not None:
+                pipe.correction.reset()
+            if not self._stopping():
+                self._apply(outcome)
+            return outcome, round
+        flight = pipe.take()  # the exposed part: the wait for round − 1's average
+        if self._stopping():
+            pipe.inflight = flight  # not applied: the checkpoint keeps it to average again
+            return RoundOutcome(status="failed"), None
+        if flight is None:  # the first round: nothing to apply yet
+            outcome = RoundOutcome(status="skipped")
+        else:
+            outcome = flight.result()
+            phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
+            self._apply(outcome)
+            pipe.learn(outcome)
+        pipe.correct(delta)  # eager: a_t·Δ_m^(t) replaces a_{t-1}·Δ_m^(t-1) in the local correction
+        pipe.begin(self.sync, round, delta, weight, self.params_sha256())
+        return outcome, None if flight is None else flight.round
+
+    def _apply(self, outcome: RoundOutcome) -> None:
+        if outcome.average is not None:
+            self.outer.step(outcome.average)  # outer Nesterov step, identical on every group member
 
     def _inner_steps(self) -> int:
         """H, or fewer on a node slower than its last group under outer.dynamic_local_updates."""
@@ -179,14 +236,20 @@ class Node:
         return self._node_hash[1]
 
     def state(self) -> NodeState:
+        state = self.outer.state_tensors()
+        if self.pipeline is not None:
+            state = {**state, **self.pipeline.served_tensors()}
+        flight = self.pipeline.inflight if self.pipeline is not None else None
         return NodeState(round=self.round, step=self.step, tokens=self.tokens, params_sha256=self.params_sha256(),
                          shard_sha256=self.outer.params_sha256(), joined_at_round=self.joined_at_round,
-                         resyncs=self.resyncs, state=self.outer.state_tensors())
+                         resyncs=self.resyncs, state=state, in_flight_round=flight.round if flight else None)
 
     def _adopt(self, resync: SwarmState) -> RoundRecord:
         """Take the swarm's θ and momentum (downloaded and verified) and its round."""
         start, dropped = time.perf_counter(), self.round
         self.outer.load_state_tensors(resync.tensors)
+        if self.pipeline is not None:  # our round in flight and correction go; the state's average in flight comes
+            self.pipeline.adopt(resync.tensors, resync.round, self.outer.numel)
         self.outer.copy_into(self.layout.local_views())
         if self.step == 0 and self.joined_at_round is None:
             self.joined_at_round = resync.round
@@ -222,6 +285,7 @@ class Node:
         if self.round % cfg.train.checkpoint_every == 0 or self.round >= cfg.train.max_rounds:
             self._save()
         self._append(record)
+        self._last_record = record
         if self.metrics:
             self.metrics.observe_round(record.as_dict())
             self.metrics.set_dht_peers(self.sync.dht_peers())
@@ -273,12 +337,16 @@ class Node:
         if not leader:
             return None
         tensors = {"outer.theta": theta, "outer.momentum": momentum}
+        overlap: dict[str, Any] = {}
+        if self.pipeline is not None:  # the pending local Δ (the round in flight) and the eager correction
+            extra, overlap = self.pipeline.state_tensors()
+            tensors.update(extra)
         inner = split_tensors({"optimizer": optimizer, "scheduler": trainer_state["scheduler"]}, tensors, "inner")
         meta = {
             "inner": inner, "data_position": asdict(self.data.position), "swarm_view": self.swarm_view,
             "config_hash": self.config.swarm_hash(), "params_sha256": params_sha256, "version": __version__,
             "joined_at_round": self.joined_at_round, "resyncs": self.resyncs,
-            "local_world_size": self.ranks.world_size,
+            "local_world_size": self.ranks.world_size, "overlap": overlap,
         }
         return Checkpoint(round=self.round, step=self.step, tokens=self.tokens, tensors=tensors, meta=meta)
 
@@ -303,6 +371,8 @@ class Node:
         self.round, self.step, self.tokens = ckpt.round, ckpt.step, ckpt.tokens
         self.joined_at_round = ckpt.meta.get("joined_at_round")
         self.resyncs = ckpt.meta.get("resyncs", 0)
+        if self.pipeline is not None:
+            self._resumed_flight = self.pipeline.load(ckpt.tensors, ckpt.meta.get("overlap") or {})
         self.outer.copy_into(self.layout.local_views())
         log.info("resumed from checkpoint at round %d (step %d; written by %s local rank(s))",
                  self.round, self.step, ckpt.meta.get("local_world_size", 1))

@@ -80,9 +80,10 @@ class OuterOptimizer:
     def numel(self) -> int:
         return self.theta.numel()
 
-    def pseudo_gradient(self, local_params: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Δ = θ − θ_local, as a flat fp32 vector."""
-        return self.theta - flatten(local_params)
+    def pseudo_gradient(self, local_params: Sequence[torch.Tensor], offset: torch.Tensor | None = None) -> torch.Tensor:
+        """Δ = θ − θ_local, as a flat fp32 vector; from θ + offset when the round started there."""
+        start = self.theta if offset is None else self.theta + offset
+        return start - flatten(local_params)
 
     def step(self, avg_delta: torch.Tensor) -> None:
         """Apply one outer SGD(+Nesterov) step with the averaged pseudo-gradient Δ̄."""
@@ -114,10 +115,12 @@ class OuterOptimizer:
         else:
             self.theta.sub_(delta.add(self.momentum, alpha=self.cfg.dn_momentum_fraction), alpha=lr)
 
-    def copy_into(self, params: Sequence[torch.Tensor]) -> None:
-        """Load θ into the model's (local) parameters, whatever their device and dtype."""
+    def copy_into(self, params: Sequence[torch.Tensor], offset: torch.Tensor | None = None) -> None:
+        """Load θ (+ offset: an eager node's local correction) into the model's (local) parameters,
+        whatever their device and dtype."""
+        theta = self.theta if offset is None else self.theta + offset
         with torch.no_grad():
-            for p, chunk in zip(params, self.theta.split(self.numels), strict=True):
+            for p, chunk in zip(params, theta.split(self.numels), strict=True):
                 p.copy_(chunk.view(p.shape))
 
     def params_sha256(self) -> str:

@@ -11,6 +11,9 @@ member order, then encoded and decoded once more). So M replicas whose keys are 
 peer ids end every round with the swarm's ``params_sha256``; with M = 1 Δ is applied as is
 (a node alone). Every round is a committed round of all M: no faults, no stragglers.
 
+Under ``sync.overlap`` a replica hands its Δ in at the end of a round and collects the average
+at the end of the next (`ReplicaSync.begin_average`), as a swarm node does (`diloco_p2p.overlap`).
+
 The replicas run in threads that take turns (one baton): only one trains at a time, so the
 results do not depend on scheduling and M replicas cost M times one replica's compute.
 """
@@ -27,6 +30,7 @@ import torch
 from diloco_p2p.config import Config, SyncConfig
 from diloco_p2p.contract import RoundOutcome, RoundRecord, SoloSync
 from diloco_p2p.logs import log_context
+from diloco_p2p.overlap import InFlight
 from diloco_p2p.swarm import wire
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,11 @@ class Rendezvous:
 
     def average(self, key: str, round: int, delta: torch.Tensor, weight: float) -> torch.Tensor | None:
         """Hand in our Δ; returns the round's average once all replicas have (None: one failed)."""
+        self.hand_in(key, round, delta, weight)
+        return self.wait(round)
+
+    def hand_in(self, key: str, round: int, delta: torch.Tensor, weight: float) -> None:
+        """Our Δ for `round`; the last replica to hand in computes the average."""
         with self._cond:
             self._pending[key] = (delta.clone(), weight)
             if len(self._pending) == len(self.keys):
@@ -70,6 +79,9 @@ class Rendezvous:
                     [d for d, _ in members], [w for _, w in members], self.cfg.compression, self.cfg.max_weight_ratio)
                 self._results.pop(round - 2, None)
                 self._cond.notify_all()
+
+    def wait(self, round: int) -> torch.Tensor | None:
+        """The average of `round` once every replica has handed in (None: one failed)."""
         self.baton.release()  # let the others train while we wait (never hold the baton in _cond)
         try:
             with self._cond:
@@ -98,6 +110,26 @@ class ReplicaSync(SoloSync):
             return RoundOutcome(status="failed", group_size=len(self.rendezvous.keys))
         size = len(self.rendezvous.keys)
         return RoundOutcome(status="committed" if size > 1 else "alone", average=average, group_size=size)
+
+    def begin_average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> InFlight:
+        """sync.overlap: hand in Δ now; the wait (baton released) comes when the loop asks for it."""
+        return _ReplicaFlight(self, round, delta, weight, params_hash)
+
+
+class _ReplicaFlight(InFlight):
+    """A replica's average in flight: handed in, collected at `result()`."""
+
+    def __init__(self, sync: ReplicaSync, round: int, delta: torch.Tensor, weight: float, params_hash: str):
+        super().__init__(round, delta.clone(), weight, params_hash)
+        self.sync = sync
+        sync.rendezvous.hand_in(sync.peer_id, round, delta, weight)
+
+    def result(self) -> RoundOutcome:
+        if not self.done():
+            average, size = self.sync.rendezvous.wait(self.round), len(self.sync.rendezvous.keys)
+            self._finish(RoundOutcome(status="failed", group_size=size) if average is None else RoundOutcome(
+                status="committed" if size > 1 else "alone", average=average, group_size=size, contributors=size))
+        return super().result()
 
 
 def simulate(config: Config, root: Path, keys: Sequence[str]) -> dict[str, list[RoundRecord]]:

@@ -265,7 +265,9 @@ class SwarmSync:
         except Exception as e:  # no view of the swarm: the group closes when full or at the timeout
             log.debug("round %d: could not read progress records (%r)", round, e)
             records = {}
-        expected = [peer for peer, r in records.items() if peer != self.peer_id and r.round < round]
+        # Under sync.overlap a peer publishes round `round` while that round's average is still in flight.
+        last = round if self.cfg.overlap != "none" else round - 1
+        expected = [peer for peer, r in records.items() if peer != self.peer_id and r.round <= last]
         computing = time.perf_counter() - self._computing_since if self._computing_since else 0.0
         self._computing_since = None
         # One membership per round, whatever its size: the all-reduce runs in sub-groups past

@@ -1,0 +1,272 @@
+"""Communication hidden behind compute: ``sync.overlap`` (Kale, Douillard et al., "Eager Updates
+for Overlapped Communication and Computation in DiLoCo", 2025, arXiv:2502.12996;
+``shared/papers/eager-updates-overlapped-diloco.txt``).
+
+With ``sync.overlap: none`` a round ends with a blocking all-reduce of its pseudo-gradient Δ.
+With ``delayed`` or ``eager`` the all-reduce of round t's Δ_m^(t) runs in the background during
+round t+1's inner steps (`begin_average`); at the end of round t+1 the node waits for it (the
+only communication the loop still sees: ``exposed_seconds``) and applies it. In the paper's
+notation, with Δ^(t) = (1/M) Σ_m Δ_m^(t) the all-reduced outer gradient:
+
+- ``delayed`` (§2.2, Algorithm 2 line 10):  θ^(t) = OuterOpt(θ^(t-1), Δ^(t-1)).
+- ``eager`` (§2.3, Algorithm 3 lines 11-12):
+      Δ̃_m^(t) = Δ^(t-1) + (1/M)·(Δ_m^(t) − Δ_m^(t-1))
+                (= (1/M)·Δ_m^(t) + (1/M)·Σ_{m'≠m} Δ_{m'}^(t-1): the fresh local Δ stands in
+                 for its own stale share of the average);
+      θ_m^(t)  = OuterOpt(θ_m^(t-1), Δ̃_m^(t)).
+
+In the paper each worker's θ_m is its own and never synchronized. Here every member must end
+each round with bit-identical θ (``params_sha256``), so the worker state is split in two. The
+outer optimizer (SGD, Nesterov or heavy-ball momentum: m ← β·m + g; θ ← θ − η·(g + β·m)) is
+linear in (θ, m, g), so running it on g = Δ^(t-1) + d_m^(t), d_m^(t) = a_t·Δ_m^(t) − a_{t-1}·Δ_m^(t-1),
+from the shared start (θ^(0), 0) gives exactly
+
+      (θ_m, m_m) = (θ, m) + (c_m, μ_m),
+
+where (θ, m) is the *global* state, driven by the all-reduced Δ^(t-1) only (Algorithm 2's
+sequence: identical on every member, hashed and served to joiners), and (c_m, μ_m) the node's
+*local correction*, the same optimizer run from (0, 0) on d_m alone (`EagerCorrection`). An eager
+node trains round t+1 from θ + c_m; ``delayed`` is the same with c_m = 0. a_t is the node's
+share of the average, 1/M in the paper; a swarm's groups vary, so a_t = 1/M with M the size of
+our last group (``sync.min_group_size`` before the first). Whatever a_t, the corrections
+telescope: Σ_s d^(s) = a_t·Δ_m^(t), the "pending" local term kept for the next round.
+
+The last round of a run (train.max_rounds) drains the pipeline: it waits for round t-1's average,
+applies it, then averages its own Δ blocking and applies that too, so the run ends on a θ that
+holds every round's Δ and no local correction.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from diloco_p2p.config import OuterConfig
+from diloco_p2p.contract import RoundOutcome
+
+OVERLAPS = ("none", "delayed", "eager")
+
+
+class InFlight:
+    """One round's averaging, under way in the background. `result()` waits for it (the
+    exposed part); `started`/`done_at` are wall-clock (time.time) for the round's record."""
+
+    def __init__(self, round: int, delta: torch.Tensor, weight: float, params_hash: str):
+        self.round, self.delta, self.weight, self.params_hash = round, delta, weight, params_hash
+        self.started = time.time()
+        self.done_at: float | None = None
+        self._outcome: RoundOutcome | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+
+    def _finish(self, outcome: RoundOutcome | None, error: BaseException | None = None) -> None:
+        self._outcome, self._error, self.done_at = outcome, error, time.time()
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> RoundOutcome:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._outcome is not None
+        return self._outcome
+
+
+class _Thread(InFlight):
+    """`sync.average` in a daemon thread (a swarm's call never raises for a network fault)."""
+
+    def __init__(self, average: Callable[..., RoundOutcome], round: int, delta: torch.Tensor, weight: float,
+                 params_hash: str):
+        super().__init__(round, delta, weight, params_hash)
+        threading.Thread(target=self._run, args=(average,), name=f"average-round-{round}", daemon=True).start()
+
+    def _run(self, average: Callable[..., RoundOutcome]) -> None:
+        try:
+            outcome = average(self.round, self.delta, self.weight, self.params_hash)
+        except BaseException as e:  # handed to the loop by result()
+            self._finish(None, e)
+            return
+        self._finish(outcome)
+
+
+@runtime_checkable
+class BeginsAverage(Protocol):
+    """A `Sync` that starts an average itself (the simulator's replicas take turns on one baton)."""
+
+    def begin_average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> InFlight: ...
+
+
+def begin_average(sync, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> InFlight:
+    """Start averaging `delta` for `round` in the background; `sync.average` in a thread unless
+    the sync starts it itself."""
+    if isinstance(sync, BeginsAverage):
+        return sync.begin_average(round, delta, weight, params_hash)
+    return _Thread(sync.average, round, delta.clone(), weight, params_hash)
+
+
+def resolved(round: int, delta: torch.Tensor, weight: float, params_hash: str, outcome: RoundOutcome) -> InFlight:
+    """An average already done (a sync with nothing to wait for)."""
+    flight = InFlight(round, delta, weight, params_hash)
+    flight._finish(outcome)
+    return flight
+
+
+def outer_update(theta: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, cfg: OuterConfig) -> None:
+    """The outer optimizer's step in place, exactly `OuterOptimizer.step` without delayed
+    Nesterov: m ← β·m + g; θ ← θ − η·(g + β·m) (Nesterov) or θ − η·m."""
+    momentum.mul_(cfg.momentum).add_(grad)
+    update = grad.add(momentum, alpha=cfg.momentum) if cfg.nesterov else momentum
+    theta.sub_(update, alpha=cfg.lr)
+
+
+class EagerCorrection:
+    """A node's local correction (c, μ) to the global (θ, m), and the pending local term
+    a_{t-1}·Δ_m^(t-1) (module docstring). All zero: the node trains from the global θ."""
+
+    def __init__(self, numel: int, cfg: OuterConfig):
+        self.cfg = cfg
+        self.theta = torch.zeros(numel)
+        self.momentum = torch.zeros(numel)
+        self.pending = torch.zeros(numel)
+
+    def step(self, local_term: torch.Tensor) -> None:
+        """Algorithm 3 line 11's local part: d = a_t·Δ_m^(t) − a_{t-1}·Δ_m^(t-1), run through
+        the outer optimizer from the correction's own state; `local_term` = a_t·Δ_m^(t)."""
+        d = local_term.to(torch.float32) - self.pending
+        outer_update(self.theta, self.momentum, d, self.cfg)
+        self.pending = local_term.to(torch.float32).clone()
+
+    def reset(self) -> None:
+        """Drop the correction (a state adopted from the swarm, or the pipeline drained)."""
+        for t in (self.theta, self.momentum, self.pending):
+            t.zero_()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"overlap.theta": self.theta, "overlap.momentum": self.momentum, "overlap.pending": self.pending}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in self.state_tensors().items():
+            if name in tensors:
+                if tensors[name].shape != t.shape:
+                    raise ValueError(f"{name} has {tensors[name].numel()} values, this model has {t.numel()}")
+                t.copy_(tensors[name].to(torch.float32))
+
+
+class Pipeline:
+    """A node's overlap state: the average in flight and, for ``eager``, the local correction.
+
+    The loop (`diloco_p2p.node`) calls `take` at the end of round t (the wait for round t-1's
+    average), applies what it returns to the global θ, then `correct` and `begin` round t's.
+    A state served to joiners carries round t-1's average once it is known (`served_tensors`):
+    the swarm's θ of round t-1 does not hold it yet, and a joiner adopting that state applies it
+    at the end of its first round as the members do (`adopt`), so it ends that round with their θ.
+    """
+
+    def __init__(self, mode: str, numel: int, cfg: OuterConfig, group: int):
+        self.mode = mode
+        self.correction = EagerCorrection(numel, cfg) if mode == "eager" else None
+        self.group = max(1, group)  # M of a_t = 1/M: our last group's size
+        self.inflight: InFlight | None = None
+        self._abandoned: InFlight | None = None
+        self.served_round: int | None = None  # the in-flight round whose average the served state holds
+
+    def start_point(self, theta: torch.Tensor) -> torch.Tensor:
+        """The θ the node trains from: the global θ, plus the correction when eager."""
+        return theta if self.correction is None else theta + self.correction.theta
+
+    def local_offset(self) -> torch.Tensor | None:
+        """c_m, what the start point adds to θ (None: nothing)."""
+        return None if self.correction is None else self.correction.theta
+
+    def take(self) -> InFlight | None:
+        """The average in flight, once done (None when none is: the first round of a run)."""
+        flight, self.inflight = self.inflight, None
+        if flight is not None:
+            flight.result()
+        return flight
+
+    def learn(self, outcome: RoundOutcome) -> None:
+        """Our share of the next average is 1/M with M the group that just averaged."""
+        if outcome.status == "committed":
+            self.group = max(1, outcome.contributors or outcome.group_size)
+
+    def correct(self, delta: torch.Tensor) -> None:
+        if self.correction is not None:
+            self.correction.step(delta / self.group)
+
+    def begin(self, sync, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> None:
+        self.settle()
+        self.inflight = begin_average(sync, round, delta, weight, params_hash)
+        self.served_round = None
+
+    def settle(self) -> None:
+        """Wait out an average whose result was dropped: one averaging at a time per sync."""
+        if self._abandoned is not None:
+            try:
+                self._abandoned.result()
+            except Exception:  # noqa: S110 - its result is dropped anyway
+                pass
+            self._abandoned = None
+
+    def drop(self) -> None:
+        """The node adopts the swarm's state: our round in flight and our correction no longer apply."""
+        if self.inflight is not None and not self.inflight.done():
+            self._abandoned = self.inflight
+        self.inflight = None
+        self.served_round = None
+        if self.correction is not None:
+            self.correction.reset()
+
+    def ready_to_serve(self) -> bool:
+        """The average in flight has just become known: the served state should carry it."""
+        flight = self.inflight
+        return flight is not None and flight.done() and self.served_round != flight.round and \
+            flight.result().status == "committed" and flight.result().average is not None
+
+    def served_tensors(self) -> dict[str, torch.Tensor]:
+        """What a joiner needs beyond θ and momentum: the known average of the round in flight."""
+        flight = self.inflight
+        if flight is None or not flight.done() or flight.result().average is None or \
+                flight.result().status != "committed":
+            return {}
+        self.served_round = flight.round
+        return {"overlap.average": flight.result().average,
+                "overlap.average_round": torch.tensor([flight.round], dtype=torch.int64)}
+
+    def adopt(self, tensors: dict[str, torch.Tensor], round: int, numel: int) -> None:
+        """Take over a served state's in-flight average (see the class docstring), if it has one
+        for `round` (the state's round) of the right size."""
+        self.drop()
+        average, rnd = tensors.get("overlap.average"), tensors.get("overlap.average_round")
+        if average is None or rnd is None or rnd.numel() != 1 or int(rnd.reshape(-1)[0]) != round \
+                or average.numel() != numel or not bool(torch.isfinite(average).all()):
+            return
+        self.inflight = resolved(round, torch.zeros(0), 0.0, "", RoundOutcome(
+            status="committed", average=average.to(torch.float32).reshape(-1).clone(), group_size=self.group))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, float | int]]:
+        """The pending local Δ (the round in flight, to average again on resume) and the correction."""
+        tensors = dict(self.correction.state_tensors()) if self.correction is not None else {}
+        meta: dict[str, float | int] = {"group": self.group}
+        if self.inflight is not None and self.inflight.delta.numel():
+            tensors["overlap.inflight_delta"] = self.inflight.delta
+            meta.update(inflight_round=self.inflight.round, inflight_weight=self.inflight.weight)
+        return tensors, meta
+
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[int, torch.Tensor, float] | None:
+        """Restore from a checkpoint; the round in flight to start again, if any."""
+        self.group = int(meta.get("group", self.group))
+        if self.correction is not None:
+            self.correction.load_state_tensors(tensors)
+        delta = tensors.get("overlap.inflight_delta")
+        if delta is None or "inflight_round" not in meta:
+            return None
+        return int(meta["inflight_round"]), delta.to(torch.float32).reshape(-1).clone(), float(meta["inflight_weight"])

@@ -1,0 +1,272 @@
+"""sync.overlap (`diloco_p2p.overlap`): the Eager Updates formulas, recomputed here by hand, and the
+node's loop against a scripted swarm: the global θ every member hashes, the eager node's local
+start point, checkpoints of the round in flight, joiners, and the in-process replicas."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from diloco_p2p.checkpoint import load_checkpoint
+from diloco_p2p.config import OuterConfig, load_config
+from diloco_p2p.contract import RoundOutcome, StopRequested, SwarmState
+from diloco_p2p.errors import UserError
+from diloco_p2p.node import Node
+from diloco_p2p.outer import flatten, tensor_sha256
+from diloco_p2p.overlap import EagerCorrection, outer_update
+from diloco_p2p.simulate import simulate
+from tests.unit.test_node import SMALL
+
+BETA, LR = 0.9, 0.7
+OUTER = OuterConfig(lr=LR, momentum=BETA, nesterov=True)
+
+# The review's worked example (MATH ENTRY 1): k = 2 workers, d = 4.
+D1 = [0.04, -0.02, 0.06, -0.01]
+D2 = [0.06, -0.01, 0.03, 0.01]
+
+
+def nesterov(theta, m, g):
+    """Sutskever et al. 2013 as DiLoCo uses it, on plain lists: m ← βm + g; θ ← θ − η(g + βm)."""
+    m = [BETA * mi + gi for mi, gi in zip(m, g, strict=True)]
+    theta = [t - LR * (gi + BETA * mi) for t, gi, mi in zip(theta, g, m, strict=True)]
+    return theta, m
+
+
+def paper_eager_worker(theta0, own, averages, M):
+    """Algorithm 3 (Eager Updates §2.3) for worker m, verbatim: Δ̃_m^(t) = Δ^(t-1) + (1/M)(Δ_m^(t) − Δ_m^(t-1)),
+    θ_m^(t) = OuterOpt(θ_m^(t-1), Δ̃_m^(t)), with Δ^(0) = Δ_m^(0) = 0."""
+    theta, m = list(theta0), [0.0] * len(theta0)
+    prev_own, prev_avg = [0.0] * len(theta0), [0.0] * len(theta0)
+    out = []
+    for t in range(len(own)):
+        g = [a + (o - p) / M for a, o, p in zip(prev_avg, own[t], prev_own, strict=True)]
+        theta, m = nesterov(theta, m, g)
+        out.append(theta)
+        prev_own, prev_avg = own[t], averages[t]
+    return out
+
+
+def test_the_first_eager_step_by_hand():
+    # Round 1: nothing delayed yet, Δ̃_1 = (1/2)·Δ_1 = [0.02, -0.01, 0.03, -0.005]; m = Δ̃_1;
+    # θ_1 = 1 − 0.7·(1 + 0.9)·Δ̃_1 = 1 − 1.33·Δ̃_1.
+    c = EagerCorrection(4, OUTER)
+    c.step(torch.tensor(D1, dtype=torch.float64).float() / 2)
+    expected = [1 - 1.33 * 0.02, 1 - 1.33 * -0.01, 1 - 1.33 * 0.03, 1 - 1.33 * -0.005]
+    assert [round(1 + x, 6) for x in c.theta.tolist()] == pytest.approx([0.9734, 1.0133, 0.9601, 1.00665], abs=1e-6)
+    assert (1 + c.theta).tolist() == pytest.approx(expected, abs=1e-6)
+    assert c.pending.tolist() == pytest.approx([0.02, -0.01, 0.03, -0.005], abs=1e-7)
+
+
+def test_global_plus_correction_is_the_papers_eager_worker():
+    """The split (global θ on the delayed averages) + (local correction) equals Algorithm 3 run directly."""
+    gen = torch.Generator().manual_seed(0)
+    rounds, M = 5, 2
+    own = [D1] + [torch.randn(4, generator=gen).mul(0.05).tolist() for _ in range(rounds - 1)]
+    other = [D2] + [torch.randn(4, generator=gen).mul(0.05).tolist() for _ in range(rounds - 1)]
+    averages = [[(a + b) / 2 for a, b in zip(x, y, strict=True)] for x, y in zip(own, other, strict=True)]
+    assert averages[0] == pytest.approx([0.05, -0.015, 0.045, 0.0])  # the review's Δ̄
+
+    paper = paper_eager_worker([1.0] * 4, own, averages, M)
+    theta, mom = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+    corr = EagerCorrection(4, OUTER)
+    corr.theta, corr.momentum, corr.pending = (torch.zeros(4, dtype=torch.float64) for _ in range(3))
+    for t in range(rounds):
+        if t > 0:
+            outer_update(theta, mom, torch.tensor(averages[t - 1], dtype=torch.float64), OUTER)  # Algorithm 2 l.10
+        d = torch.tensor(own[t], dtype=torch.float64) / M - corr.pending
+        outer_update(corr.theta, corr.momentum, d, OUTER)
+        corr.pending = torch.tensor(own[t], dtype=torch.float64) / M
+        assert (theta + corr.theta).tolist() == pytest.approx(paper[t], abs=1e-12)
+
+
+def test_delayed_is_the_blocking_sequence_one_round_late():
+    """Algorithm 2 line 10: θ^(t) = OuterOpt(θ^(t-1), Δ^(t-1)), so after t rounds θ has applied Δ^(1..t-1)."""
+    averages = [[0.05, -0.015, 0.045, 0.0], [0.01, 0.02, -0.03, 0.04]]
+    blocking, m = [1.0] * 4, [0.0] * 4
+    blocking, m = nesterov(blocking, m, averages[0])
+    theta, mom = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+    outer_update(theta, mom, torch.tensor(averages[0], dtype=torch.float64), OUTER)  # at the end of round 2
+    assert theta.tolist() == pytest.approx(blocking, abs=1e-12)
+    assert theta.tolist() == pytest.approx([1 - 1.33 * 0.05, 1 + 1.33 * 0.015, 1 - 1.33 * 0.045, 1.0], abs=1e-12)
+
+
+# -- the node's loop against a scripted swarm ---------------------------------------------------
+
+
+class OverlapSync:
+    """A swarm whose average of round r is `average(r, Δ)`; records what the loop sends, from
+    whichever thread the loop averages in."""
+
+    speeds = None
+
+    def __init__(self, average=None, peer_id="scripted-peer", resyncs=None, stop=None):
+        self.peer_id, self.resyncs, self.stop = peer_id, resyncs or {}, stop
+        self.make = average or (lambda r, d: d / 2)
+        self.deltas, self.hashes, self.threads, self.after, self.thetas = {}, {}, {}, [], {}
+        self.seen = []
+
+    def announce(self, node):
+        pass
+
+    def before_round(self, node):
+        self.seen.append(node)
+        make = self.resyncs.pop(node.round, None)
+        return make(node) if make else None
+
+    def average(self, round, delta, weight, params_hash):
+        self.deltas[round], self.hashes[round] = delta.clone(), params_hash
+        self.threads[round] = threading.current_thread().name
+        if self.stop is not None and round == 2:
+            self.stop.requested = True
+        return RoundOutcome(status="committed", average=self.make(round, delta), group_size=2, contributors=2)
+
+    def after_round(self, node, record):
+        self.after.append((node, record))
+        self.thetas[node.round] = node.state["outer.theta"].clone()  # the global θ the swarm is told of
+
+    def dht_peers(self):
+        return 0
+
+    def close(self):
+        pass
+
+
+def _node(tmp_path, sync, mode="eager", rounds=4, extra=(), name="run", stop=None):
+    config = load_config(None, [*SMALL, f"train.max_rounds={rounds}", f"sync.overlap={mode}", *extra])
+    return Node(config, tmp_path / name, sync, stop=stop, progress=False)
+
+
+def _starts(node):
+    """The θ each round's inner steps start from, captured at the round's first inner step."""
+    starts, real, h = [], node.trainer.step, node.config.outer.inner_steps
+
+    def step(next_batch):
+        if node.step % h == 0:
+            starts.append(flatten(node.params).double())
+        return real(next_batch)
+
+    node.trainer.step = step
+    return starts
+
+
+def test_the_eager_node_trains_from_the_papers_theta_and_hashes_the_global_one(tmp_path):
+    sync = OverlapSync()  # the group's average of round r: Δ_r / 2
+    node = _node(tmp_path, sync, rounds=4)
+    starts, theta0 = _starts(node), node.outer.theta.clone()
+    records = node.run()[1:]
+    assert [r.applied_round for r in records] == [None, 1, 2, 4]  # the last round drains the pipeline
+    assert [r.status for r in records] == ["skipped", "committed", "committed", "committed"]
+    assert all(sync.threads[t].startswith("average-round") for t in (1, 2, 3)) and sync.threads[4] == "MainThread"
+
+    # Global θ (hashed, served): Algorithm 2 line 10 on the group's averages, bit for bit.
+    theta, mom = theta0.clone(), torch.zeros_like(theta0)
+    for t, record in enumerate(records, start=1):
+        if t >= 2:
+            outer_update(theta, mom, sync.deltas[t - 1] / 2, node.config.outer)
+        if t == 4:
+            outer_update(theta, mom, sync.deltas[4] / 2, node.config.outer)
+        assert record.params_sha256 == tensor_sha256(theta)
+        if t < 4:
+            assert sync.hashes[t] == record.params_sha256  # round t is averaged among nodes holding this θ
+    # Local start points: θ_m^(t) of Algorithm 3 with M = 2 (our group) and Δ^(t) = Δ_m^(t) / 2.
+    own = [sync.deltas[t].double().tolist() for t in (1, 2, 3)]
+    paper = paper_eager_worker(theta0.double().tolist(), own, [[x / 2 for x in d] for d in own], 2)
+    assert torch.equal(starts[0].float(), theta0)
+    for t in (1, 2, 3):
+        assert torch.allclose(starts[t], torch.tensor(paper[t - 1], dtype=torch.float64), atol=1e-5)
+        assert not torch.allclose(starts[t].float(), sync.thetas[t], atol=1e-6)  # not the global θ
+    assert node.pipeline.correction.theta.abs().sum() == 0  # drained: the run ends on the global θ
+
+
+def test_delayed_trains_from_the_global_theta(tmp_path):
+    sync = OverlapSync()
+    node = _node(tmp_path, sync, mode="delayed", rounds=3)
+    starts = _starts(node)
+    node.run()
+    for t in (1, 2):
+        assert torch.equal(starts[t].float(), sync.thetas[t])
+
+
+def test_nodes_with_different_data_hold_the_same_global_theta(tmp_path):
+    """What the swarm hashes is the θ of the averages alone; each eager node's correction is its own."""
+    fixed = lambda r, d: torch.full_like(d, 1e-3 * r)  # noqa: E731 - the group's average, the same for both
+    a, b = OverlapSync(fixed, peer_id="peer-a"), OverlapSync(fixed, peer_id="peer-b")
+    ra = _node(tmp_path, a, rounds=3, name="a").run()
+    rb = _node(tmp_path, b, rounds=3, name="b").run()
+    assert [r.params_sha256 for r in ra] == [r.params_sha256 for r in rb]
+    assert not torch.equal(a.deltas[2], b.deltas[2])  # they trained on different data from different points
+
+
+def test_a_checkpoint_holds_the_round_in_flight_and_resume_averages_it_again(tmp_path):
+    stop = StopRequested()
+    sync = OverlapSync(stop=stop)  # the stop comes while round 2 is averaged in the background
+    node = _node(tmp_path, sync, rounds=5, stop=stop)
+    node.run()
+    ckpt = load_checkpoint(tmp_path / "run" / "checkpoints")
+    assert ckpt.round == 2 and ckpt.meta["overlap"]["inflight_round"] == 2
+    assert torch.equal(ckpt.tensors["overlap.inflight_delta"], sync.deltas[2])
+    assert torch.allclose(ckpt.tensors["overlap.pending"], sync.deltas[2] / 2)
+    assert ckpt.tensors["overlap.theta"].abs().sum() > 0
+
+    again = OverlapSync()
+    resumed = _node(tmp_path, again, rounds=3)
+    assert torch.equal(resumed.pipeline.correction.theta, ckpt.tensors["overlap.theta"])
+    records = resumed.run()
+    assert torch.equal(again.deltas[2], sync.deltas[2])  # averaged again with the swarm on resume
+    assert again.hashes[2] == ckpt.meta["params_sha256"]
+    assert [r.applied_round for r in records] == [3]  # round 3 applied round 2's average, then its own
+
+
+def test_a_joiner_adopts_the_average_in_flight_with_the_state(tmp_path):
+    donor_theta = None
+
+    def donor_state(node):
+        nonlocal donor_theta
+        donor_theta = torch.full_like(node.state["outer.theta"], 0.01)
+        tensors = {"outer.theta": donor_theta, "outer.momentum": torch.zeros_like(donor_theta),
+                   "overlap.average": torch.full_like(donor_theta, 0.002),
+                   "overlap.average_round": torch.tensor([7])}
+        return SwarmState(tensors=tensors, round=7, outcome=RoundOutcome(status="resynced", group_size=0))
+
+    sync = OverlapSync(resyncs={0: donor_state})
+    node = _node(tmp_path, sync, rounds=9)
+    node.pipeline.correction.theta.fill_(1.0)  # whatever it held goes
+    records = node.run()
+    assert [r.round for r in records] == [0, 7, 8, 9]
+    assert records[2].applied_round == 7  # the members' round 7 average, from the state
+    theta, mom = donor_theta.clone(), torch.zeros_like(donor_theta)
+    outer_update(theta, mom, torch.full_like(theta, 0.002), node.config.outer)
+    assert records[2].params_sha256 == tensor_sha256(theta) == sync.hashes[8]  # the members' θ of round 8
+
+
+def test_the_served_state_carries_the_known_average_in_flight(tmp_path):
+    sync = OverlapSync()
+    node = _node(tmp_path, sync, rounds=3, extra=["outer.inner_steps=6"])
+    node.run()
+    served = [n for n, _ in sync.after if "overlap.average" in n.state]
+    assert served, "no state was served with the average in flight"
+    assert all(int(n.state["overlap.average_round"][0]) == n.round == n.in_flight_round for n in served)
+    assert torch.equal(served[0].state["overlap.average"], sync.deltas[served[0].round] / 2)
+
+
+def test_overlap_config_is_checked(tmp_path):
+    with pytest.raises(UserError, match="delayed_nesterov"):
+        load_config(None, ["sync.overlap=eager", "outer.delayed_nesterov=2"])
+    with pytest.raises(UserError, match="dynamic_local_updates"):
+        load_config(None, ["sync.overlap=delayed", "outer.dynamic_local_updates=true"])
+    with pytest.raises(UserError, match="sync.overlap"):
+        load_config(None, ["sync.overlap=sometimes"])
+    assert "sync.overlap" not in load_config(None, []).swarm_view()  # older runs keep their config hash
+    assert load_config(None, ["sync.overlap=eager"]).swarm_view()["sync.overlap"] == "eager"
+
+
+@pytest.mark.parametrize("mode", ["delayed", "eager"])
+def test_replicas_agree_on_theta_every_round(tmp_path, mode):
+    config = load_config(None, [*SMALL, "train.max_rounds=3", f"sync.overlap={mode}"])
+    records = simulate(config, tmp_path, ["a", "b"])
+    hashes = [[r.params_sha256 for r in records[k]] for k in ("a", "b")]
+    assert hashes[0] == hashes[1]
+    assert hashes[0][0] == hashes[0][1] and len(set(hashes[0])) == 3  # round 1 applies no average yet
+    assert [r.applied_round for r in records["a"][1:]] == [None, 1, 3]
