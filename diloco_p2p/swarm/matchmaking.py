@@ -77,7 +77,7 @@ round's key (a single key, one subkey per registered node: O(N) bytes), one stor
 only the leader re-reads, every ``request_timeout / 2`` while its group is open. So DHT calls per
 node do not grow with N (`tests/unit/test_membership_scale.py` counts them up to 64 nodes). The
 leader holds one stream per member and sends each the member list: O(N) messages and O(N^2)
-bytes at the leader (about 100 bytes per member per member: 100 MB a round at 1,000 nodes).
+bytes at the leader (about 190 bytes per member per member: 190 MB a round at 1,000 nodes).
 
 Not defended here: a hostile peer can claim an early registration time and answer
 ``closed: expired``; matchmaking only decides who talks to whom, and the data each member
