@@ -38,6 +38,15 @@ One all-reduce (`hierarchical_allreduce`):
    failed abstains (all ones) and itself returns "failed". As in the butterfly, a member that
    dies *during* an agreement step can leave members disagreeing; the round's params hash shows it.
 
+Membership (`matchmaking`, with `MAX_MEMBERS` as its target: one group per round). Per node and
+round: one DHT store to register, one read of the round's key (one key, a subkey per registered
+node: O(N) bytes), one store to withdraw; only the leader re-reads, every request_timeout / 2
+while its group is open. So DHT calls per node do not grow with N (`tests/unit/
+test_membership_scale.py` counts them up to 64 nodes, `benchmarks/scale.py` to 256). The leader
+holds one stream per member and sends each the member list: O(N) messages and O(N^2) bytes at the
+leader (~190 bytes per member per member: 190 MB a round at 1,000 nodes). A node arriving after
+the group closed is "late" (it catches up by downloading the state), never a second group.
+
 Deadlines: the row all-reduce gets 0.7 T; column calls run between the row's scatter and gather
 deadlines (60% of the time left to the gather deadline); each agreement step gets 0.15 T. So the
 whole call returns within T, like the butterfly.

@@ -71,13 +71,7 @@ instant the leader sends the final list ends alone while the others count it in.
 must therefore treat a member that never shows up with the agreed `group_id` like a member
 that died (see the all-reduce module), which it has to handle anyway.
 
-Cost at scale (`SwarmSync` passes `hierarchy.MAX_MEMBERS` as the target: one group per round,
-whatever the swarm's size). Per node and round: one DHT store to register, one read of the
-round's key (a single key, one subkey per registered node: O(N) bytes), one store to withdraw;
-only the leader re-reads, every ``request_timeout / 2`` while its group is open. So DHT calls per
-node do not grow with N (`tests/unit/test_membership_scale.py` counts them up to 64 nodes). The
-leader holds one stream per member and sends each the member list: O(N) messages and O(N^2)
-bytes at the leader (about 190 bytes per member per member: 190 MB a round at 1,000 nodes).
+At scale (one group per round, `diloco_p2p.swarm.hierarchy` says what it costs): 1 read + 2 stores per node.
 
 Not defended here: a hostile peer can claim an early registration time and answer
 ``closed: expired``; matchmaking only decides who talks to whom, and the data each member
