@@ -280,6 +280,7 @@ class Config(_Section):
     SWARM_FIELDS: ClassVar[tuple[str, ...]] = (
         "run_id", "seed", "model", "outer", "sync.compression", "inner.seq_len", "data.dataset_id",
         "sync.overlap",  # absent when none: older runs keep their hash
+        "sync.target_group_size",  # fixes the all-reduce's grid (`swarm.hierarchy`); absent at 16, the default
     )
 
     @model_validator(mode="after")
@@ -296,7 +297,8 @@ class Config(_Section):
         """The flattened fields that must agree across the swarm, by dotted path."""
         flat = _flatten(self.model_dump(mode="json"))
         return {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in self.SWARM_FIELDS)
-                and not (k == "data.dataset_id" and v is None) and not (k == "sync.overlap" and v == "none")}
+                and not (k == "data.dataset_id" and v is None) and not (k == "sync.overlap" and v == "none")
+                and not (k == "sync.target_group_size" and v == 16)}
 
     def swarm_hash(self) -> str:
         """sha256 over `swarm_view()`; peers with a different hash are refused."""

@@ -75,6 +75,15 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(bad)
 
 
+def test_target_group_size_is_a_swarm_field_that_keeps_old_hashes_at_its_default():
+    """Every member must cut the same grid (`swarm.hierarchy`); at the default 16 the view (and the hash of
+    runs started before it was a swarm field) is unchanged."""
+    base = load_config(None, [])
+    assert "sync.target_group_size" not in base.swarm_view()
+    other = load_config(None, ["sync.target_group_size=4"])
+    assert diff_swarm_fields(base.swarm_view(), other.swarm_view()) == ["sync.target_group_size: None != 4"]
+
+
 def test_swarm_hash_covers_only_swarm_fields():
     base = Config()
     assert base.swarm_hash() == load_config(None, ["inner.batch_size=3", "p2p.connect_timeout=1"]).swarm_hash()
