@@ -35,7 +35,9 @@ One all-reduce (`hierarchical_allreduce`):
    members with our index in every row, then within our row (a mean of exactly 1.0 = every mask
    heard holds it). An interval lost at any level - a dead reducer in some row, a column that
    failed, a gather that did not arrive - is zero on every member alike; a member whose row
-   failed abstains (all ones) and itself returns "failed". As in the butterfly, a member that
+   failed abstains (all ones) and itself returns "failed". The same two calls OR one bit per
+   member, set by its own row if its contribution entered that row's committed parts: every
+   member learns the swarm's contributors. As in the butterfly, a member that
    dies *during* an agreement step can leave members disagreeing; the round's params hash shows it.
 
 Membership (`matchmaking`, with `MAX_MEMBERS` as its target: one group per round). Per node and
@@ -60,7 +62,8 @@ reduce and receive everything it does not hold) and N-1 messages:
     grid          2(c-1)/c + 2(r-1)/(rc)             3(c-1) row + 3(r-1) column + 3(r-1) + 3(c-1)
                   = 2(N-1)/N  (the bound)            agreement = 6(r+c-2); r = c = sqrt(N): 12(sqrt N - 1)
 
-plus a ~200-byte header per message and 8 bytes per chunk frame. With unequal rows a member may
+plus a ~200-byte header per message and 8 bytes per chunk frame; the agreement's vectors are
+(intervals + N) fp32 values (about 16 (2c + N) bytes sent: 16 KB at N = 1,024). With unequal rows a member may
 own 2 intervals (2 column calls: 3(r-1) more messages, the same bytes), and int8 then gathers in
 fp32: (c-1)/c n (4 - b) more bytes. At N = 1,024, butterfly_max 32: 3,069 messages per member
 for the butterfly, 372 for the grid; the bytes are the same. Time: the row gather starts only
@@ -191,45 +194,47 @@ async def hierarchical_allreduce(
                                   compression=compression, timeout=row_timeout, part_hook=next_level, **kwargs)
     abstain = row.status == "failed"
     held = torch.ones(len(grid.intervals)) if abstain else grid.held(r, row.committed_parts)
+    entered = torch.tensor([float(name in row.contributors and not abstain) for name in names])
     across = [row_[i] for row_ in grid.rows if len(row_) > i]
-    agreed, first = await _and(service, f"{group_id}.and{i}", [peers[m] for m in across], held, timeout)
-    agreed, second = await _and(service, f"{group_id}.androw{r}", [peers[m] for m in grid.rows[r]], agreed, timeout)
-    return _result(grid, r, row, columns, first + second, agreed, abstain, names, time.perf_counter() - started)
+    votes = torch.cat([held, entered])
+    m = len(grid.intervals)
+    votes, first = await _agree(service, f"{group_id}.and{i}", [peers[x] for x in across], votes, m, timeout)
+    votes, second = await _agree(service, f"{group_id}.androw{r}", [peers[x] for x in grid.rows[r]], votes, m, timeout)
+    return _result(grid, row, columns + first + second, votes, abstain, names, time.perf_counter() - started)
 
 
-async def _and(service: AllreduceService, group_id: str, peers: list[PeerID], mask: torch.Tensor,
-               timeout: float) -> tuple[torch.Tensor, list[AllreduceResult]]:
-    """Elementwise AND of a 0/1 mask over `peers` (a lost element counts as 0); our own mask when
-    we heard nobody (we abstain rather than veto)."""
+async def _agree(service: AllreduceService, group_id: str, peers: list[PeerID], votes: torch.Tensor, m: int,
+                 timeout: float) -> tuple[torch.Tensor, list[AllreduceResult]]:
+    """One agreement step over `peers`: the interval mask (the first part of `votes`) ANDed, the
+    contributor bits (one per member, the rest) ORed; an element lost in this step counts as 0.
+    Our own votes when we heard nobody (we abstain rather than veto)."""
     if len(peers) == 1:
-        return mask, []
-    res = await service.allreduce(group_id, peers, mask, 1.0, compression="fp32", timeout=AGREE_FRACTION * timeout)
+        return votes, []
+    res = await service.allreduce(group_id, peers, votes, 1.0, compression="fp32", timeout=AGREE_FRACTION * timeout)
     if res.status == "failed":
-        return mask, [res]
-    return (res.average == 1.0).float() * mask, [res]
+        return votes, [res]
+    mean = res.average  # of 0/1 values with weight 1 each, in fp32: exactly 1.0 iff all heard hold it
+    held = (mean[:m] == 1.0) & (votes[:m] == 1.0)
+    entered = (mean[m:] > 0) | (votes[m:] > 0)
+    return torch.cat([held, entered]).float(), [res]
 
 
-def _result(grid: Grid, r: int, row: AllreduceResult, columns: list[AllreduceResult],
-            agreement: list[AllreduceResult], agreed: torch.Tensor, abstain: bool, names: list[str],
-            seconds: float) -> AllreduceResult:
+def _result(grid: Grid, row: AllreduceResult, levels: list[AllreduceResult], votes: torch.Tensor,
+            abstain: bool, names: list[str], seconds: float) -> AllreduceResult:
     """The swarm's average as this member holds it: the row's result with every interval that
-    the agreement dropped set to zero; bytes and phases of every level."""
-    committed = [] if abstain else [j for j, held in enumerate(agreed.tolist()) if held == 1.0]
+    the agreement dropped set to zero; contributors as the rows reported them; bytes of every level."""
+    m = len(grid.intervals)
+    committed = [] if abstain else [j for j, held in enumerate(votes[:m].tolist()) if held == 1.0]
     average = row.average if committed else torch.zeros_like(row.average)
     for j, (a, b) in enumerate(grid.intervals):
         if j not in committed:
             average[a:b] = 0.0
-    status = "failed" if not committed else "ok" if len(committed) == len(grid.intervals) else "partial"
-    # Other rows are seen through their representative in our columns: a row whose partial entered
-    # counts with all its members (what its own butterfly dropped is in its members' records).
-    entered = {p for res in columns for p in res.contributors}
-    others = {names[m] for q, rw in enumerate(grid.rows) if q != r and any(names[m] in entered for m in rw)
-              for m in rw}
-    contributors = sorted(set(row.contributors) | others) if committed else []
-    levels = [row, *columns, *agreement]
+    status = "failed" if not committed else "ok" if len(committed) == m else "partial"
+    contributors = [name for name, bit in zip(names, votes[m:].tolist(), strict=True) if bit] if committed else []
+    levels = [row, *levels]
     return AllreduceResult(
-        average=average, status=status, committed_parts=committed, num_parts=len(grid.intervals),
-        contributors=contributors, rejected=row.rejected,
+        average=average, status=status, committed_parts=committed, num_parts=m,
+        contributors=sorted(contributors), rejected=row.rejected,
         bytes_sent=sum(x.bytes_sent for x in levels), bytes_received=sum(x.bytes_received for x in levels),
         seconds=seconds, part_contributors={}, agreed_with=row.agreed_with,
         phases=dict(row.phases, agreed=seconds),

@@ -51,8 +51,9 @@ def test_one_theta_every_round_and_nobody_resyncs(grid):
         assert records[1]["parts_committed"] == 3
         # Round 2: the victim died after its scatter; its part is dropped on every survivor alike, or
         # it reached its row before the kill. Round 3: the five others, one group, rows of 3 and 2.
-        assert (records[2]["status"], records[2]["group_size"]) == ("committed", 6)
-        assert (records[3]["status"], records[3]["group_size"]) == ("committed", 5)
+        assert (records[2]["status"], records[2]["group_size"], records[2]["contributors"]) == ("committed", 6, 6)
+        assert (records[3]["status"], records[3]["group_size"], records[3]["contributors"]) == ("committed", 5, 5)
+        assert records[1]["contributors"] == 6 and records[2]["dropped_peers"] == 0
         assert records[3]["parts_committed"] == records[3]["parts"]
     assert len({n.by_round()[2]["parts_committed"] for n in nodes}) == 1
 

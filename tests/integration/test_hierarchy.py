@@ -135,6 +135,7 @@ def test_a_gone_member_drops_its_part_on_every_member_alike(swarm):
         assert r.status == "partial" and r.committed_parts == [j for j in range(3) if j not in lost]
         assert torch.equal(r.average, results[0].average)
         assert swarm.names[4] not in r.rejected or r.rejected[swarm.names[4]] == "timeout"
+        assert r.contributors == sorted(swarm.names[m] for m in live)  # the other row's too, via the agreement
     weights = [WEIGHTS[m] for m in live]
     exact = sum(w * xs[m].double() for w, m in zip(weights, live, strict=True)) / sum(weights)
     error = (results[0].average.double() - exact).abs()
