@@ -98,7 +98,8 @@ class Node:
         self.params = list(self.model.parameters())
         self.layout = ShardLayout(self.params, ranks)
         self.data = open_dataset(cfg.data, cfg.model, tokenizer, cfg.inner.seq_len, self.sync.peer_id,
-                                 self.node_dir / "data", leader=ranks.leader, barrier=ranks.barrier)
+                                 self.node_dir / "data", leader=ranks.leader, barrier=ranks.barrier,
+                                 remote=getattr(self.sync, "datashare", None))  # shards from the swarm
         self.eval_set = self.data.eval_batches(cfg.train.eval_batches)
         total_steps = cfg.inner.total_steps or cfg.train.max_rounds * cfg.outer.inner_steps
         self.trainer = InnerTrainer(self.model, cfg.inner, total_steps, self.device, precision, ranks, faults)

@@ -79,6 +79,44 @@ def fetch(initial_peers: Sequence[str], run_id: str, out: Path, timeout: float =
     return ckpt
 
 
+def fetch_dataset(initial_peers: Sequence[str], dataset: str, out: Path, timeout: float = 60.0,
+                  parallel: int = 4) -> dict[str, Any]:
+    """Download dataset `dataset` (manifest and every shard, each verified) from the swarm into
+    `out`, resuming what an earlier run left; `out` is then an ordinary prepared corpus."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diloco_p2p.config import P2PConfig
+    from diloco_p2p.data.cache import CACHE_MARKER, ShardCache, ShardUnavailable, load_or_fetch_manifest
+    from diloco_p2p.status import CLIENT_HOST_MADDRS
+    from diloco_p2p.swarm.datashare import DataShare
+    from diloco_p2p.swarm.dht import start_dht
+    from diloco_p2p.swarm.runner import BackgroundLoop
+
+    cfg = P2PConfig(initial_peers=list(initial_peers), host_maddrs=CLIENT_HOST_MADDRS, connect_timeout=timeout)
+    dht = start_dht(cfg, None, client_mode=True)
+    loop = BackgroundLoop()
+    try:
+        p2p = loop.run(dht.replicate_p2p(), timeout=30)
+        share = DataShare(dht, p2p, loop, serving=False)
+        start = time.perf_counter()
+        manifest = load_or_fetch_manifest(out, dataset, share, timeout)
+        cache = ShardCache(manifest, share, fetch_timeout=timeout)
+        with ThreadPoolExecutor(parallel, thread_name_prefix="fetch-data") as pool:
+            try:
+                list(pool.map(cache.ensure, range(len(manifest.shards))))
+            except ShardUnavailable as e:
+                raise UserError(f"{e}; run the same fetch-data again to resume") from None
+        seconds = time.perf_counter() - start
+        loop.run(p2p.shutdown(), timeout=10)
+    finally:
+        loop.close()
+        dht.shutdown()
+    (out / CACHE_MARKER).unlink(missing_ok=True)  # whole now: trained on like any prepared corpus
+    return {"shards": len(manifest.shards), "bytes": cache.fetched_bytes, "seconds": seconds,
+            "mb_per_s": cache.fetched_bytes / 1e6 / seconds if seconds > 0 else 0.0}
+
+
 def config_from_view(view: dict[str, Any]) -> Config:
     """A config holding the swarm's fields (dotted paths, as in a progress record); defaults elsewhere."""
     tree: dict[str, Any] = {}

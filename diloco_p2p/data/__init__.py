@@ -6,11 +6,14 @@
 - `prepare`: the resumable, atomic shard writer behind ``diloco-p2p prepare``.
 - `manifest`: the prepared corpus on disk, its dataset id and shard checks.
 - `dataset`: windows, the fixed eval split and the keyed O(1)-memory training order.
+- `cache`: a corpus fetched from the swarm's peers shard by shard as training needs it, under a
+  disk limit (the transfers: `diloco_p2p.swarm.datashare`).
 
 `open_dataset` is what a node calls: the default corpus is tokenized in memory (it is small);
 a prepared directory (``manifest.json``) is memory-mapped; any other ``data.path`` (a text
 file, a directory, JSONL, Parquet) is prepared once into the run directory and memory-mapped
-from there on every later start.
+from there on every later start; ``data.path=swarm:<id>`` (or ``data.dataset_id`` alone), or a
+prepared directory that lacks shards, is fetched from the swarm (`cache`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,15 @@ from pathlib import Path
 import numpy as np
 
 from diloco_p2p.config import DataConfig, ModelConfig
+from diloco_p2p.data.cache import (
+    LazyShardSource,
+    Prefetcher,
+    Remote,
+    ShardCache,
+    is_cache,
+    load_or_fetch_manifest,
+    mark_cache,
+)
 from diloco_p2p.data.dataset import ArraySource, DataPosition, ShardSource, TokenDataset
 from diloco_p2p.data.documents import default_corpus_files, input_files, iter_documents
 from diloco_p2p.data.encode import tokenizer_identity
@@ -69,14 +81,20 @@ def build_dataset(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, order_key
 
 
 def open_dataset(cfg: DataConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, seq_len: int, order_key: str,
-                 cache_dir: Path, *, leader: bool = True, barrier: Callable[[], None] = lambda: None) -> TokenDataset:
+                 cache_dir: Path, *, leader: bool = True, barrier: Callable[[], None] = lambda: None,
+                 remote: Remote | None = None) -> TokenDataset:
     """The node's dataset (see the module docstring). On N local ranks the leader prepares a
-    plain ``data.path`` into `cache_dir` while the others wait at `barrier`."""
+    plain ``data.path`` into `cache_dir` while the others wait at `barrier`. `remote` (the
+    swarm's `DataShare`) fetches a corpus this node lacks and serves the one it holds."""
     key = cfg.order_key or order_key
     if cfg.path is None:
         if cfg.dataset_id is not None:
-            raise UserError(f"data.dataset_id is {cfg.dataset_id} (the run trains on a prepared corpus) but data.path "
-                            "is unset; point data.path at that corpus (see `diloco-p2p prepare`)")
+            if remote is None:
+                raise UserError(f"data.dataset_id is {cfg.dataset_id} (the run trains on a prepared corpus) but "
+                                "data.path is unset and this node is not in a swarm to fetch it from; point data.path "
+                                "at that corpus (see `diloco-p2p prepare`) or join the swarm with --initial-peers")
+            directory = cache_dir / f"swarm-{cfg.dataset_id[:16]}"
+            return _from_swarm(cfg, model_cfg, tokenizer, seq_len, key, directory, remote)
         return build_dataset(cfg, tokenizer, seq_len, order_key)
     identity = tokenizer_identity(model_cfg, tokenizer)
     path = Path(cfg.path)
@@ -84,6 +102,8 @@ def open_dataset(cfg: DataConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, 
         manifest = Manifest.load(path)
         if cfg.max_bytes is not None:
             log.warning("data.max_bytes is ignored for a prepared corpus (prepare with --max-bytes instead)")
+        if is_cache(path, manifest, remote is not None):  # shards missing: the swarm has them
+            return _from_swarm(cfg, model_cfg, tokenizer, seq_len, key, path, remote)
     else:
         if leader:
             _prepare_into(cfg, tokenizer, identity, cache_dir)
@@ -91,7 +111,29 @@ def open_dataset(cfg: DataConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, 
         manifest = Manifest.load(cache_dir)
     check_manifest(manifest, identity, cfg)
     manifest.check_shards()
+    if remote is not None and cfg.serve and leader:
+        remote.serve(manifest, lambda: range(len(manifest.shards)))
     return TokenDataset(ShardSource(manifest), seq_len, manifest.eval_fraction, key)
+
+
+def _from_swarm(cfg: DataConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, seq_len: int, key: str,
+                directory: Path, remote: Remote | None) -> TokenDataset:
+    """A corpus whose shards come from the swarm as training needs them (`diloco_p2p.data.cache`)."""
+    dataset = cfg.dataset_id or Manifest.load(directory).id
+    manifest = load_or_fetch_manifest(directory, dataset, remote, cfg.fetch_timeout)
+    check_manifest(manifest, tokenizer_identity(model_cfg, tokenizer), cfg)
+    mark_cache(directory, manifest.id)
+    cache = ShardCache(manifest, remote, cache_bytes=cfg.cache_bytes, fetch_timeout=cfg.fetch_timeout)
+    source = LazyShardSource(cache)
+    data = TokenDataset(source, seq_len, manifest.eval_fraction, key, blocked=True)
+    source.keep = lambda: set(data.upcoming_shards(cfg.prefetch_shards))
+    if remote is not None and cfg.serve:
+        remote.serve(manifest, cache.held)
+    data.prefetcher = Prefetcher(cache, lambda: data.upcoming_shards(cfg.prefetch_shards))  # type: ignore[attr-defined]
+    log.info("data: dataset %s from the swarm into %s (%d of %d shards here, cache limit %s)", manifest.id[:12],
+             directory, len(cache.held()), len(manifest.shards),
+             "none" if cfg.cache_bytes is None else f"{cfg.cache_bytes / 1e6:.3g} MB")
+    return data
 
 
 def _prepare_into(cfg: DataConfig, tokenizer: Tokenizer, identity: dict, cache_dir: Path) -> None:

@@ -9,7 +9,10 @@ batches of `EVAL_BATCH`: it does not change with ``inner.batch_size``.
 The training order is, per epoch, a keyed pseudo-random permutation of the window indices: a
 four-round Feistel network on the next even power of two, cycle-walked down to the number of
 windows (Black and Rogaway, "Ciphers with arbitrary finite domains", CT-RSA 2002), keyed by
-the node's *order key* (its identity in a swarm) and the epoch. Held-out windows are skipped
+the node's *order key* (its identity in a swarm) and the epoch. A corpus fetched from the swarm
+(`diloco_p2p.data.cache`) is read in a shard-blocked order instead (`BlockedOrder`): a keyed
+permutation of the shards per epoch and one of each shard's windows, so the shards needed next
+are known and few. Held-out windows are skipped
 as they come up. Nothing is stored per window, so memory does not grow with the corpus. The
 key is not the run's ``seed``: ``seed`` must be equal on every node (it fixes the initial
 parameters) while nodes should see different data without coordinating. The position in that
@@ -108,6 +111,33 @@ class KeyedPermutation:
         return y
 
 
+class BlockedOrder:
+    """One epoch's window order over shards: shard by shard in a keyed order, each shard's windows
+    (those that start in it) in a keyed order of their own; O(shards) memory."""
+
+    def __init__(self, n_windows: int, starts: list[int], seq_len: int, key: str):
+        self.key = key
+        n = len(starts) - 1
+        self.first = [min(n_windows, -(-s // seq_len)) for s in starts[:-1]] + [n_windows]
+        perm = KeyedPermutation(n, f"{key}:shards") if n > 1 else [0]
+        self.shards = [perm[j] for j in range(n)]
+        self.cum = [0]
+        for s in self.shards:
+            self.cum.append(self.cum[-1] + self.first[s + 1] - self.first[s])
+        self._inner: tuple[int, KeyedPermutation] | None = None
+
+    def block(self, offset: int) -> int:
+        """The position in `shards` of the block holding `offset`."""
+        return bisect.bisect_right(self.cum, offset) - 1
+
+    def __getitem__(self, offset: int) -> int:
+        j = self.block(offset)
+        s = self.shards[j]
+        if self._inner is None or self._inner[0] != s:
+            self._inner = (s, KeyedPermutation(self.first[s + 1] - self.first[s], f"{self.key}:{s}"))
+        return self.first[s] + self._inner[1][offset - self.cum[j]]
+
+
 def is_eval(index: np.ndarray | int, fraction: float) -> np.ndarray | bool:
     # Knuth's multiplicative hash spreads held-out windows evenly through the corpus.
     h = (np.asarray(index, dtype=np.uint64) * np.uint64(2654435761)) % np.uint64(2**32)
@@ -123,8 +153,10 @@ class DataPosition:
 
 
 class TokenDataset:
-    def __init__(self, source: TokenSource, seq_len: int, eval_fraction: float, order_key: str):
+    def __init__(self, source: TokenSource, seq_len: int, eval_fraction: float, order_key: str,
+                 blocked: bool = False):
         self.source, self.seq_len, self.eval_fraction, self.order_key = source, seq_len, eval_fraction, order_key
+        self.blocked = blocked  # the shard-blocked order of a corpus fetched from the swarm (`BlockedOrder`)
         self.n_windows = (len(source) - 1) // seq_len
         if not self._has_both_splits():
             raise UserError(
@@ -132,7 +164,7 @@ class TokenDataset:
                 "use more text or a shorter inner.seq_len"
             )
         self.position = DataPosition()
-        self._order: KeyedPermutation | None = None
+        self._order: KeyedPermutation | BlockedOrder | None = None
 
     def _has_both_splits(self) -> bool:
         """At least one training and one held-out window (found by looking at the first few)."""
@@ -155,10 +187,38 @@ class TokenDataset:
     def _batch(self, windows: list[int]) -> torch.Tensor:
         return torch.from_numpy(np.stack([self._window(i) for i in windows]).astype(np.int64))
 
-    def _epoch_order(self, epoch: int) -> KeyedPermutation:
+    def _epoch_order(self, epoch: int) -> KeyedPermutation | BlockedOrder:
         if self._order is None or self._order_epoch != epoch:
-            self._order, self._order_epoch = KeyedPermutation(self.n_windows, f"{self.order_key}:{epoch}"), epoch
+            self._order, self._order_epoch = self._make_order(epoch), epoch
         return self._order
+
+    def _make_order(self, epoch: int) -> KeyedPermutation | BlockedOrder:
+        if self.blocked:
+            return BlockedOrder(self.n_windows, self.source.starts, self.seq_len,  # type: ignore[attr-defined]
+                                f"{self.order_key}:{epoch}")
+        return KeyedPermutation(self.n_windows, f"{self.order_key}:{epoch}")
+
+    def upcoming_shards(self, blocks: int) -> list[int]:
+        """The shards that the current block and the next `blocks` read, in the order needed
+        (a block's last window may run into the next shard); only in the blocked order."""
+        epoch, offset = self.position.epoch, self.position.offset
+        if offset >= self.n_windows:
+            epoch, offset = epoch + 1, 0
+        order = self._epoch_order(epoch) if epoch == self.position.epoch else self._make_order(epoch)
+        assert isinstance(order, BlockedOrder)
+        out: list[int] = []
+        j = order.block(offset)
+        n_shards = len(order.shards)
+        for _ in range(blocks + 1):
+            if j >= n_shards:
+                epoch, j = epoch + 1, 0
+                order = self._make_order(epoch)
+            s = order.shards[j]
+            for t in (s, s + 1):
+                if t < n_shards and t not in out:
+                    out.append(t)
+            j += 1
+        return out
 
     def next_windows(self, n: int) -> list[int]:
         """The indices of the next `n` training windows; advances the position."""

@@ -43,6 +43,7 @@ from diloco_p2p.swarm import hierarchy
 from diloco_p2p.swarm.admission import Admission
 from diloco_p2p.swarm.allreduce import AllreduceService
 from diloco_p2p.swarm.allreduce_state import AllreduceResult
+from diloco_p2p.swarm.datashare import DataShare
 from diloco_p2p.swarm.dht import dht_peer_count, start_dht
 from diloco_p2p.swarm.guard import Guard
 from diloco_p2p.swarm.matchmaking import Matchmaker
@@ -108,7 +109,8 @@ class SwarmSync:
             self.matchmaker = Matchmaker(self.dht, self.p2p, run_id=run_id)
             self.allreduce = AllreduceService(self.p2p, prefix=run_id)
             self.state_server = StateServer(self.dht, self.p2p, run_id=run_id)
-            for service in (self.matchmaker, self.allreduce, self.state_server):
+            self.datashare = DataShare(self.dht, self.p2p, self.loop)  # the corpus's shards (`datashare`)
+            for service in (self.matchmaker, self.allreduce, self.state_server, self.datashare):
                 service.admit = self.admission.check_stream  # a closed run serves its members only
             self.loop.run(self._start())
             self.check_config()  # a refused node leaves before it ever published anything
@@ -121,6 +123,7 @@ class SwarmSync:
         await self.matchmaker.start()
         await self.allreduce.start()
         await self.state_server.start()
+        await self.datashare.start()
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -337,7 +340,7 @@ class SwarmSync:
         """Undo `__init__` as far as it got."""
         if hasattr(self, "peer_id"):
             await withdraw_progress_async(self.dht, self.run_id, self.peer_id)
-        for service in ("state_server", "allreduce", "matchmaker"):
+        for service in ("datashare", "state_server", "allreduce", "matchmaker"):
             if hasattr(self, service):
                 await getattr(self, service).stop()
         if hasattr(self, "p2p"):
