@@ -218,7 +218,22 @@ class SyncConfig(_Section):
         3600.0, gt=0, description="Seconds a resync or join may spend downloading the swarm's state (θ and momentum: 8 bytes per parameter); a donor silent for 10 s is left for the next one well before this."
     )
     max_weight_ratio: float = Field(
-        64.0, gt=1, description="Reject a weight above this multiple of the lower median of the weights offered for the same part (a peer claiming to have trained far more than the others)."
+        16.0, gt=1, description="Reject a weight above this multiple of the lower median of the weights offered for the same part (a peer claiming to have trained far more than the others)."
+    )
+    weight_cap: float | None = Field(
+        4.0, ge=1, description="Cap each accepted weight at this multiple of the lower median of the weights offered for the same part before averaging (one peer carries at most this many members' say); null: weights as claimed."
+    )
+    aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = Field(
+        "mean", description="How a reducer combines the contributions to its part: `mean` (token-weighted), `trimmed_mean` (per coordinate, drop the `trim_fraction` largest and smallest) or `centered_clip` (Karimireddy et al. 2021, around the coordinatewise median); the robust rules count members, not tokens."
+    )
+    trim_fraction: float = Field(
+        0.25, ge=0, lt=0.5, description="`trimmed_mean`: fraction of the contributions dropped from each side, per coordinate (rounded down)."
+    )
+    clip_radius: float = Field(
+        1.0, gt=0, description="`centered_clip`: the clipping radius as a multiple of the lower median of the contributions' distances to the center."
+    )
+    max_norm_ratio: float | None = Field(
+        8.0, ge=1, description="Reject a contribution whose norm (stated by its sender, checked against its data) exceeds this multiple of the lower median of the norms offered for the same part; null: no bound."
     )
     alone_policy: Literal["apply", "skip"] = Field(
         "apply",
@@ -303,7 +318,14 @@ class Config(_Section):
         "run_id", "seed", "model", "outer", "sync.compression", "inner.seq_len", "data.dataset_id",
         "sync.overlap",  # absent when none: older runs keep their hash
         "sync.target_group_size",  # fixes the all-reduce's grid (`swarm.hierarchy`); absent at 16, the default
+        # How reducers aggregate and bound contributions (`swarm.aggregate`); absent at the defaults.
+        "sync.aggregation", "sync.trim_fraction", "sync.clip_radius", "sync.max_norm_ratio", "sync.weight_cap",
+        "sync.max_weight_ratio",
     )
+    _VIEW_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "sync.aggregation": "mean", "sync.trim_fraction": 0.25, "sync.clip_radius": 1.0, "sync.max_norm_ratio": 8.0,
+        "sync.weight_cap": 4.0, "sync.max_weight_ratio": 16.0,
+    }
 
     @model_validator(mode="after")
     def _overlap_fits(self) -> Config:
@@ -320,7 +342,8 @@ class Config(_Section):
         flat = _flatten(self.model_dump(mode="json"))
         return {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in self.SWARM_FIELDS)
                 and not (k == "data.dataset_id" and v is None) and not (k == "sync.overlap" and v == "none")
-                and not (k == "sync.target_group_size" and v == 16)}
+                and not (k == "sync.target_group_size" and v == 16)
+                and not (k in self._VIEW_DEFAULTS and v == self._VIEW_DEFAULTS[k])}
 
     def swarm_hash(self) -> str:
         """sha256 over `swarm_view()`; peers with a different hash are refused."""

@@ -33,9 +33,12 @@ log = logging.getLogger("diloco_p2p.node")
 
 # Why a node refuses a peer (`diloco_p2p.swarm.guard`): a record signed by another peer than
 # the one it names, a peer a closed run has not admitted, a state claimed past train.max_rounds
-# or backed by too few peers, a downloaded θ that is not the one the swarm vouched for. The
-# label set of diloco_rejections_total, and the values of `RoundRecord.rejections`.
-REJECTION_REASONS = ("forged-record", "not-admitted", "past-max-rounds", "unvouched-state", "bad-state")
+# or backed by too few peers, a downloaded θ that is not the one the swarm vouched for, a
+# contribution to the all-reduce refused for its weight or norm (`diloco_p2p.swarm.aggregate`),
+# a reducer the members caught (its part dropped). The label set of diloco_rejections_total,
+# and the values of `RoundRecord.rejections`.
+REJECTION_REASONS = ("forged-record", "not-admitted", "past-max-rounds", "unvouched-state", "bad-state",
+                     "weight", "norm", "reducer")
 
 
 def view_hash(view: Mapping[str, Any]) -> str:

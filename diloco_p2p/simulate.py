@@ -6,8 +6,9 @@ Each replica is a full `Node` (the same loop, inner trainer, data order, eval an
 round, the average is computed exactly as the all-reduce computes it
 (`diloco_p2p.swarm.allreduce`): members in the order of their keys (the swarm sorts peer ids),
 Δ split into one part per member (`wire.partition`) and each part into chunks, every chunk
-encoded with `sync.compression` and reduced by `wire.reduce_part` (token-weighted, fp32, in
-member order, then encoded and decoded once more). So M replicas whose keys are a real swarm's
+encoded with `sync.compression` and reduced by `aggregate.reduce_part` under the run's
+`sync.aggregation` and bounds (`mean`: token-weighted, fp32, in member order, then encoded and
+decoded once more; each member's stated norm is the one its sender computes). So M replicas whose keys are a real swarm's
 peer ids end every round with the swarm's ``params_sha256``; with M = 1 Δ is applied as is
 (a node alone). Every round is a committed round of all M: no faults, no stragglers.
 
@@ -31,15 +32,16 @@ from diloco_p2p.config import Config, SyncConfig
 from diloco_p2p.contract import RoundOutcome, RoundRecord, SoloSync
 from diloco_p2p.logs import log_context
 from diloco_p2p.overlap import InFlight
-from diloco_p2p.swarm import wire
+from diloco_p2p.swarm import aggregate, wire
 
 log = logging.getLogger(__name__)
 
 
 def wire_average(deltas: Sequence[torch.Tensor], weights: Sequence[float], compression: str,
-                 max_weight_ratio: float, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+                 max_weight_ratio: float, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS,
+                 robust: aggregate.Robust = aggregate.MEAN) -> torch.Tensor:
     """The all-reduce's result for members in this order, every contribution complete and on time:
-    part j is reduced by member j from every member's encoded chunks; a part whose mean is not
+    part j is reduced by member j from every member's encoded chunks; a part whose result is not
     finite is zero (not committed), as on the swarm."""
     n, k = deltas[0].numel(), len(deltas)
     out = torch.zeros(n, dtype=torch.float32)
@@ -47,7 +49,8 @@ def wire_average(deltas: Sequence[torch.Tensor], weights: Sequence[float], compr
         ranges = wire.chunk_ranges(hi - lo, chunk)
         contribs = {i: (float(w), [wire.encode(d[lo + a:lo + b], compression) for a, b in ranges])
                     for i, (d, w) in enumerate(zip(deltas, weights, strict=True))}
-        _, _, _, values = wire.reduce_part(contribs, max_weight_ratio, hi - lo, chunk, compression)
+        norms = {i: aggregate.encoded_norm(d[lo:hi], chunk, compression) for i, d in enumerate(deltas)}
+        _, _, _, values = aggregate.reduce_part(robust, contribs, norms, max_weight_ratio, hi - lo, chunk, compression)
         if values is not None:
             out[lo:hi] = values
     return out
@@ -76,7 +79,8 @@ class Rendezvous:
             if len(self._pending) == len(self.keys):
                 members = [self._pending.pop(k) for k in self.keys]
                 self._results[round] = members[0][0] if len(members) == 1 else wire_average(
-                    [d for d, _ in members], [w for _, w in members], self.cfg.compression, self.cfg.max_weight_ratio)
+                    [d for d, _ in members], [w for _, w in members], self.cfg.compression, self.cfg.max_weight_ratio,
+                    robust=aggregate.robust_of(self.cfg))
                 self._results.pop(round - 2, None)
                 self._cond.notify_all()
 

@@ -127,7 +127,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from diloco_p2p.swarm import streams, wire
+from diloco_p2p.swarm import aggregate, streams, wire
 from diloco_p2p.swarm.allreduce_state import AllreduceResult, Session, conclude
 from diloco_p2p.swarm.streams import NETWORK_ERRORS
 
@@ -209,6 +209,7 @@ class AllreduceService:
         compression: str = "fp16",
         timeout: float = 60.0,
         max_weight_ratio: float = 64.0,
+        robust: aggregate.Robust = aggregate.MEAN,
         on_phase: PhaseHook | None = None,
         on_scattered: Callable[[], object] | None = None,
         part_hook: PartHook | None = None,
@@ -243,6 +244,7 @@ class AllreduceService:
         me, n = names.index(own), tensor.numel()
         s.start(list(peers), me, n, compression, self.chunk_elements, loop.time(), timeout)
         s.part_hook = part_hook
+        s.robust = robust
         tensor = tensor.detach()
         tasks: list[asyncio.Task] = []
         scatter_tasks: list[asyncio.Task] = []
@@ -265,7 +267,9 @@ class AllreduceService:
 
             s.mask_fixed = True
             s.masks[s.me] = [int(p in s.gathered and not s.gathered[p]["empty"]) for p in range(s.k)]
-            mask = s.header("mask", mask=s.masks[s.me])
+            s.mask_lists[s.me] = ([s.part_digests.get(p) if held else None for p, held in enumerate(s.masks[s.me])],
+                                  s.own_norms)
+            mask = s.header("mask", mask=s.masks[s.me], part_digests=s.mask_lists[s.me][0], norms=s.own_norms)
             tasks += [self._spawn(self._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone]
             await self._wait(s, lambda: s.pending(s.masks, only_heard=True), s.d_end)
             result = conclude(s, time.perf_counter() - started)
@@ -280,10 +284,13 @@ class AllreduceService:
         # A sender whose vector is non-finite anywhere says so, and every reducer drops it, not just the
         # one whose part holds the NaN; a sender that lies about it is still caught part by part.
         finite, tasks = wire.is_finite(tensor), []
+        norms = [aggregate.encoded_norm(tensor[lo:hi], s.chunk, s.compression) for lo, hi in s.bounds]
+        s.own_norms = [x if math.isfinite(x) else None for x in norms]
+        s.norms[s.me] = s.own_norms[s.me]
         for j in s.others:
             lo, hi = s.bounds[j]
             fields = {"part": j, "n": s.n, "numel": hi - lo, "chunk": s.chunk, "comp": s.compression}
-            header = s.header("scatter", **fields, weight=weight, finite=finite)
+            header = s.header("scatter", **fields, weight=weight, finite=finite, norm=s.own_norms[j])
             frames = _encoded_chunks(tensor[lo:hi], s.chunk, s.compression)
             tasks.append(self._spawn(self._send(s, j, header, frames, s.d_gather)))
         lo, hi = s.bounds[s.me]  # our own part: same encoding, same checks as anyone's
@@ -315,17 +322,21 @@ class AllreduceService:
                 s.rejected[j] = "timeout"
         candidates, heavy = wire.accept_weights({j: w for j, (w, _) in s.contribs.items()}, max_ratio)
         s.rejected.update({j: "weight" for j in heavy})
+        candidates, far = aggregate.accept_norms({j: s.norms.get(j) for j in candidates}, s.robust.max_norm_ratio)
+        s.rejected.update({j: "norm" for j in far})
+        weights = aggregate.capped_weights({j: s.contribs[j][0] for j in candidates}, s.robust.weight_cap)
         await _phase(on_phase, "reduced")
         lo, hi = s.bounds[s.me]
         fields = {"part": s.me, "n": s.n, "numel": hi - lo, "chunk": s.chunk, "comp": s.compression}
         hooked = s.part_hook is not None  # no streaming: the part goes to the next level whole first
-        if not hooked:
+        whole = hooked or s.robust.whole_part  # so does a whole-part rule's (centered clipping)
+        if not whole:
             s.gather_header = s.header(
                 "gather", **fields, empty=not candidates, stream=True, contributors=candidates,
                 rejected={str(j): r for j, r in sorted(s.rejected.items())},
             )
             tasks += [self._spawn(self._gather_to(s, j)) for j in s.others]
-        ok = bool(candidates) and not hooked
+        ok = bool(candidates) and not whole
         for c, (a, b) in enumerate(wire.chunk_ranges(hi - lo, s.chunk)):
             if not ok:
                 break
@@ -335,8 +346,8 @@ class AllreduceService:
 
             await self._wait(s, lambda: [j for j in missing() if j not in s.gone], s.d_scatter)
             s.failed.update({j: "timeout" for j in missing()})
-            out = None if any(j in s.failed for j in candidates) else wire.reduce_chunk(
-                [(s.contribs[j][0], s.contribs[j][1][c]) for j in candidates], b - a, s.compression
+            out = None if any(j in s.failed for j in candidates) else self._reduce_chunk(
+                s, [(weights[j], s.contribs[j][1][c]) for j in candidates], b - a
             )
             if out is None or s.result is None:
                 ok = False
@@ -344,17 +355,20 @@ class AllreduceService:
             s.out.append(out[0])
             s.result[lo + a : lo + b] = out[1]
             await s.notify()
+        if ok:  # a stated norm is checked once the whole contribution is in: a lie voids the part
+            await self._wait(s, lambda: [j for j in candidates if j not in s.complete | s.failed.keys()
+                                         and j not in s.gone], s.d_scatter)
+            ok = all(j in s.complete and j not in s.failed for j in candidates)
         if ok:
             s.gathered[s.me] = s.gather_header
+            s.part_digests[s.me] = _digest(candidates, s.out)
         else:  # reduce again over the complete contributions, without those that failed
             s.rejected.update(s.failed)
             await self._wait(s, lambda: [j for j in s.contribs if j not in s.complete | s.failed.keys()
                                          and j not in s.gone], s.d_scatter)
             complete = {j: c for j, c in s.contribs.items() if j in s.complete and j not in s.rejected}
-            accepted, heavy, frames, values = await asyncio.to_thread(
-                wire.reduce_part, complete, max_ratio, hi - lo, s.chunk, s.compression
-            )
-            s.rejected.update({j: "weight" for j in heavy})
+            accepted, refused, frames, values = await asyncio.to_thread(self._reduce_part, s, complete, max_ratio)
+            s.rejected.update(refused)
             if hooked and values is not None:
                 fields["comp"], frames, values = await self._next_level(s, values, [complete[j][0] for j in accepted])
             if values is not None and s.result is not None:
@@ -365,7 +379,8 @@ class AllreduceService:
             )
             s.fallback = (header, frames or [])
             s.gathered[s.me] = header
-            if hooked:
+            s.part_digests[s.me] = _digest(accepted, frames or [])
+            if whole:
                 tasks += [self._spawn(self._gather_to(s, j)) for j in s.others]
             log.debug("allreduce %s: part %d reduced again without %s", s.group_id, s.me, sorted(s.failed))
         s.out_final = wire.TRAILER_OK if ok else wire.TRAILER_VOID
@@ -381,6 +396,15 @@ class AllreduceService:
         decoded = torch.cat([wire.decode(f, b - a, out[1]) for f, (a, b) in
                              zip(frames, wire.chunk_ranges(values.numel(), s.chunk), strict=True)] or [values[:0]])
         return out[1], frames, decoded
+
+    def _reduce_chunk(self, s: Session, contribs: list[tuple[float, bytes]], numel: int):
+        """One chunk of our part, streamed (`aggregate.reduce_chunk`; a hostile test reducer overrides it)."""
+        return aggregate.reduce_chunk(s.robust, contribs, numel, s.compression)
+
+    def _reduce_part(self, s: Session, complete: dict[int, tuple[float, list[bytes]]], max_ratio: float):
+        """Our whole part from complete contributions (`aggregate.reduce_part`)."""
+        lo, hi = s.bounds[s.me]
+        return aggregate.reduce_part(s.robust, complete, s.norms, max_ratio, hi - lo, s.chunk, s.compression)
 
     async def _streamed_part(self, s: Session) -> AsyncIterator[bytes]:
         """Our reduced chunks as the pipeline produces them, then the trailer (ok or void)."""
@@ -552,8 +576,17 @@ class AllreduceService:
         writer.write(GO)
         frames: list[bytes] = []
         s.contribs[j] = (float(h["weight"]), frames)  # the pipeline reduces chunks as they land here
+        s.norms[j] = h.get("norm")
+        squares = [0.0]
+
+        def store(a: int, b: int, values: torch.Tensor, data: bytes) -> None:
+            frames.append(data)
+            squares[0] += aggregate.sumsq(values)
+
         try:
-            reason = await self._read_payload(s, h, reader, lambda a, b, values, data: frames.append(data))
+            reason = await self._read_payload(s, h, reader, store)
+            if reason is None and not aggregate.norm_matches(h.get("norm"), squares[0]):
+                reason = "norm"  # it stated another norm than its data has
         except BaseException:
             s.failed.setdefault(j, "timeout")
             raise
@@ -581,9 +614,11 @@ class AllreduceService:
             writer.write(NO_GO)
             return False
         writer.write(GO)
+        digest = aggregate.part_digest(h["contributors"])
         if not h["empty"]:
 
             def store(a: int, b: int, values: torch.Tensor, data: bytes) -> None:
+                digest.update(data)
                 if not s.mask_fixed and s.result is not None:  # no await between this check and the write
                     s.result[lo + a : lo + b] = values
 
@@ -595,6 +630,7 @@ class AllreduceService:
             if reason is not None or s.mask_fixed or s.finished:
                 return False
         s.gathered[j] = h
+        s.part_digests[j] = digest.hexdigest()
         return True
 
     async def _recv_mask(self, s: Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
@@ -604,6 +640,7 @@ class AllreduceService:
         writer.write(GO if accepted else NO_GO)
         if accepted:
             s.masks[j] = h["mask"]
+            s.mask_lists[j] = (h.get("part_digests") or [None] * s.k, h.get("norms") or [None] * s.k)
         return accepted
 
     async def _read_payload(self, s: Session, h: dict, reader, store: Callable) -> str | None:
@@ -630,6 +667,13 @@ async def _frames(frames: Frames) -> AsyncIterator[bytes]:
     else:
         for data in frames:
             yield data
+
+
+def _digest(contributors: list[int], frames: Iterable[bytes]) -> str:
+    digest = aggregate.part_digest(contributors)
+    for data in frames:
+        digest.update(data)
+    return digest.hexdigest()
 
 
 def _encoded_chunks(part: torch.Tensor, chunk: int, compression: str) -> Iterable[bytes]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from contextlib import suppress
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
-from diloco_p2p.swarm import wire
+from diloco_p2p.swarm import aggregate, wire
 
 log = logging.getLogger("diloco_p2p.swarm.allreduce")
 
@@ -39,6 +40,7 @@ class AllreduceResult:
     part_contributors: dict[int, list[str]] = field(default_factory=dict)  # committed part -> contributors
     agreed_with: list[str] = field(default_factory=list)  # members whose masks entered the intersection
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds since the start, when it ended
+    reducers: dict[str, str] = field(default_factory=dict)  # reducer caught by the members' checks -> what it did
 
 
 class Session:
@@ -85,6 +87,12 @@ class Session:
         self.part_hook: Any = None  # `AllreduceService.allreduce(part_hook=...)`: a hierarchy's next level
         self.bytes_sent = self.bytes_received = 0
         self.phases: dict[str, float] = {}
+        # Robust aggregation and reducer checks (`diloco_p2p.swarm.aggregate`): set by allreduce().
+        self.robust = aggregate.MEAN
+        self.norms: dict[int, float | None] = {}  # stated norms of the contributions to our part
+        self.own_norms: list[float | None] = []  # our contribution's norm, per part
+        self.part_digests: dict[int, str] = {}  # part -> sha256 of its gathered bytes (ours included)
+        self.mask_lists: dict[int, tuple[list, list]] = {}  # member -> its mask's (part_digests, norms)
         self.started.set()
 
     def mark(self, phase: str, started: float) -> None:
@@ -122,6 +130,8 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
     committed = [p for p in range(s.k) if all(mask[p] for mask in masks.values())]
     agreed = sorted(masks)
     average = s.result
+    caught = _check_reducers(s, committed, masks)
+    committed = [p for p in committed if p not in caught]
     if len(agreed) < 2 or not committed:  # nobody confirmed anything with us
         status, committed, average = "failed", [], torch.zeros(s.n, dtype=torch.float32)
     else:
@@ -149,4 +159,21 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
         part_contributors=part_contributors,
         agreed_with=[s.names[j] for j in agreed],
         phases=dict(s.phases),
+        reducers={s.names[p]: why for p, why in caught.items()},
     )
+
+
+def _check_reducers(s: Session, committed: list[int], masks: dict[int, list[int]]) -> dict[int, str]:
+    """Committed parts whose reducer the masks heard catch (`aggregate.suspect_parts`), logged."""
+    assert s.result is not None
+    lists = {j: s.mask_lists[j] for j in masks if j in s.mask_lists}
+    if s.part_hook is not None:  # a hierarchy's row: a part is the column's average, not bounded by our row's norms
+        lists = {j: (d, [None] * s.k) for j, (d, _) in lists.items()}
+    norms = {p: math.sqrt(aggregate.sumsq(s.result[s.bounds[p][0] : s.bounds[p][1]])) for p in committed}
+    caught = aggregate.suspect_parts(
+        committed, {j: d for j, (d, _) in lists.items()}, {j: n for j, (_, n) in lists.items()},
+        {p: s.gathered[p]["contributors"] for p in committed}, norms, s.robust.max_norm_ratio, s.compression,
+    )
+    for p, why in caught.items():
+        log.warning("allreduce %s: dropped part %d: reducer %s %s", s.group_id, p, s.names[p], why)
+    return caught

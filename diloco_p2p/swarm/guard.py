@@ -59,3 +59,8 @@ class Guard:
         now = self.clock()
         with self._lock:
             return {p: reason for p, (reason, t) in self._last.items() if now - t <= self.excluded_for}
+
+    def distrusted(self) -> set[str]:
+        """Peers whose last refusal, within `excluded_for`, caught them as a reducer: matchmaking
+        keeps them out of our groups (`diloco_p2p.swarm.aggregate`)."""
+        return {peer for peer, reason in self.excluded().items() if reason == "reducer"}

@@ -174,6 +174,8 @@ class Matchmaker:
         # Whether to serve a peer's stream (its id proven by p2pd): a closed run admits its members
         # only (`diloco_p2p.swarm.admission`); None serves everyone.
         self.admit: Callable[[str, str], Awaitable[bool]] | None = None
+        # Peers kept out of our groups (reducers caught lately, `SwarmSync.distrusted`): not followed, not let in.
+        self.distrusted: Callable[[], Collection[str]] = frozenset
         # Test-only fault injection: awaited right before / after our registration is stored; and,
         # when `_frozen`, join handlers keep the stream open and never answer (a SIGSTOPped peer).
         self._before_register: Callable[[], Awaitable[None]] | None = None
@@ -268,7 +270,7 @@ class Matchmaker:
         await self._register(session)
         if self._after_register is not None:
             await self._after_register()
-        excluded: set[str] = set()
+        excluded: set[str] = set(self.distrusted())  # reducers caught lately: not followed
         view: dict[str, Entry] = {}
         first = True
         while True:
@@ -409,7 +411,7 @@ class Matchmaker:
             reason = self._finished.get(key, "unknown") if isinstance(key, str) else "bad_request"
             await _send_last(reader, writer, {"s": "closed", "reason": reason})
             return
-        if session.rejects(request, follower):
+        if session.rejects(request, follower) or follower in self.distrusted():
             await _send_last(reader, writer, {"s": "closed", "reason": "bad_request"})
             return
         hb = min(max(float(hb), 0.05), 10.0)

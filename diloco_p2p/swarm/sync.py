@@ -41,6 +41,7 @@ from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopReques
 from diloco_p2p.faults import Faults
 from diloco_p2p.swarm import hierarchy
 from diloco_p2p.swarm.admission import Admission
+from diloco_p2p.swarm.aggregate import robust_of
 from diloco_p2p.swarm.allreduce import AllreduceService
 from diloco_p2p.swarm.allreduce_state import AllreduceResult
 from diloco_p2p.swarm.datashare import DataShare
@@ -112,6 +113,7 @@ class SwarmSync:
             self.datashare = DataShare(self.dht, self.p2p, self.loop)  # the corpus's shards (`datashare`)
             for service in (self.matchmaker, self.allreduce, self.state_server, self.datashare):
                 service.admit = self.admission.check_stream  # a closed run serves its members only
+            self.matchmaker.distrusted = self.guard.distrusted  # caught reducers: out of our groups
             self.loop.run(self._start())
             self.check_config()  # a refused node leaves before it ever published anything
             self.progress = ProgressPublisher(self.dht, self.loop, run_id)
@@ -241,7 +243,7 @@ class SwarmSync:
                 hierarchy.average(self.allreduce, group.group_id, group.peers, delta, weight,
                                   butterfly_max=self.cfg.target_group_size,
                                   compression=self.cfg.compression, timeout=self.cfg.allreduce_timeout,
-                                  max_weight_ratio=self.cfg.max_weight_ratio,
+                                  max_weight_ratio=self.cfg.max_weight_ratio, robust=robust_of(self.cfg),
                                   on_scattered=lambda: self.faults.fire("allreduce", round)),
                 timeout=self.cfg.allreduce_timeout + 30,
             )
@@ -249,6 +251,7 @@ class SwarmSync:
             log.warning("round %d: averaging interrupted (%s)", round, e)
             return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement, interrupted=True))
         self._keep(round, delta, weight, result)
+        blame(self.guard, round, result)
         return self._seen(round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement))
 
     def _seen(self, outcome: RoundOutcome) -> RoundOutcome:
@@ -345,6 +348,17 @@ class SwarmSync:
                 await getattr(self, service).stop()
         if hasattr(self, "p2p"):
             await self.p2p.shutdown()  # our replica only: the DHT process owns the daemon
+
+
+def blame(guard: Guard, round: int, result: AllreduceResult) -> None:
+    """Contributions refused for their weight or norm, and reducers the members caught, are
+    refusals of peers (`Guard`: logged, counted, in the round record); a caught reducer is then
+    left out of our next groups (`Guard.distrusted`)."""
+    for peer, reason in sorted(result.rejected.items()):
+        if reason in ("weight", "norm"):
+            guard.reject(peer, reason, f"its contribution to the all-reduce of round {round}")
+    for peer, why in sorted(result.reducers.items()):
+        guard.reject(peer, "reducer", f"round {round}: {why}")
 
 
 def round_outcome(delta: torch.Tensor, result: AllreduceResult | None, group_size: int, alone_policy: str,

@@ -43,7 +43,7 @@ MAX_CHUNK_ELEMENTS = 1 << 24
 MAX_HEADER_BYTES = 1 << 16
 PROTOCOL_VERSION = 2  # 2: pipelined gather (stream flag, trailer frame)
 TRAILER_OK, TRAILER_VOID = b"\x01", b"\x00"  # the last frame of a streamed gather
-REJECT_REASONS = ("nan", "shape", "weight", "timeout", "compression", "group")
+REJECT_REASONS = ("nan", "shape", "weight", "timeout", "compression", "group", "norm")
 KINDS = ("scatter", "gather", "mask", "ping")
 
 
@@ -176,6 +176,25 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_norm(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+
+
+def _check_part_lists(h: dict[str, Any], k: int) -> None:
+    """A mask's optional per-part lists (`diloco_p2p.swarm.aggregate`): the sha256 of each part
+    gathered ("part_digests", None where not held) and our contribution's norm ("norms")."""
+    digests, norms = h.get("part_digests"), h.get("norms")
+    if digests is not None and not (
+        isinstance(digests, list) and len(digests) == k
+        and all(d is None or (isinstance(d, str) and len(d) == 64) for d in digests)
+    ):
+        raise WireError("part_digests must list one sha256 hex digest (or null) per part")
+    if norms is not None and not (
+        isinstance(norms, list) and len(norms) == k and all(n is None or _is_norm(n) for n in norms)
+    ):
+        raise WireError("norms must list one finite number >= 0 (or null) per part")
+
+
 def pack_header(header: dict[str, Any]) -> bytes:
     data = dump_json(header, version=PROTOCOL_VERSION)
     if len(data) > MAX_HEADER_BYTES:
@@ -204,6 +223,7 @@ def parse_header(raw: bytes) -> dict[str, Any]:
         mask = h.get("mask")
         if not isinstance(mask, list) or not all(_is_int(m) and m in (0, 1) for m in mask):
             raise WireError("mask must be a list of 0/1")
+        _check_part_lists(h, len(mask))
         return h
     for key in ("part", "n", "numel", "chunk"):
         if not _is_int(h.get(key)) or h[key] < 0:
@@ -217,6 +237,8 @@ def parse_header(raw: bytes) -> dict[str, Any]:
             raise WireError("weight must be a number")
         if not isinstance(h.get("finite"), bool):
             raise WireError("finite must be a boolean")
+        if h.get("norm") is not None and not _is_norm(h["norm"]):
+            raise WireError("norm must be a finite number >= 0")
         return h
     contributors, rejected = h.get("contributors"), h.get("rejected")
     if not (

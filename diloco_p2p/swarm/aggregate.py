@@ -1,0 +1,292 @@
+"""Robust aggregation of one part's contributions, and the checks members run on a reducer.
+
+Pure functions of tensors and bytes (no sockets): the all-reduce (`diloco_p2p.swarm.allreduce`)
+and the replica simulator (`diloco_p2p.simulate`) both reduce through `reduce_part` /
+`reduce_chunk` here, so what a benchmark measures in-process is what the swarm computes.
+
+What a reducer does with the contributions to its part (`Robust`, from `sync.*`):
+
+- **Weights.** A token weight is a claim nobody can verify. Above ``max_weight_ratio`` × the
+  lower median of the weights offered for the part it is refused ("weight", `wire.accept_weights`);
+  below that, ``weight_cap`` caps it at ``weight_cap`` × the same lower median before averaging,
+  so one peer carries at most ``weight_cap`` times a typical member's say (with 4 members and
+  cap 4: 4/7 of the mean, not the ~20× a ratio of 64 allowed). The robust rules below count
+  members, not tokens (as the Byzantine-robust literature does): a weight moves nothing there.
+- **Norm bound.** Each sender states its contribution's L2 norm (over the values as encoded) in
+  its scatter header; the reducer checks that claim against the data as it lands (a lie: "norm")
+  and refuses a contribution whose norm exceeds ``max_norm_ratio`` × the lower median of the
+  norms offered for the part ("norm"). The lower median cannot be raised by one inflated claim.
+- **Rule** (``aggregation``):
+  ``mean``: the token-weighted mean (`wire.reduce_chunk`, bit for bit today's arithmetic);
+  ``trimmed_mean``: per coordinate, drop the ``floor(trim_fraction·m)`` largest and smallest of
+  the m values and average the rest (the coordinatewise trimmed mean of Yin et al. 2018,
+  "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates"); coordinatewise, so
+  it reduces chunk by chunk as the contributions stream in;
+  ``centered_clip``: one step of centered clipping (Karimireddy, He and Jaggi 2021, "Learning
+  from History for Byzantine Robust Optimization", eq. 2): ``v = c + (1/m) Σ_i (x_i - c) ·
+  min(1, τ / ||x_i - c||)`` with the center ``c`` the coordinatewise (lower) median of the
+  contributions, a deterministic reference every reducer computes from the same bytes (the
+  paper uses the previous aggregate; a part's previous aggregate is not kept across groups
+  here, and the median is a robust center by itself), and ``τ = clip_radius`` × the lower median
+  of the ``||x_i - c||``. It needs whole-part norms, so its part is reduced once every
+  contribution is complete (no pipelining of that part's gather: the cost the benchmark shows).
+
+All of it runs in fp32 in member-index order on the reducer; members use the reducer's encoded
+bytes, so they stay bit-identical whatever the rule.
+
+Checks a member runs on what it gathered (`suspect_parts`, step 5 of the all-reduce): members
+exchange, in their mask messages, a sha256 per part of the gathered bytes (and the contributor
+list the reducer announced) and their own contribution's norm per part. A part whose digests
+differ among the masks heard (a reducer that sent different bytes to different members), or
+whose average's norm exceeds ``sqrt(Σ n_c²)`` over its contributors' stated norms (n_c capped by
+the norm bound; plus the wire format's quantization slack) is dropped by every member alike and
+its reducer blamed. The bound holds for every rule: each output coordinate is at most the largest
+|value| among the contributors' (mean, trimmed mean, median), so ``||out||² <= Σ_c ||x_c||²``;
+centered clipping moves the median toward a convex combination of contributions, within the same
+bound. What it cannot catch: a reducer that shrinks or permutes its part within the bound, and
+a member that lies about its digest or norm can get a part dropped and its honest reducer blamed
+(no signature binds a reducer to the bytes it sent; issue 12 notes this).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diloco_p2p.swarm import wire
+
+AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
+NORM_TOLERANCE = 1e-4  # relative: a claimed norm vs the one recomputed from the same bytes (fp64 sums)
+# Relative slack of an average's norm after it is encoded once more: fp16 rounds each value within
+# 2^-11; int8 per-block absmax errs by <= absmax/254 per value, <= sqrt(1024)/254 of a block's norm.
+# A wire format not listed (e.g. a coarser one added later) gets the loosest slack.
+NORM_SLACK = {"fp32": 1e-6, "fp16": 1e-3, "int8": 0.13}
+DEFAULT_SLACK = 1.0
+
+
+@dataclass(frozen=True)
+class Robust:
+    """How a reducer aggregates its part (see the module docstring); the defaults are today's mean."""
+
+    aggregation: str = "mean"
+    trim_fraction: float = 0.25
+    clip_radius: float = 1.0
+    max_norm_ratio: float | None = None
+    weight_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if not 0 <= self.trim_fraction < 0.5 or not self.clip_radius > 0:
+            raise ValueError("trim_fraction must be in [0, 0.5) and clip_radius > 0")
+        for name in ("max_norm_ratio", "weight_cap"):
+            value = getattr(self, name)
+            if value is not None and not value >= 1:
+                raise ValueError(f"{name} must be >= 1 or None")
+
+    @property
+    def whole_part(self) -> bool:
+        """Whether the rule needs every contribution complete before the first value is reduced."""
+        return self.aggregation == "centered_clip"
+
+
+MEAN = Robust()
+
+
+def robust_of(sync: Any) -> Robust:
+    """The rule and bounds of a `SyncConfig` (``sync.aggregation``, ``trim_fraction``, ...)."""
+    return Robust(sync.aggregation, sync.trim_fraction, sync.clip_radius, sync.max_norm_ratio, sync.weight_cap)
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+def sumsq(values: torch.Tensor) -> float:
+    """Sum of squares in fp64 (a chunk's share of a norm)."""
+    return float(values.double().square().sum())
+
+
+def encoded_norm(x: torch.Tensor, chunk: int, compression: str) -> float:
+    """L2 norm of `x` as a receiver decodes it (chunked as the protocol does), summed chunk by chunk
+    as the reducer does when it checks the claim; inf if not finite."""
+    total = 0.0
+    for a, b in wire.chunk_ranges(x.numel(), chunk):
+        total += sumsq(wire.decode(wire.encode(x[a:b], compression), b - a, compression))
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def norm_matches(claimed: float | None, sum_of_squares: float) -> bool:
+    """Whether a claimed norm (None: nothing claimed) agrees with the recomputed sum of squares."""
+    if claimed is None:
+        return True
+    actual = math.sqrt(sum_of_squares)
+    return abs(claimed - actual) <= NORM_TOLERANCE * max(claimed, actual) + 1e-30
+
+
+def accept_norms(norms: dict[int, float | None], max_ratio: float | None) -> tuple[list[int], list[int]]:
+    """(accepted, refused for "norm") members, sorted: with a bound, a norm above `max_ratio` times
+    the lower median of the norms offered is refused, and so is a contribution that stated none."""
+    if max_ratio is None:
+        return sorted(norms), []
+    stated = [n for n in norms.values() if n is not None]
+    reference = wire.lower_median(stated) if stated else 0.0
+    refused = [j for j in sorted(norms) if norms[j] is None or norms[j] > max_ratio * reference]
+    return [j for j in sorted(norms) if j not in refused], refused
+
+
+def capped_weights(weights: dict[int, float], cap: float | None) -> dict[int, float]:
+    """Each weight capped at `cap` × the lower median of `weights` (None: as given)."""
+    if cap is None or not weights:
+        return dict(weights)
+    ceiling = cap * wire.lower_median(list(weights.values()))
+    return {j: min(w, ceiling) for j, w in weights.items()}
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def trimmed_mean(values: Sequence[torch.Tensor], trim_fraction: float) -> torch.Tensor:
+    """Coordinatewise mean after dropping the floor(trim_fraction·m) largest and smallest values."""
+    m = len(values)
+    b = min(int(math.floor(trim_fraction * m)), (m - 1) // 2)
+    ordered = torch.stack(list(values)).sort(dim=0).values  # ties are equal values: the order is moot
+    return ordered[b : m - b].sum(dim=0, dtype=torch.float32) / float(m - 2 * b)
+
+
+def coordinate_median(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The coordinatewise lower median (one of the values at each coordinate)."""
+    ordered = torch.stack(list(values)).sort(dim=0).values
+    return ordered[(len(values) - 1) // 2].clone()
+
+
+def centered_clip(values: Sequence[torch.Tensor], clip_radius: float) -> torch.Tensor:
+    """One step of centered clipping around the coordinatewise median (Karimireddy et al. 2021)."""
+    center = coordinate_median(values)
+    deviations = [v - center for v in values]
+    norms = [math.sqrt(sumsq(d)) for d in deviations]
+    tau = clip_radius * wire.lower_median(norms)
+    out = torch.zeros_like(center)
+    for d, norm in zip(deviations, norms, strict=True):
+        scale = 1.0 if norm <= tau else tau / norm
+        out.add_(d, alpha=scale)
+    return center + out / float(len(values))
+
+
+def combine(robust: Robust, weights: Sequence[float], values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The rule over decoded contributions in member-index order (weights already capped)."""
+    if robust.aggregation == "trimmed_mean":
+        return trimmed_mean(values, robust.trim_fraction)
+    if robust.aggregation == "centered_clip":
+        return centered_clip(values, robust.clip_radius)
+    acc, total = torch.zeros_like(values[0]), 0.0
+    for weight, v in zip(weights, values, strict=True):
+        total += weight
+        acc.add_(v, alpha=weight)
+    return acc.div_(total)
+
+
+def _finish(out: torch.Tensor, compression: str) -> tuple[bytes, torch.Tensor] | None:
+    encoded = wire.encode(out, compression)
+    values = wire.decode(encoded, out.numel(), compression)
+    return (encoded, values) if wire.is_finite(values) else None
+
+
+def reduce_chunk(
+    robust: Robust, contribs: Sequence[tuple[float, bytes]], numel: int, compression: str
+) -> tuple[bytes, torch.Tensor] | None:
+    """One chunk of a coordinatewise rule: (weight, encoded chunk) in member order -> (encoded
+    result, decoded values) or None when not finite. ``mean`` is `wire.reduce_chunk` exactly."""
+    if robust.aggregation == "mean":
+        return wire.reduce_chunk(contribs, numel, compression)
+    if robust.whole_part:
+        raise ValueError(f"{robust.aggregation} reduces whole parts (reduce_part), not chunks")
+    values = [wire.decode(data, numel, compression) for _, data in contribs]
+    return _finish(combine(robust, [w for w, _ in contribs], values), compression)
+
+
+def reduce_part(
+    robust: Robust,
+    contribs: dict[int, tuple[float, list[bytes]]],
+    norms: dict[int, float | None],
+    max_weight_ratio: float,
+    numel: int,
+    chunk: int,
+    compression: str,
+) -> tuple[list[int], dict[int, str], list[bytes] | None, torch.Tensor | None]:
+    """The part from complete contributions (member -> (weight, encoded chunks)); `norms` are the
+    stated ones (already checked against the data). Returns (accepted, refused -> reason, encoded
+    result chunks, decoded result); the last two None when nothing usable remains."""
+    accepted, heavy = wire.accept_weights({j: w for j, (w, _) in contribs.items()}, max_weight_ratio)
+    refused = {j: "weight" for j in heavy}
+    accepted, far = accept_norms({j: norms.get(j) for j in accepted}, robust.max_norm_ratio)
+    refused.update({j: "norm" for j in far})
+    if not accepted:
+        return [], refused, None, None
+    weights = capped_weights({j: contribs[j][0] for j in accepted}, robust.weight_cap)
+    ranges = wire.chunk_ranges(numel, chunk)
+    encoded, values = [], torch.zeros(numel, dtype=torch.float32)
+    if robust.whole_part:
+        whole = [torch.cat([wire.decode(d, b - a, compression) for (a, b), d in zip(ranges, contribs[j][1],
+                                                                                   strict=True)])
+                 for j in accepted]
+        out = combine(robust, [weights[j] for j in accepted], whole) if numel else torch.zeros(0)
+        pieces = [_finish(out[a:b], compression) for a, b in ranges]
+    else:
+        pieces = [reduce_chunk(robust, [(weights[j], contribs[j][1][c]) for j in accepted], b - a, compression)
+                  for c, (a, b) in enumerate(ranges)]
+    for (a, b), piece in zip(ranges, pieces, strict=True):
+        if piece is None:
+            return [], refused, None, None
+        encoded.append(piece[0])
+        values[a:b] = piece[1]
+    return accepted, refused, encoded, values
+
+
+# ----------------------------------------------------------------------------- checking reducers
+
+
+def part_digest(contributors: Sequence[int]) -> hashlib._Hash:
+    """A running sha256 of one gathered part: its announced contributors, then its encoded chunks."""
+    return hashlib.sha256(("contributors:" + ",".join(map(str, contributors)) + "\n").encode())
+
+
+def norm_bound(norms: Sequence[float], max_norm_ratio: float | None, compression: str) -> float:
+    """The largest norm an aggregate of contributions with these stated norms can have (module
+    docstring), each norm capped by the norm bound, plus the wire format's slack."""
+    if max_norm_ratio is not None and norms:
+        ceiling = max_norm_ratio * wire.lower_median(list(norms))
+        norms = [min(n, ceiling) for n in norms]
+    return math.sqrt(sum(n * n for n in norms)) * (1 + NORM_SLACK.get(compression, DEFAULT_SLACK)) + 1e-12
+
+
+def suspect_parts(
+    parts: Sequence[int],
+    digests: dict[int, Sequence[str | None]],
+    norms: dict[int, Sequence[float | None]],
+    contributors: dict[int, Sequence[int]],
+    average_norms: dict[int, float],
+    max_norm_ratio: float | None,
+    compression: str,
+) -> dict[int, str]:
+    """Parts (among `parts`) whose reducer is caught, with why. `digests` and `norms`: member ->
+    its mask's per-part lists (ours included); `contributors`: part -> the members its reducer
+    announced; `average_norms`: part -> the norm of the average we hold. A part is checked against
+    norms only when every contributor's mask stated one."""
+    caught: dict[int, str] = {}
+    for p in parts:
+        seen = {d[p] for d in digests.values() if p < len(d) and d[p] is not None}
+        if len(seen) > 1:
+            caught[p] = f"sent different bytes of part {p} to different members ({len(seen)} digests)"
+            continue
+        stated = [norms[c][p] for c in contributors.get(p, []) if c in norms and p < len(norms[c])]
+        if not stated or len(stated) < len(contributors.get(p, [])) or any(n is None for n in stated):
+            continue
+        bound = norm_bound([float(n) for n in stated if n is not None], max_norm_ratio, compression)
+        if average_norms[p] > bound:
+            caught[p] = f"its average of part {p} has norm {average_norms[p]:.4g} > {bound:.4g} its contributors allow"
+    return caught

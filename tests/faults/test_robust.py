@@ -1,0 +1,211 @@
+"""Hostile all-reduce members (issue 12 items 5 and 6), in-process on real p2pd daemons.
+
+Four members on loopback, member 3 the attacker (`tests.faults.hostile.LyingAllreduce`): a huge
+norm (stated or understated), a sign flip with the largest weight the bound lets through, a
+reducer that scales its part, a reducer that sends one member other bytes. Each asserts that the
+honest members end with bit-identical θ (θ0 - average, hashed), that the attack is refused or
+bounded, and that the attacker is named in a log line and counted (`sync.blame` into a `Guard`,
+as a node does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+
+import pytest
+import torch
+
+from diloco_p2p.swarm import aggregate, wire
+from diloco_p2p.swarm.aggregate import Robust
+from diloco_p2p.swarm.allreduce import AllreduceService
+from diloco_p2p.swarm.guard import Guard
+from diloco_p2p.swarm.sync import blame
+from tests.faults.hostile import LyingAllreduce
+from tests.harness.loopback import LoopbackPeers
+
+pytestmark = pytest.mark.timeout(90)
+
+N = 4 * 3000 + 3
+CHUNK = 1024
+T = 4.0
+RATIO = 16.0  # max_weight_ratio
+HONEST_WEIGHTS = [1000.0, 1200.0, 1100.0]
+
+
+@pytest.fixture(scope="module")
+def peers():
+    with LoopbackPeers(4) as p:
+        yield p
+
+
+def honest_inputs(seed: int) -> list[torch.Tensor]:
+    """Three honest pseudo-gradients: one shared direction plus each member's own noise."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(N, generator=g)
+    return [base + 0.5 * torch.randn(N, generator=g) for _ in range(3)]
+
+
+def run(peers, xs, weights, robust: Robust, lie: str | None = None, victim: int | None = None):
+    """One all-reduce of 4 members (member 3 a `LyingAllreduce` with `lie`); their results."""
+    prefix = f"robust-{uuid.uuid4().hex[:8]}"
+    services = [AllreduceService(p2p, prefix=prefix, chunk_elements=CHUNK) for p2p in peers.p2ps[:3]]
+    liar = LyingAllreduce(peers.p2ps[3], prefix=prefix, chunk_elements=CHUNK)
+    liar.lie, liar.victim = lie, victim
+    services.append(liar)
+    members = [p.peer_id for p in peers.p2ps]
+
+    async def go():
+        for svc in services:
+            await svc.start()
+        try:
+            return await asyncio.gather(*(
+                svc.allreduce("g", members, x, w, timeout=T, max_weight_ratio=RATIO, robust=robust)
+                for svc, x, w in zip(services, xs, weights, strict=True)
+            ))
+        finally:
+            for svc in services:
+                await svc.stop()
+
+    return peers.loop.run(go(), 60)
+
+
+def theta_hashes(results) -> list[str]:
+    theta0 = torch.linspace(-1, 1, N)
+    return [hashlib.sha256((theta0 - r.average).numpy().tobytes()).hexdigest() for r in results]
+
+
+def assert_honest_agree(results):
+    honest = results[:3]
+    assert len(set(theta_hashes(honest))) == 1, "honest members hold different θ"
+    for r in honest:
+        assert r.committed_parts == honest[0].committed_parts
+        assert bool(torch.isfinite(r.average).all())
+
+
+def assert_named_and_counted(caplog, results, attacker: str, reason: str):
+    """Every honest member, taking its result as a node does, logs the attacker and counts it."""
+    for r in results[:3]:
+        guard = Guard()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            blame(guard, 7, r)
+        assert any(attacker in m and reason in m for m in caplog.messages), caplog.messages
+        assert reason in (guard.drain() or {}).get(attacker, [])
+
+
+def honest_mean(xs, weights, lo, hi) -> torch.Tensor:
+    return sum(w * x[lo:hi].double() for w, x in zip(weights, xs, strict=False)) / sum(weights)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
+
+
+@pytest.mark.parametrize("lie", [None, "understate-norm"])
+def test_huge_norm_is_refused(peers, caplog, lie):
+    """Member 3 sends its Δ × 1000 (finite in fp16). Stated truthfully, every reducer refuses it
+    by the norm bound, its own included; understated, each reducer catches the lie against the
+    data (the streamed part voids and is reduced again without it), and its own part, which it
+    reduced with its huge contribution in, is dropped by every member: the norms the masks state
+    cannot make that average."""
+    xs = honest_inputs(1)
+    attack = xs[0] * 1000
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
+    results = run(peers, xs + [attack], HONEST_WEIGHTS + [1000.0], Robust(max_norm_ratio=8.0), lie=lie)
+    assert_honest_agree(results)
+    bounds = wire.partition(N, 4)
+    for r in results[:3]:
+        assert r.rejected == {names[3]: "norm"}
+        assert r.committed_parts == ([0, 1, 2, 3] if lie is None else [0, 1, 2])
+        assert r.reducers == ({} if lie is None else {names[3]: r.reducers[names[3]]})
+        for p in r.committed_parts:
+            lo, hi = bounds[p]
+            assert r.part_contributors[p] == names[:3]
+            assert torch.allclose(r.average[lo:hi].double(), honest_mean(xs, HONEST_WEIGHTS, lo, hi), atol=3e-3)
+    assert_named_and_counted(caplog, results, names[3], "norm")
+    if lie is not None:
+        assert_named_and_counted(caplog, results, names[3], "reducer")
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean", "centered_clip"])
+def test_sign_flip_with_the_largest_weight_allowed(peers, aggregation):
+    """Member 3 sends -3 × the honest mean with a weight just under the bound. Under `mean` with
+    weights as claimed it turns the average against the honest update; with the weight cap it is
+    still one peer carrying 4 members' say; the robust rules keep the honest direction."""
+    xs = honest_inputs(2)
+    weights = HONEST_WEIGHTS + [RATIO * 1100.0 * 0.999]
+    attack = -3 * honest_mean(xs, HONEST_WEIGHTS, 0, N).float()
+    robust = Robust(aggregation, max_norm_ratio=8.0, weight_cap=None if aggregation == "mean" else 4.0)
+    results = run(peers, xs + [attack], weights, robust)
+    assert_honest_agree(results)
+    assert all(r.status == "ok" and r.rejected == {} for r in results)
+    reference = honest_mean(xs, HONEST_WEIGHTS, 0, N)
+    similarity = cosine(results[0].average, reference)
+    if aggregation == "mean":
+        assert similarity < -0.5  # the attack works on a plain weighted mean
+    else:
+        assert similarity > 0.9
+
+
+def test_weight_over_the_bound_is_named(peers, caplog):
+    xs = honest_inputs(3)
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
+    results = run(peers, xs + [-xs[0]], HONEST_WEIGHTS + [RATIO * 1100.0 * 1.01], Robust())
+    assert_honest_agree(results)
+    assert all(r.rejected == {names[3]: "weight"} for r in results)
+    assert_named_and_counted(caplog, results, names[3], "weight")
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_reducer_that_scales_its_part_is_dropped(peers, caplog, aggregation):
+    """Member 3 reduces its part honestly and sends it × 1000 to everyone (the same bytes): the
+    digests agree, but the average's norm is beyond what its contributors' stated norms allow."""
+    xs = honest_inputs(4)
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
+    results = run(peers, xs + [xs[1].clone()], HONEST_WEIGHTS + [1000.0], Robust(aggregation), lie="scale-output")
+    assert_honest_agree(results)
+    lo, hi = wire.partition(N, 4)[3]
+    for r in results[:3]:
+        assert r.status == "partial" and r.committed_parts == [0, 1, 2]
+        assert list(r.reducers) == [names[3]] and "norm" in r.reducers[names[3]]
+        assert torch.equal(r.average[lo:hi], torch.zeros(hi - lo))
+    assert_named_and_counted(caplog, results, names[3], "reducer")
+
+
+def test_reducer_that_sends_one_member_other_bytes_is_dropped_everywhere(peers, caplog):
+    """Member 3 sends member 0 a changed part: the digests in the masks differ, so every member
+    (member 0 included) drops that part, and θ stays identical."""
+    xs = honest_inputs(5)
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
+    with caplog.at_level(logging.WARNING, logger="diloco_p2p.swarm.allreduce"):
+        results = run(peers, xs + [xs[2].clone()], HONEST_WEIGHTS + [1000.0], Robust(), lie="split-output", victim=0)
+    assert sum(f"reducer {names[3]} sent different bytes" in m for m in caplog.messages) >= 3
+    assert_honest_agree(results)
+    for r in results[:3]:
+        assert r.committed_parts == [0, 1, 2] and list(r.reducers) == [names[3]]
+    assert_named_and_counted(caplog, results, names[3], "reducer")
+    guard = Guard()
+    blame(guard, 1, results[1])
+    assert guard.distrusted() == {names[3]}  # left out of our next groups (matchmaking)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean", "centered_clip"])
+def test_honest_members_get_the_rule_bit_identically(peers, aggregation):
+    """No attack: every member holds the same bits, and they are the pure rule's (`aggregate`)."""
+    xs = honest_inputs(6)
+    g = torch.Generator().manual_seed(60)
+    xs.append(xs[0] + 0.5 * torch.randn(N, generator=g))
+    weights = HONEST_WEIGHTS + [900.0]
+    robust = Robust(aggregation, max_norm_ratio=8.0, weight_cap=4.0)
+    results = run(peers, xs, weights, robust)
+    assert len(set(theta_hashes(results))) == 1
+    for p, (lo, hi) in enumerate(wire.partition(N, 4)):
+        ranges = wire.chunk_ranges(hi - lo, CHUNK)
+        contribs = {i: (w, [wire.encode(x[lo + a:lo + b], "fp16") for a, b in ranges])
+                    for i, (x, w) in enumerate(zip(xs, weights, strict=True))}
+        norms = {i: aggregate.encoded_norm(x[lo:hi], CHUNK, "fp16") for i, x in enumerate(xs)}
+        expected = aggregate.reduce_part(robust, contribs, norms, RATIO, hi - lo, CHUNK, "fp16")[3]
+        assert torch.equal(results[0].average[lo:hi], expected)

@@ -1,0 +1,187 @@
+"""The pure robust-aggregation rules and reducer checks (`diloco_p2p.swarm.aggregate`), against
+values the tests compute on their own (plain Python / float64), and their determinism."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+import torch
+
+from diloco_p2p.config import SyncConfig
+from diloco_p2p.swarm import aggregate, wire
+from diloco_p2p.swarm.aggregate import Robust
+from diloco_p2p.swarm.streams import WireError
+
+
+def vectors(m: int, n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) for _ in range(m)]
+
+
+def test_trimmed_mean_drops_the_extremes_of_each_coordinate():
+    xs = vectors(5, 40, 1)
+    got = aggregate.trimmed_mean(xs, 0.25)  # floor(0.25 * 5) = 1 from each side
+    for i in range(40):
+        column = sorted(float(x[i]) for x in xs)
+        assert math.isclose(float(got[i]), sum(column[1:4]) / 3, rel_tol=1e-6, abs_tol=1e-6)
+    assert torch.allclose(aggregate.trimmed_mean(xs, 0.0), torch.stack(xs).sum(0) / 5, atol=1e-6)
+    # trimming never empties the set: with 2 values and 0.49, both stay
+    two = vectors(2, 8, 2)
+    assert torch.allclose(aggregate.trimmed_mean(two, 0.49), (two[0] + two[1]) / 2)
+
+
+def test_trimmed_mean_ignores_one_outlier_entirely():
+    xs = [torch.full((6,), v) for v in (1.0, 2.0, 3.0)] + [torch.full((6,), 1e9)]
+    assert torch.equal(aggregate.trimmed_mean(xs, 0.25), torch.full((6,), 2.5))
+
+
+def test_centered_clip_matches_the_formula():
+    """v = c + (1/m) Σ (x_i - c) min(1, τ/||x_i - c||), c the coordinatewise lower median,
+    τ = radius × the lower median of the distances (Karimireddy et al. 2021, eq. 2)."""
+    xs = vectors(4, 30, 3)
+    xs[3] = xs[3] * 50  # an outlier, clipped
+    rows = [[float(v) for v in x] for x in xs]
+    center = [sorted(col)[(len(col) - 1) // 2] for col in zip(*rows, strict=True)]
+    dists = [math.sqrt(sum((a - c) ** 2 for a, c in zip(r, center, strict=True))) for r in rows]
+    tau = 0.7 * sorted(dists)[(len(dists) - 1) // 2]
+    expected = [c + sum((r[i] - c) * min(1.0, tau / d) for r, d in zip(rows, dists, strict=True)) / 4
+                for i, c in enumerate(center)]
+    got = aggregate.centered_clip(xs, 0.7)
+    assert max(abs(float(g) - e) for g, e in zip(got, expected, strict=True)) < 1e-5
+    # the outlier moves the result by at most tau / m
+    honest = aggregate.centered_clip(xs[:3] + [torch.tensor(center)], 0.7)
+    assert float((got - honest).norm()) <= 2 * tau / 4 + 1e-4
+
+
+def test_norm_bound_uses_the_lower_median():
+    assert aggregate.accept_norms({0: 1.0, 1: 1.2, 2: 9.7}, 8.0) == ([0, 1], [2])  # 9.7 > 8 × 1.2
+    assert aggregate.accept_norms({0: 1.0, 1: 1.2, 2: 9.5}, 8.0) == ([0, 1, 2], [])
+    # two huge claims cannot raise the reference past the honest ones' with 4 members (lower median)
+    assert aggregate.accept_norms({0: 1.0, 1: 1.1, 2: 1e6, 3: 1e6}, 8.0) == ([0, 1], [2, 3])
+    assert aggregate.accept_norms({0: 1.0, 1: None}, 8.0) == ([0], [1])  # stating nothing is refused
+    assert aggregate.accept_norms({0: 1.0, 1: None}, None) == ([0, 1], [])
+
+
+def test_weight_cap():
+    assert aggregate.capped_weights({0: 100.0, 1: 120.0, 2: 5000.0}, 4.0) == {0: 100.0, 1: 120.0, 2: 480.0}
+    assert aggregate.capped_weights({0: 1.0, 1: 9.0}, None) == {0: 1.0, 1: 9.0}
+
+
+def test_claimed_norm_is_checked_against_the_data():
+    x = vectors(1, 5000, 4)[0]
+    norm = aggregate.encoded_norm(x, 1024, "fp16")
+    squares = sum(aggregate.sumsq(wire.decode(wire.encode(x[a:b], "fp16"), b - a, "fp16"))
+                  for a, b in wire.chunk_ranges(5000, 1024))
+    assert aggregate.norm_matches(norm, squares)
+    assert not aggregate.norm_matches(norm * 0.999, squares)
+    assert not aggregate.norm_matches(norm * 1e-6, squares)
+    assert aggregate.norm_matches(None, squares)
+    assert math.isclose(norm, float(x.double().norm()), rel_tol=1e-3)
+
+
+def contributions(xs, weights, compression, chunk):
+    ranges = wire.chunk_ranges(xs[0].numel(), chunk)
+    return {i: (w, [wire.encode(x[a:b], compression) for a, b in ranges])
+            for i, (x, w) in enumerate(zip(xs, weights, strict=True))}
+
+
+@pytest.mark.parametrize("aggregation", aggregate.AGGREGATIONS)
+def test_reduce_part_is_deterministic_and_chunking_does_not_matter(aggregation):
+    xs, weights = vectors(5, 3000, 5), [1.0, 2.0, 1.5, 1.0, 3.0]
+    robust = Robust(aggregation, max_norm_ratio=8.0, weight_cap=2.0)
+    norms = {i: aggregate.encoded_norm(x, 700, "fp16") for i, x in enumerate(xs)}
+    contribs = contributions(xs, weights, "fp16", 700)
+    first = aggregate.reduce_part(robust, contribs, norms, 16.0, 3000, 700, "fp16")
+    shuffled = dict(random.Random(0).sample(list(contribs.items()), len(contribs)))
+    again = aggregate.reduce_part(robust, shuffled, norms, 16.0, 3000, 700, "fp16")
+    assert first[0] == again[0] == [0, 1, 2, 3, 4] and first[2] == again[2]
+    assert torch.equal(first[3], again[3])
+    if aggregation != "mean":  # coordinatewise or whole-part: the same values in one chunk as in many
+        whole = aggregate.reduce_part(robust, contributions(xs, weights, "fp32", 3000),
+                                      norms, 16.0, 3000, 3000, "fp32")[3]
+        assert torch.allclose(first[3], whole, atol=2e-3)
+
+
+def test_mean_is_the_wire_reduce_bit_for_bit():
+    xs, weights = vectors(3, 2000, 6), [1.0, 3.0, 2.0]
+    contribs = contributions(xs, weights, "fp16", 512)
+    ours = aggregate.reduce_part(aggregate.MEAN, contribs, {}, 64.0, 2000, 512, "fp16")
+    theirs = wire.reduce_part(contribs, 64.0, 2000, 512, "fp16")
+    assert ours[2] == theirs[2] and torch.equal(ours[3], theirs[3])
+
+
+def test_reduce_part_refuses_by_weight_then_norm_and_caps_the_rest():
+    xs = vectors(4, 100, 7)
+    xs[3] = xs[3] * 100
+    norms = {i: aggregate.encoded_norm(x, 100, "fp32") for i, x in enumerate(xs)}
+    contribs = contributions(xs, [1.0, 1.0, 1e6, 3.0], "fp32", 100)
+    accepted, refused, _, values = aggregate.reduce_part(Robust(max_norm_ratio=8.0, weight_cap=2.0), contribs, norms,
+                                                         16.0, 100, 100, "fp32")
+    assert accepted == [0, 1] and refused == {2: "weight", 3: "norm"}
+    assert torch.allclose(values, (xs[0] + xs[1]) / 2)
+    capped = aggregate.reduce_part(Robust(weight_cap=2.0), contributions(xs[:3], [1.0, 1.0, 3.0], "fp32", 100),
+                                   {}, 16.0, 100, 100, "fp32")[3]
+    assert torch.allclose(capped, (xs[0] + xs[1] + 2 * xs[2]) / 4)  # 3.0 capped at 2 × 1.0
+
+
+def test_suspect_parts_catches_split_digests_and_oversized_averages():
+    a, b = "a" * 64, "b" * 64
+    digests = {0: [a, a], 1: [a, a], 2: [b, a]}
+    norms = {0: [1.0, 2.0], 1: [1.0, 2.0], 2: [1.0, 2.0]}
+    contributors = {0: [0, 1, 2], 1: [0, 1, 2]}
+    ok = {0: math.sqrt(3) * 0.99, 1: 2.0}
+    caught = aggregate.suspect_parts([0, 1], digests, norms, contributors, ok, None, "fp32")
+    assert list(caught) == [0] and "different bytes" in caught[0]
+    big = {0: 1.0, 1: math.sqrt(12) * 1.01}  # sqrt(3 × 2²) is the most part 1's average can be
+    caught = aggregate.suspect_parts([1], digests, norms, contributors, big, None, "fp32")
+    assert list(caught) == [1] and "norm" in caught[1]
+    assert aggregate.suspect_parts([1], digests, norms, contributors, {1: math.sqrt(12) * 0.99}, None, "fp32") == {}
+    # a contributor whose mask was not heard: part not checked by norm (no bound known)
+    assert aggregate.suspect_parts([1], digests, {0: [1.0, 2.0]}, contributors, big, None, "fp32") == {}
+    # a contributor stating a huge norm is capped by the norm bound (3 members: lower median 2)
+    lying = {0: [1.0, 2.0], 1: [1.0, 2.0], 2: [1.0, 1e6]}
+    assert aggregate.norm_bound([2.0, 2.0, 1e6], 8.0, "fp32") < 17.0
+    assert list(aggregate.suspect_parts([1], digests, lying, contributors, {1: 100.0}, 8.0, "fp32")) == [1]
+
+
+def test_the_norm_check_holds_for_every_rule():
+    """The bound sqrt(Σ ||x_c||²) holds for the mean, the trimmed mean and centered clipping."""
+    for seed in range(20):
+        xs = [x * (1 + 3 * i) for i, x in enumerate(vectors(4, 50, 100 + seed))]
+        bound = math.sqrt(sum(float(x.double().norm()) ** 2 for x in xs))
+        for out in (aggregate.combine(aggregate.MEAN, [1, 5, 1, 2], xs), aggregate.trimmed_mean(xs, 0.25),
+                    aggregate.centered_clip(xs, 1.0), aggregate.centered_clip(xs, 5.0)):
+            assert float(out.double().norm()) <= bound * (1 + 1e-6)
+
+
+def test_headers_carry_norms_and_part_digests():
+    base = {"group": "g", "digest": "d"}
+    scatter = {**base, "kind": "scatter", "part": 0, "n": 4, "numel": 2, "chunk": 2, "comp": "fp32",
+               "weight": 1.0, "finite": True}
+    assert wire.parse_header(wire.pack_header({**scatter, "norm": 1.5}))["norm"] == 1.5
+    for bad in (-1.0, "x", True):
+        with pytest.raises(WireError, match="norm"):
+            wire.parse_header(wire.pack_header({**scatter, "norm": bad}))
+    mask = {**base, "kind": "mask", "mask": [1, 0], "part_digests": ["f" * 64, None], "norms": [0.5, None]}
+    assert wire.parse_header(wire.pack_header(mask))["norms"] == [0.5, None]
+    with pytest.raises(WireError, match="part_digests"):
+        wire.parse_header(wire.pack_header({**mask, "part_digests": ["f" * 64]}))
+    with pytest.raises(WireError, match="norms"):
+        wire.parse_header(wire.pack_header({**mask, "norms": [0.5, -2]}))
+    assert "norm" in wire.REJECT_REASONS
+
+
+def test_config_options_and_their_bounds():
+    cfg = SyncConfig(aggregation="centered_clip", clip_radius=2.0, max_norm_ratio=None)
+    assert aggregate.robust_of(cfg) == Robust("centered_clip", 0.25, 2.0, None, 4.0)
+    assert aggregate.robust_of(SyncConfig()).aggregation == "mean"
+    for bad in ({"aggregation": "median"}, {"trim_fraction": 0.5}, {"clip_radius": 0}, {"max_norm_ratio": 0.5},
+                {"weight_cap": 0.9}):
+        with pytest.raises(ValueError):
+            SyncConfig(**bad)
+    with pytest.raises(ValueError):
+        Robust("median")
+    assert statistics.median([SyncConfig().max_weight_ratio]) <= 16  # one peer no longer carries ~20x
