@@ -75,25 +75,30 @@ uneven sharing of a link by the k-1 concurrent flows (a chunk waits for its slow
 setup is one libp2p stream per message over the connection p2pd keeps open between the peers (no
 TCP or TLS handshake per round).
 
+Robust aggregation and reducer checks (`diloco_p2p.swarm.aggregate`, `robust=`):
+
+- A part is reduced by ``aggregate.reduce_chunk`` / ``aggregate.reduce_part`` (``mean`` is
+  ``wire.reduce_chunk`` bit for bit), pure functions of the complete, ordered per-sender
+  contributions. Each scatter header states the sender's norm of that part; the reducer fixes
+  the contributors from the headers (weight bound, then norm bound, then the weight cap), sums
+  squares as the chunks land and, when a claim was a lie ("norm"), waits for every contribution
+  to complete before its trailer, voids the streamed part and reduces it again, whole, without
+  that sender (step 3). A coordinatewise rule (trimmed mean) streams chunk by chunk; centered
+  clipping needs whole-part norms, so its part goes out once, unstreamed.
+- Step 5: each mask carries ``part_digests`` (sha256 of the announced contributors and the
+  encoded bytes of each part gathered) and ``norms`` (our contribution's norm per part).
+  `allreduce_state.conclude` drops a part whose digests differ among the masks heard, or whose
+  average's norm exceeds what its contributors' stated norms allow, on every member alike, and
+  names its reducer (``AllreduceResult.reducers``).
+
 Where later schemes plug in (keep these properties when changing this module):
 
-- Robust aggregation and per-part contribution checks (a reducer that clips, trims or rejects a
-  contribution by its norm relative to the others) replace ``wire.reduce_chunk`` /
-  ``wire.reduce_part`` for a part: both are pure functions of the complete, ordered per-sender
-  contributions of that part. A coordinatewise rule (trimmed mean) works chunk by chunk as is.
-  A rule that needs a whole-part statistic (norms for clipping, centered clipping) gets it
-  before the first chunk is reduced from a per-part norm each sender puts in its scatter header;
-  the reducer checks the claimed norm against the chunks as they land and, on a lie, voids the
-  streamed part and falls back to the whole-part reduce without that sender (step 3), so the
-  committed bytes stay a deterministic function of complete contributions.
-- Reducer checks (members comparing digests of the gathered bytes before committing) fit in
-  step 5: a digest per part rides in the mask message; a part whose digests differ is dropped
-  from every member's mask alike.
 - The hierarchical (2-D grid) all-reduce (`diloco_p2p.swarm.hierarchy`) runs this protocol over
   rows with a ``part_hook``: the reducer reduces its part whole (the unstreamed path of step 3),
   hands it to the hook (a column all-reduce of that part across rows) and gathers what the hook
   returns, in fp32 when re-encoding it would not be exact. Its agreement across rows is two
-  more calls of this protocol on a 0/1 mask.
+  more calls of this protocol on a 0/1 mask. A row's part is then the column's average, so the
+  members check its digests but not its norm against the row's contributors.
 
 
 

@@ -202,7 +202,7 @@ def test_honest_members_get_the_rule_bit_identically(peers, aggregation):
     robust = Robust(aggregation, max_norm_ratio=8.0, weight_cap=4.0)
     results = run(peers, xs, weights, robust)
     assert len(set(theta_hashes(results))) == 1
-    for p, (lo, hi) in enumerate(wire.partition(N, 4)):
+    for lo, hi in wire.partition(N, 4):
         ranges = wire.chunk_ranges(hi - lo, CHUNK)
         contribs = {i: (w, [wire.encode(x[lo + a:lo + b], "fp16") for a, b in ranges])
                     for i, (x, w) in enumerate(zip(xs, weights, strict=True))}
