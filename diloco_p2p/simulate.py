@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -136,14 +136,16 @@ class _ReplicaFlight(InFlight):
         return super().result()
 
 
-def simulate(config: Config, root: Path, keys: Sequence[str]) -> dict[str, list[RoundRecord]]:
-    """Train len(keys) replicas of `config` under `root/<key>`; each replica's round records."""
+def simulate(config: Config, root: Path, keys: Sequence[str],
+             make_sync: Callable[[str, Rendezvous], ReplicaSync] = ReplicaSync) -> dict[str, list[RoundRecord]]:
+    """Train len(keys) replicas of `config` under `root/<key>`; each replica's round records.
+    `make_sync` builds each replica's `Sync` (a benchmark's attacker replica alters its Δ there)."""
     from diloco_p2p.node import Node
 
     if len(set(keys)) != len(keys) or not keys:
         raise ValueError("replica keys must be distinct and at least one")
     rendezvous = Rendezvous(keys, config.sync)
-    nodes = {key: Node(config, root / key, ReplicaSync(key, rendezvous), progress=False) for key in keys}
+    nodes = {key: Node(config, root / key, make_sync(key, rendezvous), progress=False) for key in keys}
     records: dict[str, list[RoundRecord]] = {}
     errors: list[BaseException] = []
 
