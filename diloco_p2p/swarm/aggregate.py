@@ -250,9 +250,18 @@ def reduce_part(
 # ----------------------------------------------------------------------------- checking reducers
 
 
+DIGEST_HEX = 32  # a part's digest in a mask: 128 bits of sha256 (a reducer would need a collision)
+
+
 def part_digest(contributors: Sequence[int]) -> hashlib._Hash:
-    """A running sha256 of one gathered part: its announced contributors, then its encoded chunks."""
+    """A running sha256 of one gathered part: its announced contributors, then its encoded chunks;
+    a mask carries the first `DIGEST_HEX` hex digits."""
     return hashlib.sha256(("contributors:" + ",".join(map(str, contributors)) + "\n").encode())
+
+
+def stated(norm: float) -> float | None:
+    """A norm as headers state it: 7 significant digits (well inside `NORM_TOLERANCE`), None if not finite."""
+    return float(f"{norm:.7g}") if math.isfinite(norm) else None
 
 
 def norm_bound(norms: Sequence[float], max_norm_ratio: float | None, compression: str) -> float:

@@ -290,7 +290,7 @@ class AllreduceService:
         # one whose part holds the NaN; a sender that lies about it is still caught part by part.
         finite, tasks = wire.is_finite(tensor), []
         norms = [aggregate.encoded_norm(tensor[lo:hi], s.chunk, s.compression) for lo, hi in s.bounds]
-        s.own_norms = [x if math.isfinite(x) else None for x in norms]
+        s.own_norms = [aggregate.stated(x) for x in norms]
         s.norms[s.me] = s.own_norms[s.me]
         for j in s.others:
             lo, hi = s.bounds[j]
@@ -635,7 +635,7 @@ class AllreduceService:
             if reason is not None or s.mask_fixed or s.finished:
                 return False
         s.gathered[j] = h
-        s.part_digests[j] = digest.hexdigest()
+        s.part_digests[j] = digest.hexdigest()[: aggregate.DIGEST_HEX]
         return True
 
     async def _recv_mask(self, s: Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
@@ -678,7 +678,7 @@ def _digest(contributors: list[int], frames: Iterable[bytes]) -> str:
     digest = aggregate.part_digest(contributors)
     for data in frames:
         digest.update(data)
-    return digest.hexdigest()
+    return digest.hexdigest()[: aggregate.DIGEST_HEX]
 
 
 def _encoded_chunks(part: torch.Tensor, chunk: int, compression: str) -> Iterable[bytes]:

@@ -62,9 +62,8 @@ deadline* has missed the round: it learns so from a ``done: expired`` marker or 
 ``closed: expired`` answer and returns ``None`` at once (`last_outcome == "late"`), so the
 caller can catch up instead of averaging stale state. So does a node that arrives after a group
 closed *complete*: the live swarm has done the round without it (it had no live record when the
-leader read them, e.g. it had just started). Groups
-that closed because they were full (target reached) do not make later nodes late: those may still
-group with each other.
+leader read them, e.g. it had just started). Groups that closed because they were full (target
+reached) do not make later nodes late: those may still group with each other.
 
 Agreement is as strong as a single round trip allows: a follower whose deadline fires in the
 instant the leader sends the final list ends alone while the others count it in. The all-reduce
@@ -174,8 +173,7 @@ class Matchmaker:
         # Whether to serve a peer's stream (its id proven by p2pd): a closed run admits its members
         # only (`diloco_p2p.swarm.admission`); None serves everyone.
         self.admit: Callable[[str, str], Awaitable[bool]] | None = None
-        # Peers kept out of our groups (reducers caught lately, `SwarmSync.distrusted`): not followed, not let in.
-        self.distrusted: Callable[[], Collection[str]] = frozenset
+        self.distrusted: Callable[[], Collection[str]] = frozenset  # caught reducers (`Guard`): out of our groups
         # Test-only fault injection: awaited right before / after our registration is stored; and,
         # when `_frozen`, join handlers keep the stream open and never answer (a SIGSTOPped peer).
         self._before_register: Callable[[], Awaitable[None]] | None = None

@@ -186,9 +186,9 @@ def _check_part_lists(h: dict[str, Any], k: int) -> None:
     digests, norms = h.get("part_digests"), h.get("norms")
     if digests is not None and not (
         isinstance(digests, list) and len(digests) == k
-        and all(d is None or (isinstance(d, str) and len(d) == 64) for d in digests)
+        and all(d is None or (isinstance(d, str) and len(d) == 32) for d in digests)
     ):
-        raise WireError("part_digests must list one sha256 hex digest (or null) per part")
+        raise WireError("part_digests must list one 32-digit hex digest (or null) per part")
     if norms is not None and not (
         isinstance(norms, list) and len(norms) == k and all(n is None or _is_norm(n) for n in norms)
     ):

@@ -165,10 +165,10 @@ def test_headers_carry_norms_and_part_digests():
     for bad in (-1.0, "x", True):
         with pytest.raises(WireError, match="norm"):
             wire.parse_header(wire.pack_header({**scatter, "norm": bad}))
-    mask = {**base, "kind": "mask", "mask": [1, 0], "part_digests": ["f" * 64, None], "norms": [0.5, None]}
+    mask = {**base, "kind": "mask", "mask": [1, 0], "part_digests": ["f" * 32, None], "norms": [0.5, None]}
     assert wire.parse_header(wire.pack_header(mask))["norms"] == [0.5, None]
     with pytest.raises(WireError, match="part_digests"):
-        wire.parse_header(wire.pack_header({**mask, "part_digests": ["f" * 64]}))
+        wire.parse_header(wire.pack_header({**mask, "part_digests": ["f" * 32]}))
     with pytest.raises(WireError, match="norms"):
         wire.parse_header(wire.pack_header({**mask, "norms": [0.5, -2]}))
     assert "norm" in wire.REJECT_REASONS
