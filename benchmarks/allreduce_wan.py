@@ -13,6 +13,10 @@ medians over `--rounds` all-reduces (after one warm-up that opens the connection
 
     sudo python benchmarks/allreduce_wan.py [--rates 20,100,200] [--ks 2,3,4]
                                             [--compressions fp16,int8] [--numel 3500000] [--rounds 3]
+                                            [--grid B] [--json OUT]
+
+With ``--grid B`` every k > B is also measured on the grid all-reduce (`swarm/hierarchy.py`, rows
+of about B members: the scheme a round of more than `sync.target_group_size` nodes runs).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def worker(ip: str, initial: list[str], chunk: int) -> None:
     import torch
     from hivemind.p2p import PeerID
 
+    from diloco_p2p.swarm import hierarchy
     from diloco_p2p.swarm.allreduce import AllreduceService
     from diloco_p2p.swarm.runner import BackgroundLoop
 
@@ -57,7 +62,9 @@ def worker(ip: str, initial: list[str], chunk: int) -> None:
         peers = [PeerID.from_base58(p) for p in job["peers"]]
         x = torch.randn(job["numel"], generator=torch.Generator().manual_seed(job["seed"]))
         time.sleep(max(job["at"] - time.time(), 0.0))
-        r = loop.run(service.allreduce(job["group"], peers, x, 1.0, compression=job["comp"], timeout=120), 180)
+        bmax = job.get("butterfly_max") or len(peers)  # >= the group: one butterfly
+        r = loop.run(hierarchy.average(service, job["group"], peers, x, 1.0, butterfly_max=bmax,
+                                       compression=job["comp"], timeout=120), 180)
         print(json.dumps({"status": r.status, "seconds": r.seconds, "sent": r.bytes_sent,
                           "received": r.bytes_received, "phases": r.phases}), flush=True)
     loop.run(service.stop(), 30)
@@ -128,7 +135,8 @@ class Peer:
                 self.popen.wait()
 
 
-def measure(hosts: netns.Hosts, k: int, comps: list[str], numel: int, rounds: int, chunk: int) -> dict:
+def measure(hosts: netns.Hosts, k: int, comps: list[str], numel: int, rounds: int, chunk: int,
+            grid: int | None = None) -> dict:
     peers: list[Peer] = []
     try:
         for i in range(k):
@@ -136,13 +144,14 @@ def measure(hosts: netns.Hosts, k: int, comps: list[str], numel: int, rounds: in
             peers.append(Peer(hosts[i], initial, chunk))
         ids = [p.hello["peer"] for p in peers]
         out = {}
-        for comp in comps:
+        schemes = [(comp, None) for comp in comps] + [(comp, grid) for comp in comps if grid and k > grid]
+        for comp, bmax in schemes:
             runs = []
             for r in range(rounds + 1):  # round 0 warms up the connections
                 at = time.time() + 1.0
                 for i, p in enumerate(peers):
-                    p.send({"group": f"{comp}-{k}-{r}", "peers": ids, "numel": numel, "seed": i, "at": at,
-                            "comp": comp})
+                    p.send({"group": f"{comp}-{k}-{r}-{bmax}", "peers": ids, "numel": numel, "seed": i, "at": at,
+                            "comp": comp, "butterfly_max": bmax})
                 sampler = _Sampler(hosts, k) if args_verbose else None
                 results = [p.read() for p in peers]
                 if sampler is not None:
@@ -152,7 +161,7 @@ def measure(hosts: netns.Hosts, k: int, comps: list[str], numel: int, rounds: in
                     runs.append(results)
                     if args_verbose:
                         print([{k: round(v, 3) for k, v in x["phases"].items()} for x in results], file=sys.stderr)
-            out[comp] = {
+            out[comp if bmax is None else f"{comp}/grid"] = {
                 "seconds": statistics.median(max(x["seconds"] for x in rs) for rs in runs),
                 "sent": statistics.median(statistics.mean(x["sent"] for x in rs) for rs in runs),
             }
@@ -172,6 +181,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="chunk elements (default: the service's)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("-v", action="store_true", help="print each peer's phase times")
+    parser.add_argument("--grid", type=int, default=None, help="also the grid all-reduce, rows of about this many")
+    parser.add_argument("--json", type=Path, default=None, help="write the table's rows here")
     parser.add_argument("--initial", default="[]", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from diloco_p2p.swarm import wire
@@ -184,18 +195,22 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     comps = args.compressions.split(",")
     print(f"{args.numel:,} values per peer; medians over {args.rounds} all-reduces; chunk {chunk} values")
-    print(f"{'Mbit/s':>6} {'k':>2} {'wire':>5} {'sent MB':>8} {'bound MB':>8} {'all-reduce s':>12} "
+    print(f"{'Mbit/s':>6} {'k':>2} {'wire':>10} {'sent MB':>8} {'bound MB':>8} {'all-reduce s':>12} "
           f"{'wire-time s':>11} {'ratio':>6}")
+    rows = []
     for rate in (float(r) for r in args.rates.split(",")):
         with netns.Hosts(max(ks), rate_mbit=rate) as hosts:
             for k in ks:
-                got = measure(hosts, k, comps, args.numel, args.rounds, chunk)
-                for comp in comps:
-                    r = got[comp]
-                    bound = 2 * (k - 1) / k * args.numel * wire.bytes_per_element(comp)
+                got = measure(hosts, k, comps, args.numel, args.rounds, chunk, args.grid)
+                for scheme, r in got.items():
+                    bound = 2 * (k - 1) / k * args.numel * wire.bytes_per_element(scheme.split("/")[0])
                     wire_s = r["sent"] * 8 / (rate * 1e6)
-                    print(f"{rate:>6g} {k:>2} {comp:>5} {r['sent'] / 1e6:>8.3f} {bound / 1e6:>8.3f} "
+                    rows.append({"rate_mbit": rate, "k": k, "scheme": scheme, "grid": args.grid, "numel": args.numel,
+                                 "bound": bound, "wire_seconds": wire_s, **r})
+                    print(f"{rate:>6g} {k:>2} {scheme:>10} {r['sent'] / 1e6:>8.3f} {bound / 1e6:>8.3f} "
                           f"{r['seconds']:>12.3f} {wire_s:>11.3f} {r['seconds'] / wire_s:>6.2f}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ fp32: (c-1)/c n (4 - b) more bytes. At N = 1,024, butterfly_max 32: 3,069 messag
 for the butterfly, 372 for the grid; the bytes are the same. Time: the row gather starts only
 after the column all-reduce (no pipelining across levels), so on a link-bound round the grid
 takes about one extra n/c-sized transfer and a few more round trips than the butterfly's
-wire time. Measured in `benchmarks/scale.py`.
+wire time. Measured on 50 Mbit/s tbf links, 2M fp16 values (`benchmarks/allreduce_wan.py --grid 3`):
+4 members 1.44 s butterfly, 1.72 s grid 2x2; 6 members 1.89 s butterfly, 2.12 s grid 2x3, the
+same bytes (1.0003x the bound); loopback numbers in `benchmarks/scale.py`.
 """
 
 from __future__ import annotations
