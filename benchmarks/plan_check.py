@@ -1,0 +1,260 @@
+"""The round planner (`diloco_p2p.plan`, `diloco-p2p plan`) against real swarms on shaped links.
+
+Hosts are network namespaces on a bridge with tbf-shaped links (`tests/netns.py`, needs root),
+as in `benchmarks/allreduce_wan.py` and `benchmarks/wan.py`, whose machinery this reuses. Stages
+(each well under 10 minutes on two busy cores; run them in this order):
+
+- ``calibrate``: all-reduces of `--numel` values on unshaped links (CPU, per-message and fixed
+  costs) and at `--cal-rate` Mbit (the flow overhead) for k = 2, 4, 6, 8 peers; fits the
+  `Calibration` constants by least squares and prints them (paste them into `plan.Calibration`,
+  the defaults the CLI uses). Writes benchmarks/results/plan_calibration.json.
+- ``allreduce``: at other rates (`--rates`, not the calibration's), k = 2, 4, 6, 8: predicted
+  (shipped defaults) vs measured all-reduce seconds and bytes sent per peer, with the % error.
+- ``rounds``: real training nodes (`tiny` model, a few rounds) in one group of k = 2, 4, 6 at
+  `--round-rate`: predicted vs measured round seconds, given the measured compute of the round
+  (the slowest member's inner steps; a planner's user states theirs), and bytes per node.
+- ``curves``: predicted curves to 1,024 nodes (PNG, matplotlib from the `bench` extra).
+
+Results accumulate in benchmarks/results/plan_check.json (one key per stage).
+
+    sudo python benchmarks/plan_check.py calibrate|allreduce|rounds|curves [--ks 2,4,6,8] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.netns, tests.harness
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import allreduce_wan  # noqa: E402
+
+from diloco_p2p import plan  # noqa: E402
+from diloco_p2p.swarm import wire  # noqa: E402
+from tests import netns  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CORES = 2  # the machine these checks ran on
+
+
+def _inputs(numel: int, rate: float, comp: str, k: int, **kw) -> plan.Inputs:
+    links = plan.Links(rate, rate)
+    return plan.Inputs(params=numel, step_seconds=1.0, uplink=links, downlink=links, rtt_ms=0.0, scheme="butterfly",
+                       group=max(k, 2), compression=comp, oversubscribe=max(k / CORES, 1.0), **kw)
+
+
+def predicted_allreduce(numel: int, rate: float, comp: str, k: int, cal: plan.Calibration) -> tuple[float, int]:
+    inp = _inputs(numel, rate, comp, k)
+    (level,) = plan.levels(inp, "butterfly", k)
+    return sum(plan.level_seconds(level, inp, k, cal).values()), level.sent
+
+
+def run_allreduces(rate: float, ks: list[int], comps: list[str], numel: int, rounds: int) -> list[dict]:
+    out = []
+    with netns.Hosts(max(ks), rate_mbit=rate) as hosts:
+        for k in ks:
+            got = allreduce_wan.measure(hosts, k, comps, numel, rounds, wire.DEFAULT_CHUNK_ELEMENTS)
+            for comp, r in got.items():
+                out.append({"rate": rate, "k": k, "comp": comp, "numel": numel, "seconds": r["seconds"],
+                            "sent": r["sent"]})
+                print(f"  measured {rate:g} Mbit k={k} {comp}: {r['seconds']:.3f} s, {r['sent'] / 1e6:.3f} MB",
+                      flush=True)
+    return out
+
+
+def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
+    import numpy as np
+
+    solution, *_ = np.linalg.lstsq(np.array(rows), np.array(y), rcond=None)
+    return [float(v) for v in solution]
+
+
+def fit(fast: list[dict], shaped: list[dict]) -> plan.Calibration:
+    """Unshaped runs: seconds = setup + per_message · messages · o (o = processes per core); shaped
+    runs, with those: seconds - fixed = flow_overhead · wire time (the median ratio). The CPU per byte
+    (encode, reduce, decode, p2pd) did not separate from the noise of a shared machine (int8, fewer
+    bytes, was as slow as fp16 unshaped), so it stays 0 and the flow overhead carries it."""
+    rows = [[1.0, 3 * (m["k"] - 1) * max(m["k"] / CORES, 1.0)] for m in fast]
+    setup, per_message = _lstsq(rows, [m["seconds"] for m in fast])
+    base = plan.Calibration(setup_s=max(setup, 0.0), per_message_s=max(per_message, 0.0), cpu_s_per_byte=0.0,
+                            flow_overhead=1.0, rtts=0.0)
+    ratios = []
+    for m in shaped:
+        fixed, _ = predicted_allreduce(m["numel"], 1e9, m["comp"], m["k"], base)  # no wire time at 1e9 Mbit
+        wire_s = m["sent"] * 8 / (m["rate"] * 1e6)
+        ratios.append((m["seconds"] - fixed) / wire_s)
+    return replace(base, flow_overhead=statistics.median(ratios), rtts=plan.Calibration().rtts,
+                   source="benchmarks/plan_check.py calibrate")
+
+
+def _write(key: str, value) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "plan_check.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[key] = value
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def stage_calibrate(args) -> None:
+    print(f"calibration: {args.numel:,} values, unshaped and {args.cal_rate:g} Mbit, k = {args.ks}")
+    fast = run_allreduces(10_000.0, args.ks, args.comps, args.numel, args.rounds)
+    shaped = run_allreduces(args.cal_rate, args.ks, args.comps, args.numel, args.rounds)
+    cal = fit(fast, shaped)
+    print("fitted:", cal)
+    _write("calibrate", {"fast": fast, "shaped": shaped, "fitted": asdict(cal)})
+
+
+def _row(name: str, pred: float, meas: float) -> str:
+    return f"{pred:>9.3f} {meas:>9.3f} {100 * (pred - meas) / meas:>+7.1f}%"
+
+
+def stage_allreduce(args) -> None:
+    cal = plan.Calibration()
+    print(f"all-reduce of {args.numel:,} values, k peers, predicted (calibration: {cal.source}) vs measured")
+    print(f"{'Mbit/s':>6} {'k':>2} {'wire':>5} {'pred s':>9} {'meas s':>9} {'err':>8} {'pred MB':>9} "
+          f"{'meas MB':>9} {'err':>8}")
+    rows = []
+    for rate in args.rates:
+        for m in run_allreduces(rate, args.ks, args.comps, args.numel, args.rounds):
+            seconds, sent = predicted_allreduce(m["numel"], rate, m["comp"], m["k"], cal)
+            rows.append({**m, "pred_seconds": seconds, "pred_sent": sent,
+                         "err_seconds": (seconds - m["seconds"]) / m["seconds"], "err_sent": (sent - m["sent"]) / m["sent"]})
+            print(f"{rate:>6g} {m['k']:>2} {m['comp']:>5} {_row('s', seconds, m['seconds'])} "
+                  f"{_row('MB', sent / 1e6, m['sent'] / 1e6)}", flush=True)
+    path = RESULTS / "plan_check.json"
+    old = json.loads(path.read_text()).get("allreduce", []) if path.exists() else []
+    keep = [r for r in old if (r["rate"], r["k"], r["comp"]) not in {(x["rate"], x["k"], x["comp"]) for x in rows}]
+    _write("allreduce", keep + rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=["calibrate", "allreduce", "rounds", "curves"])
+    parser.add_argument("--ks", default=None, help="group sizes, comma-separated (default 2,4,6,8; rounds 2,4,6)")
+    parser.add_argument("--comps", default="fp16,int8")
+    parser.add_argument("--numel", type=int, default=2_000_000)
+    parser.add_argument("--rounds", type=int, default=2, help="all-reduces (or training rounds) per configuration")
+    parser.add_argument("--cal-rate", type=float, default=50.0)
+    parser.add_argument("--rates", default="20,100")
+    parser.add_argument("--round-rate", type=float, default=50.0)
+    parser.add_argument("--inner-steps", type=int, default=10, help="H of the training rounds")
+    args = parser.parse_args()
+    args.ks = [int(k) for k in (args.ks or ("2,4,6" if args.stage == "rounds" else "2,4,6,8")).split(",")]
+    args.comps = args.comps.split(",")
+    args.rates = [float(r) for r in args.rates.split(",")]
+    if args.stage == "curves":
+        return stage_curves(args)
+    if not netns.available():
+        raise SystemExit("benchmarks/plan_check.py needs root and iproute2 (ip, tc) to make network namespaces")
+    {"calibrate": stage_calibrate, "allreduce": stage_allreduce, "rounds": stage_rounds}[args.stage](args)
+
+
+def run_rounds(hosts: netns.Hosts, k: int, args, root: Path) -> list[dict]:
+    """k training nodes in one group: per round (past the first and before the last, which warm up and
+    evaluate), the slowest member's compute, the median round and all-reduce seconds, bytes sent."""
+    from tests.harness.procs import wait_until
+    from tests.harness.swarm import ProcessSwarm
+
+    overrides = [f"sync.compression={args.comps[0]}", f"train.max_rounds={args.rounds + 2}",
+                 f"sync.target_group_size={k}", f"sync.min_group_size={k}", "sync.matchmaking_timeout=60",
+                 "sync.allreduce_timeout=120", f"outer.inner_steps={args.inner_steps}", "train.eval_every=1000",
+                 f"sync.link_mbit={args.round_rate}", "model.preset=tiny", "data.max_bytes=300000"]
+    swarm = ProcessSwarm(root, seed_host=hosts[0])
+    try:
+        nodes = [swarm.node(f"n{i}", overrides, host=hosts[i + 1]) for i in range(k)]
+        swarm.release(*nodes, timeout=300)
+        for n in nodes:
+            wait_until(lambda n=n: n.popen.poll() is not None, 500, f"{n.run_dir.name} to finish", n)
+            assert n.popen.returncode == 0, n.tail()
+        by_round: dict[int, list[dict]] = {}
+        for n in nodes:
+            for r in n.records():
+                if r["status"] == "committed" and r["group_size"] == k and 1 < r["round"] < args.rounds + 2:
+                    by_round.setdefault(r["round"], []).append(r)
+        return [{"round": i, "compute": max(r["compute_seconds"] for r in rs),
+                 "seconds": statistics.median(r["seconds"] for r in rs),
+                 "allreduce": statistics.median(r["allreduce_seconds"] for r in rs),
+                 "exposed": statistics.median(r["exposed_seconds"] for r in rs),
+                 "sent": statistics.median(r["bytes_sent"] for r in rs)}
+                for i, rs in sorted(by_round.items()) if len(rs) == k]
+    finally:
+        swarm.close()
+
+
+def stage_rounds(args) -> None:
+    from model_sizes import parameters
+
+    cal, comp = plan.Calibration(), args.comps[0]
+    n = parameters(["model.preset=tiny"])
+    print(f"training rounds, tiny model ({n:,} parameters), {comp}, H={args.inner_steps}, {args.round_rate:g} Mbit; "
+          f"predicted = the slowest member's measured compute + the planner's communication ({cal.source})")
+    print(f"{'k':>2} {'rounds':>6} {'compute s':>9} {'pred s':>9} {'meas s':>9} {'err':>8} {'pred AR':>8} "
+          f"{'meas AR':>8} {'pred MB':>8} {'meas MB':>8} {'err':>7}")
+    rows = []
+    for k in args.ks:
+        with netns.Hosts(k + 1, rate_mbit=args.round_rate) as hosts, tempfile.TemporaryDirectory(prefix="pl-") as tmp:
+            got = run_rounds(hosts, k, args, Path(tmp))
+        assert got, f"no round averaged all {k} nodes"
+        compute = statistics.median(g["compute"] for g in got)
+        inp = replace(_inputs(n, args.round_rate, comp, k), step_seconds=compute / args.inner_steps,
+                      inner_steps=args.inner_steps)
+        p = plan.predict_scheme(inp, k, "butterfly", cal)
+        meas = {key: statistics.median(g[key] for g in got) for key in ("seconds", "allreduce", "exposed", "sent")}
+        rows.append({"k": k, "rounds": len(got), "compute": compute, "measured": meas, "predicted": p.as_dict(),
+                     "err_seconds": (p.round_seconds - meas["seconds"]) / meas["seconds"],
+                     "err_sent": (p.bytes_sent - meas["sent"]) / meas["sent"]})
+        print(f"{k:>2} {len(got):>6} {compute:>9.2f} {_row('s', p.round_seconds, meas['seconds'])} "
+              f"{p.allreduce_seconds:>8.2f} {meas['allreduce']:>8.2f} {_row('MB', p.bytes_sent / 1e6, meas['sent'] / 1e6)}",
+              flush=True)
+    _write("rounds", rows)
+
+
+def stage_curves(args) -> None:
+    """Predicted curves to 1,024 nodes for a 150M-parameter model on 20/100 Mbit volunteer links."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nodes = tuple(2 ** i for i in range(2, 11))
+    base = dict(params=150_000_000, step_seconds=0.5, inner_steps=500, uplink=plan.Links(20, 20),
+                downlink=plan.Links(100, 100), rtt_ms=50.0)
+    settings = [("butterfly fp16", dict(scheme="butterfly", compression="fp16")),
+                ("grid fp16", dict(scheme="grid", compression="fp16")),
+                ("grid int8", dict(scheme="grid", compression="int8")),
+                ("grid int4", dict(scheme="grid", compression="int4")),
+                ("grid int4 + eager", dict(scheme="grid", compression="int4", overlap="eager")),
+                ("sparse top-k 1%", dict(scheme="sparse", compression="topk2", density=0.01)),
+                ("grid fp16, 10-100 Mbit, spread 0.2, 1% failures",
+                 dict(scheme="grid", uplink=plan.Links(10, 100), step_spread=0.2, fail_rate=0.01))]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    curves = {}
+    for label, kw in settings:
+        ps = plan.sweep(plan.Inputs(**{**base, **kw}), nodes)
+        curves[label] = [p.as_dict() for p in ps]
+        axes[0].plot(nodes, [p.round_seconds for p in ps], marker="o", label=label)
+        axes[1].plot(nodes, [p.utilization for p in ps], marker="o", label=label)
+        axes[2].plot(nodes, [p.bytes_sent / 1e6 for p in ps], marker="o", label=label)
+    for ax, title in zip(axes, ("round seconds", "compute utilization", "MB sent per node per round"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("nodes N")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("diloco-p2p plan: 150M params, H=500 x 0.5 s, 20 Mbit up / 100 Mbit down, RTT 50 ms")
+    fig.tight_layout()
+    RESULTS.mkdir(exist_ok=True)
+    fig.savefig(RESULTS / "plan_curves.png", dpi=110)
+    _write("curves", {"inputs": {k: str(v) for k, v in base.items()}, "curves": curves})
+    print(f"wrote {RESULTS / 'plan_curves.png'}")
+
+
+if __name__ == "__main__":
+    main()

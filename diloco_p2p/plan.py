@@ -1,0 +1,340 @@
+"""A round planner: what one DiLoCo round costs a swarm of N nodes, before anyone runs it.
+
+`diloco-p2p plan` prints, for N = 4 .. 1,024, the round's seconds, compute utilization (inner-step
+seconds over round seconds), bytes each node sends, and the bottleneck (compute, uplink or
+downlink, latency/messages, CPU, stragglers, failures). Everything here is a pure function of
+the inputs and of a few constants measured on real swarms (`Calibration`, fitted and checked by
+`benchmarks/plan_check.py` on namespaces with tbf-shaped links).
+
+Bytes. For the butterfly (the protocol of `diloco_p2p.swarm.allreduce`, after Patarasuk & Yuan
+2009's bandwidth-optimal all-reduce: reduce-scatter, then all-gather) the count is exact, frame
+by frame, from `wire`: member j streams part i (`wire.partition`, `wire.chunk_ranges`,
+`wire.encoded_size`) to each reducer i, its reduced part j back to every member with a one-byte
+trailer, and a mask to every member; each message is a JSON header and 8-byte length prefixes.
+That is 2(k-1)/k · n · bytes/value plus a few hundred bytes per message, the all-reduce lower
+bound. Formats `wire` may not encode yet are counted from `swarm/codecs.py`'s layouts: ``int4``
+(blockwise absmax, one fp32 scale per 64 values, two codes per byte, as in Dettmers et al.'s
+blockwise quantization) and ``topk2`` (SparseLoCo's chunked top-k, Sarfi et al. 2025: per block
+of 4,096 values a (lo, hi) pair, uint16 offsets and 2-bit codes). A sparse payload does not
+shrink in a reduce-scatter (a reducer's average is the union of k supports), so top-k goes by the
+all-gather of sparse contributions (`sparse`, `swarm/allgather.py`: every member sends its own
+to every other; bytes grow as (N-1) · S).
+
+Hierarchical (`grid`, issue 17, `swarm/hierarchy.py`): N > B (the group size) members in
+R = ceil(N/B) rows of near-equal size s; a row's reducer averages its part of n/s values across
+its column (the R members owning that range) between the row's reduce and gather, and two tiny
+all-reduces of a 0/1 mask agree on what committed. Exact (every node ends with the one global
+average), unlike Moshpit SGD's approximate grid (Ryabinin et al. 2021). Bytes per node are the
+lower bound 2(N-1)/N · n again, but a node opens about 3(s-1) + 3(R-1) streams (twice, with the
+agreement) instead of 3(N-1).
+
+Time of one butterfly over k members: ``flow_overhead · wire + cpu + setup + per_message · messages
++ rtts · RTT``. `wire` is the slowest node's bytes at its link rate (every member waits for every
+part, so the slowest link sets the pace: the N-quantile of the link distribution); `flow_overhead`
+is the measured slack of k-1 concurrent TCP flows sharing one tbf-shaped link; `cpu` is encode,
+reduce, decode and copying the bytes through the p2p daemon. A round is the slowest node's H
+inner steps (stragglers: per-node speed lognormal with the given spread, the N-th order
+statistic by Blom's approximation; with dynamic local updates nobody waits) plus matchmaking plus
+the all-reduce; with ``overlap=eager`` the all-reduce of round r runs behind round r+1's inner
+steps (Eager Updates; Kale et al. 2025), so only what exceeds the compute is exposed. A failure
+rate p per node per round costs the expected detection delay of a dead member, the dead node's
+round, and its state download (8 bytes per parameter) at its downlink.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
+
+from diloco_p2p.swarm import streams, wire
+
+SCHEMES = ("auto", "butterfly", "grid", "sparse")
+COMPRESSIONS = ("fp32", "fp16", "int8", "int4", "topk2")
+OVERLAPS = ("none", "eager")
+DEFAULT_NODES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
+INT4_BLOCK = 64  # values per fp32 scale in the 4-bit format (`swarm/codecs.py`)
+TOPK_BLOCK = 4096  # top-k is chosen per block of this many values (`swarm/codecs.py`)
+_PREFIX = streams.LENGTH_PREFIX
+_GROUP_ID = "0" * 64  # a group id is a sha256 hex digest (matchmaking)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Constants measured on real swarms here (`benchmarks/plan_check.py --calibrate`, tbf links).
+
+    flow_overhead: all-reduce seconds over the wire time of its bytes once CPU and fixed costs are
+    taken out (k-1 TCP flows share one shaped link unevenly). cpu_s_per_byte: one node's CPU per byte
+    it sends or receives (encode, reduce, decode, the hop through p2pd). setup_s, per_message_s,
+    rtts: fixed costs of one butterfly. matchmaking_s: forming the group. detect_s: noticing a dead
+    member (the probe interval). apply_s: the outer step and the round's bookkeeping.
+    """
+
+    flow_overhead: float = 1.10
+    cpu_s_per_byte: float = 0.0
+    setup_s: float = 0.060
+    per_message_s: float = 0.0058
+    rtts: float = 4.0  # not measured: the test network has no delay
+    matchmaking_s: float = 1.0
+    detect_s: float = 1.0
+    apply_s: float = 0.05
+    source: str = "fitted by benchmarks/plan_check.py calibrate (2-8 peers, 2M values, tbf links)"
+
+
+@dataclass(frozen=True)
+class Links:
+    """Per-node link rates in Mbit/s: one rate for every node, or log-uniform over [lo, hi]."""
+
+    lo: float
+    hi: float
+
+    def slowest(self, n: int) -> float:
+        """The expected slowest of n nodes' rates (Blom's plotting position of the minimum)."""
+        if self.lo == self.hi:
+            return self.lo
+        q = 0.625 / (n + 0.25)  # (1 - 0.375) / (n + 0.25): the first order statistic's position
+        return math.exp(math.log(self.lo) + q * (math.log(self.hi) - math.log(self.lo)))
+
+
+@dataclass(frozen=True)
+class Inputs:
+    params: int
+    step_seconds: float
+    inner_steps: int = 500
+    uplink: Links = Links(100.0, 100.0)
+    downlink: Links = Links(100.0, 100.0)
+    rtt_ms: float = 50.0
+    fail_rate: float = 0.0
+    step_spread: float = 0.0  # coefficient of variation of per-node compute speed
+    dylu: bool = False  # dynamic local updates: slow nodes do fewer steps, nobody waits
+    scheme: str = "auto"
+    group: int = 16  # butterfly size; a grid's row size
+    compression: str = "fp16"
+    density: float = 0.02  # top-k
+    overlap: str = "none"
+    chunk: int = wire.DEFAULT_CHUNK_ELEMENTS
+    oversubscribe: float = 1.0  # processes per core (a check on one machine; 1 on real volunteers)
+
+    def __post_init__(self):
+        problems = [
+            (self.params >= 1, f"params must be at least 1, got {self.params}"),
+            (self.step_seconds > 0, f"step seconds must be > 0, got {self.step_seconds}"),
+            (self.inner_steps >= 1, f"inner steps must be at least 1, got {self.inner_steps}"),
+            (self.rtt_ms >= 0, f"rtt must be >= 0 ms, got {self.rtt_ms}"),
+            (0 <= self.fail_rate < 1, f"failure rate must be in [0, 1), got {self.fail_rate}"),
+            (self.step_spread >= 0, f"step spread must be >= 0, got {self.step_spread}"),
+            (self.scheme in SCHEMES, f"scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}"),
+            (self.group >= 2, f"group size must be at least 2, got {self.group}"),
+            (self.compression in COMPRESSIONS,
+             f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"),
+            (0 < self.density <= 1, f"top-k density must be in (0, 1], got {self.density}"),
+            (self.overlap in OVERLAPS, f"overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}"),
+            (0 < self.chunk <= wire.MAX_CHUNK_ELEMENTS, f"chunk must be in 1..{wire.MAX_CHUNK_ELEMENTS}"),
+            (self.scheme != "sparse" or self.compression == "topk2", "the sparse all-gather needs compression topk2"),
+        ]
+        for links in (self.uplink, self.downlink):
+            problems.append((0 < links.lo <= links.hi, f"link rates must be > 0 Mbit/s and lo <= hi, got {links}"))
+        for ok, message in problems:
+            if not ok:
+                raise ValueError(message)
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def payload_size(numel: int, compression: str, density: float = 1.0) -> int:
+    """Bytes of `numel` values in one frame of the given compression (exact where `wire` encodes it)."""
+    if compression in wire.COMPRESSIONS:
+        return wire.encoded_size(numel, compression)
+    if compression == "int4":
+        return 4 * math.ceil(numel / INT4_BLOCK) + (numel + 1) // 2
+    if compression == "topk2":  # per block of TOPK_BLOCK: (lo, hi) fp32, uint16 offsets, 2-bit codes
+        full, tail = divmod(numel, TOPK_BLOCK)
+        blocks = [TOPK_BLOCK] * full + ([tail] if tail else [])
+        kept = sum(min(m, max(1, math.ceil(density * m))) for m in blocks)
+        return 8 * len(blocks) + 2 * kept + (kept + 3) // 4
+    raise ValueError(f"unknown compression {compression!r}")
+
+
+def _frames(numel: int, compression: str, chunk: int, density: float = 1.0) -> int:
+    """Bytes of the data frames (length prefixes included) that carry `numel` values."""
+    full, tail = divmod(numel, chunk)
+    total = full * (_PREFIX + payload_size(chunk, compression, density)) if full else 0
+    return total + (_PREFIX + payload_size(tail, compression, density) if tail else 0)
+
+
+def header_size(kind: str, k: int, n: int, chunk: int) -> int:
+    """Bytes of one message's header frame, as `allreduce` packs it (a group id of 64 hex digits)."""
+    base = {"kind": kind, "group": _GROUP_ID, "digest": "0" * 16}
+    fields = {"part": k - 1, "n": n, "numel": math.ceil(n / k), "chunk": chunk, "comp": "fp16"}
+    if kind == "scatter":
+        base.update(fields, weight=1024.0, finite=True)
+    elif kind == "gather":
+        base.update(fields, empty=False, stream=True, contributors=list(range(k)), rejected={})
+    elif kind == "mask":
+        base.update(mask=[1] * k)
+    return _PREFIX + len(wire.pack_header(base))
+
+
+def butterfly_bytes(n: int, k: int, compression: str, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS,
+                    member: int | None = None, density: float = 1.0) -> int:
+    """Bytes member `member` (default: the mean over members, rounded) sends in one butterfly.
+
+    Scatter of every other member's part, the gather of its own part to every other member (with
+    its one-byte trailer frame), a mask to every other member. Top-k over a butterfly: the
+    gathered part is the union of k sparse contributions (density 1-(1-d)^k), at most dense fp16.
+    """
+    if k < 2:
+        return 0
+    parts = [b - a for a, b in wire.partition(n, k)]
+    gathered = 1 - (1 - density) ** k
+
+    def gather_frames(numel: int) -> int:
+        frames = _frames(numel, compression, chunk, gathered)
+        return min(frames, _frames(numel, "fp16", chunk)) if compression == "topk2" else frames
+
+    headers = (k - 1) * sum(header_size(kind, k, n, chunk) for kind in ("scatter", "gather", "mask"))
+    scatter = {m: _frames(m, compression, chunk, density) for m in set(parts)}
+    gather = {m: gather_frames(m) for m in set(parts)}
+    if member is not None:
+        own = parts[member]
+        return headers + sum(scatter[m] for m in parts) - scatter[own] + (k - 1) * (gather[own] + _PREFIX + 1)
+    # over all members: each part is scattered by k-1 members and gathered to k-1 members
+    total = sum((k - 1) * (scatter[m] + gather[m] + _PREFIX + 1) for m in parts)
+    return headers + round(total / k)
+
+
+def sparse_bytes(n: int, k: int, chunk: int, density: float) -> int:
+    """Bytes one member sends in the all-gather of top-k contributions (`swarm/allgather.py`): its
+    own to each other member, and a mask carrying a sha256 digest per member."""
+    mask = header_size("mask", k, n, chunk) + k * 67  # "<64 hex digits>", per member
+    return (k - 1) * (header_size("scatter", k, n, chunk) + _frames(n, "topk2", chunk, density) + mask)
+
+
+# ----------------------------------------------------------------------------- schemes
+
+
+@dataclass(frozen=True)
+class Level:
+    """One collective step of a scheme: `k` members exchange `sent` bytes each over `messages` streams."""
+
+    name: str
+    k: int
+    sent: int
+    messages: int
+
+
+def grid_shape(nodes: int, group: int) -> tuple[int, int]:
+    """(rows R, the largest row's size) of the hierarchical all-reduce (`swarm/hierarchy.py`):
+    R = ceil(N / B) rows of near-equal size (`wire.partition` of the sorted members)."""
+    rows = math.ceil(nodes / group)
+    return rows, math.ceil(nodes / rows)
+
+
+def levels(inp: Inputs, scheme: str, nodes: int) -> list[Level]:
+    """The collective steps one round runs on `nodes` members under `scheme` (a concrete one)."""
+    n, comp, chunk, d = inp.params, inp.compression, inp.chunk, inp.density
+    if nodes < 2:
+        return []
+    if scheme == "butterfly" or (scheme == "grid" and nodes <= inp.group):
+        return [Level("butterfly", nodes, butterfly_bytes(n, nodes, comp, chunk, density=d), 3 * (nodes - 1))]
+    if scheme == "sparse":
+        return [Level("all-gather", nodes, sparse_bytes(n, nodes, chunk, d), 2 * (nodes - 1))]
+    rows, size = grid_shape(nodes, inp.group)
+    part = math.ceil(n / size)  # what a row's reducer averages across its column
+    agree = butterfly_bytes(size, rows, "fp32", chunk) + butterfly_bytes(size, size, "fp32", chunk)  # 0/1 masks
+    return [Level("row", size, butterfly_bytes(n, size, comp, chunk, density=d), 3 * (size - 1)),
+            Level("column", rows, butterfly_bytes(part, rows, comp, chunk, density=d), 3 * (rows - 1)),
+            Level("agreement", max(rows, size), agree, 3 * (rows - 1) + 3 * (size - 1))]
+
+
+def scheme_for(inp: Inputs, nodes: int) -> str:
+    """The scheme a swarm runs: top-k goes by all-gather; dense is one butterfly up to the group size, a grid beyond."""
+    if inp.scheme != "auto":
+        return inp.scheme
+    if inp.compression == "topk2":
+        return "sparse"
+    return "butterfly" if nodes <= inp.group else "grid"
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def _mbit_seconds(nbytes: float, mbit: float) -> float:
+    return nbytes * 8 / (mbit * 1e6)
+
+
+def level_seconds(level: Level, inp: Inputs, nodes: int, cal: Calibration) -> dict[str, float]:
+    """Seconds of one level by cause: uplink/downlink (wire time with the flow overhead), cpu, latency."""
+    up = _mbit_seconds(level.sent, inp.uplink.slowest(nodes))
+    down = _mbit_seconds(level.sent, inp.downlink.slowest(nodes))  # a member receives what it sends
+    wire_s = cal.flow_overhead * max(up, down)
+    busy = max(inp.oversubscribe, 1.0)  # CPU work of processes sharing a core takes that much longer
+    cpu = cal.cpu_s_per_byte * 2 * level.sent * busy
+    latency = cal.setup_s + cal.per_message_s * level.messages * busy + cal.rtts * inp.rtt_ms / 1e3
+    return {"uplink" if up >= down else "downlink": wire_s, "cpu": cpu, "latency/messages": latency}
+
+
+def straggler_factor(nodes: int, spread: float) -> float:
+    """Expected slowest of `nodes` compute times over the mean (lognormal speeds, Blom's position)."""
+    if spread <= 0 or nodes < 2:
+        return 1.0
+    sigma = math.sqrt(math.log(1 + spread**2))
+    z = NormalDist().inv_cdf((nodes - 0.375) / (nodes + 0.25))
+    return math.exp(sigma * z - sigma**2 / 2)
+
+
+@dataclass
+class Prediction:
+    nodes: int
+    scheme: str
+    round_seconds: float
+    utilization: float
+    bytes_sent: int  # per node per round
+    messages: int  # streams a node opens per round
+    allreduce_seconds: float
+    exposed_seconds: float
+    bottleneck: str
+    parts: dict[str, float] = field(default_factory=dict)  # seconds by cause
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def predict_scheme(inp: Inputs, nodes: int, scheme: str, cal: Calibration) -> Prediction:
+    """One scheme's round at `nodes` nodes (see the module docstring for the model)."""
+    compute = inp.inner_steps * inp.step_seconds
+    slowest = compute if inp.dylu else compute * straggler_factor(nodes, inp.step_spread)
+    parts: dict[str, float] = {}
+    for level in levels(inp, scheme, nodes):
+        for cause, s in level_seconds(level, inp, nodes, cal).items():
+            parts[cause] = parts.get(cause, 0.0) + s
+    p_any = 1 - (1 - inp.fail_rate) ** nodes
+    allreduce = sum(parts.values()) + p_any * cal.detect_s
+    comm = allreduce + (cal.matchmaking_s if nodes > 1 else 0.0)
+    parts["latency/messages"] = parts.get("latency/messages", 0.0) + comm - allreduce  # matchmaking
+    parts["failures"] = p_any * cal.detect_s
+    parts["stragglers"] = slowest - compute
+    if inp.overlap == "eager":
+        exposed = max(comm - slowest, 0.0)
+        scale = exposed / comm if comm > 0 else 0.0
+        parts = {c: (s * scale if c not in ("stragglers",) else s) for c, s in parts.items()}
+    else:
+        exposed = comm
+    round_s = slowest + exposed + cal.apply_s
+    rejoin = _mbit_seconds(8 * inp.params, inp.downlink.slowest(nodes))  # θ and momentum, fp32
+    utilization = compute / round_s * max(0.0, 1 - inp.fail_rate * (1 + rejoin / round_s))
+    parts = {c: s for c, s in parts.items() if s > 0}
+    bottleneck = "compute" if utilization >= 0.9 or not parts else max(parts, key=parts.__getitem__)
+    lv = levels(inp, scheme, nodes)
+    return Prediction(nodes, scheme, round_s, utilization, sum(x.sent for x in lv), sum(x.messages for x in lv),
+                      allreduce, exposed, bottleneck, {"compute": compute, **parts})
+
+
+def predict(inp: Inputs, nodes: int, cal: Calibration | None = None) -> Prediction:
+    """The round at `nodes` nodes under the scheme the swarm would run (`scheme_for`)."""
+    return predict_scheme(inp, nodes, scheme_for(inp, nodes), cal or Calibration())
+
+
+def sweep(inp: Inputs, nodes: tuple[int, ...] = DEFAULT_NODES, cal: Calibration | None = None) -> list[Prediction]:
+    return [predict(inp, n, cal) for n in nodes]

@@ -1,0 +1,138 @@
+"""The round planner (`diloco_p2p.plan`, `diloco-p2p plan`): its byte counts are the wire's, its
+predictions move the right way with their inputs, and its CLI refuses bad input in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diloco_p2p import cli, plan
+from diloco_p2p.swarm import streams, wire
+
+
+@pytest.mark.parametrize("compression", wire.COMPRESSIONS)
+@pytest.mark.parametrize("n,k,chunk", [(100_003, 3, 4096), (70_000, 4, 65536), (1025, 2, 1000)])
+def test_butterfly_payload_is_what_wire_encodes_for_the_partition(compression, n, k, chunk):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    parts = wire.partition(n, k)
+    for j in range(k):
+        scatter = sum(streams.LENGTH_PREFIX + len(wire.encode(x[lo + a:lo + b], compression))
+                      for i, (lo, hi) in enumerate(parts) if i != j for a, b in wire.chunk_ranges(hi - lo, chunk))
+        lo, hi = parts[j]
+        own = sum(streams.LENGTH_PREFIX + len(wire.encode(x[lo + a:lo + b], compression))
+                  for a, b in wire.chunk_ranges(hi - lo, chunk))
+        payload = scatter + (k - 1) * (own + streams.LENGTH_PREFIX + 1)  # the gather's trailer frame
+        headers = (k - 1) * sum(plan.header_size(kind, k, n, chunk) for kind in ("scatter", "gather", "mask"))
+        assert plan.butterfly_bytes(n, k, compression, chunk, member=j) == payload + headers
+        assert 0 < headers < 3 * (k - 1) * 400  # a header is a few hundred bytes
+
+
+def test_header_size_is_a_packed_header():
+    raw = wire.pack_header({"kind": "mask", "group": "0" * 64, "digest": "0" * 16, "mask": [1, 1, 1]})
+    assert plan.header_size("mask", 3, 1000, 64) == streams.LENGTH_PREFIX + len(raw)
+    wire.parse_header(raw)  # a real header, not a made-up size
+
+
+def test_bytes_approach_the_all_reduce_bound_and_the_grid_opens_fewer_streams():
+    n = 10_000_000
+    for k in (2, 4, 16):
+        sent = plan.butterfly_bytes(n, k, "fp16")
+        bound = 2 * (k - 1) / k * n * 2
+        assert bound <= sent <= bound * 1.01
+    inp = plan.Inputs(params=n, step_seconds=1.0, group=16)
+    grid, fly = plan.levels(inp, "grid", 256), plan.levels(inp, "butterfly", 256)
+    assert sum(x.messages for x in grid) < sum(x.messages for x in fly) / 4
+    bound = 2 * 255 / 256 * n * 2
+    assert bound <= sum(x.sent for x in grid) <= sum(x.sent for x in fly)  # the same bound, fewer headers
+    assert plan.grid_shape(256, 16) == (16, 16) and plan.grid_shape(20, 16) == (2, 10)
+
+
+def test_compressions_order_bytes_and_sparse_all_gather_grows_with_n():
+    n = 1_000_000
+    sizes = [plan.payload_size(n, c, 0.02) for c in ("fp32", "fp16", "int8", "int4", "topk2")]
+    assert sizes == sorted(sizes, reverse=True)
+    assert plan.payload_size(n, "topk2", 0.01) < plan.payload_size(n, "fp16") / 50
+    assert plan.sparse_bytes(n, 8, 65536, 0.02) > 2 * plan.sparse_bytes(n, 4, 65536, 0.02)
+
+
+@pytest.mark.parametrize("scheme,compression", [("butterfly", "fp16"), ("grid", "int8"), ("sparse", "topk2")])
+@pytest.mark.parametrize("overlap", plan.OVERLAPS)
+def test_utilization_does_not_fall_as_bandwidth_grows(scheme, compression, overlap):
+    for nodes in (4, 64, 1024):
+        utils, rounds = [], []
+        for rate in (5, 20, 100, 1000, 10_000):
+            inp = plan.Inputs(params=50_000_000, step_seconds=0.2, inner_steps=100, uplink=plan.Links(rate, rate),
+                              downlink=plan.Links(rate, rate), scheme=scheme, compression=compression, overlap=overlap)
+            p = plan.predict(inp, nodes)
+            utils.append(p.utilization)
+            rounds.append(p.round_seconds)
+        assert utils == sorted(utils) and rounds == sorted(rounds, reverse=True)
+        assert utils[0] < utils[-1] or overlap == "eager"  # eager may hide even the slowest link
+
+
+def test_bottleneck_names_the_cause():
+    slow = plan.Inputs(params=100_000_000, step_seconds=0.1, inner_steps=10, uplink=plan.Links(5, 5),
+                       downlink=plan.Links(1000, 1000))
+    assert plan.predict(slow, 8).bottleneck == "uplink"
+    fast = plan.Inputs(params=1_000_000, step_seconds=1.0, inner_steps=500)
+    assert plan.predict(fast, 8).bottleneck == "compute"
+    chatty = plan.Inputs(params=1_000, step_seconds=0.001, inner_steps=10, scheme="butterfly", rtt_ms=100)
+    assert plan.predict(chatty, 1024).bottleneck == "latency/messages"
+    spread = plan.Inputs(params=1_000, step_seconds=1.0, inner_steps=100, step_spread=0.5)
+    assert plan.predict(spread, 256).bottleneck == "stragglers"
+    assert plan.predict(plan.Inputs(params=1_000, step_seconds=1.0, step_spread=0.5, dylu=True), 256).parts.get(
+        "stragglers", 0.0) == 0.0
+
+
+def test_overlap_hides_communication_shorter_than_compute():
+    base = dict(params=20_000_000, step_seconds=0.5, inner_steps=100, uplink=plan.Links(20, 20),
+                downlink=plan.Links(20, 20))
+    none, eager = (plan.predict(plan.Inputs(**base, overlap=o), 8) for o in plan.OVERLAPS)
+    assert none.exposed_seconds > 10 and eager.exposed_seconds == 0.0
+    assert eager.utilization > none.utilization and eager.bytes_sent == none.bytes_sent
+
+
+def test_stragglers_and_failures_cost_more_with_more_nodes():
+    assert plan.straggler_factor(1024, 0.0) == 1.0
+    factors = [plan.straggler_factor(n, 0.3) for n in (2, 16, 1024)]
+    assert factors == sorted(factors) and factors[0] > 1.0
+    inp = plan.Inputs(params=10_000_000, step_seconds=0.5, fail_rate=0.01)
+    small, large = plan.predict(inp, 4), plan.predict(inp, 512)
+    assert large.parts["failures"] > small.parts["failures"] > 0
+
+
+def test_slowest_link_of_a_range_falls_with_n():
+    links = plan.Links(10, 100)
+    rates = [links.slowest(n) for n in (2, 16, 1024)]
+    assert rates == sorted(rates, reverse=True) and 10 < rates[-1] < 11
+    assert plan.Links(30, 30).slowest(1024) == 30
+
+
+def test_cli_prints_a_row_per_n(capsys):
+    assert cli.main(["plan", "--params", "3.5M", "--step-seconds", "0.2", "--nodes", "4,16", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["nodes"] for r in rows] == [4, 16] and rows[0]["bytes_sent"] > 0
+    assert cli.main(["plan", "--params", "150M", "--step-seconds", "0.5", "--uplink", "10-100"]) == 0
+    out = capsys.readouterr().out
+    assert "1024" in out and "bottleneck" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--params", "lots"], "--params"),
+    (["--uplink", "fast"], "--uplink"),
+    (["--uplink", "100-10"], "--uplink"),
+    (["--compression", "int3"], "compression"),
+    (["--nodes", "4,x"], "--nodes"),
+    (["--fail-rate", "1.5"], "failure rate"),
+    (["--scheme", "sparse"], "topk2"),
+])
+def test_cli_bad_input_is_one_line_and_a_nonzero_exit(capsys, argv, needle):
+    base = {"--params": "1M", "--step-seconds": "1"}
+    for i in range(0, len(argv), 2):
+        base[argv[i]] = argv[i + 1]
+    args = [x for kv in base.items() for x in kv]
+    assert cli.main(["plan", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: plan:") and needle in err
