@@ -1,0 +1,164 @@
+"""Our all-reduce beside hivemind 1.1.12's `DecentralizedAverager`, on the same shaped links and tensors.
+
+Hosts are network namespaces with tbf-shaped links (`tests/netns.py`, needs root), as in
+`benchmarks/allreduce_wan.py`, whose peers (a DHT, its p2pd and our `AllreduceService`) run our
+side. hivemind's side: on the same hosts, a DHT and a `DecentralizedAverager` over one flat
+tensor, `Float16Compression`, `target_group_size = min_group_size = k`. Its matchmaking runs
+first (`step(require_trigger=True)`); once every peer holds its group, all are triggered at the
+same wall-clock instant, so both columns time the all-reduce alone, from the common start to the
+slowest peer's end. Bytes per node are what each host's interface sent during the all-reduce
+(`ip -s link`, protocol and TCP/IP headers included, identical accounting for both), the mean
+over peers. Medians over `--rounds` all-reduces after one warm-up.
+
+    sudo python benchmarks/hivemind_compare.py [--rates 20,100] [--k 3] [--numel 3500000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.netns
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import allreduce_wan  # noqa: E402
+
+from tests import netns  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def hivemind_worker(ip: str, initial: list[str], k: int, numel: int) -> None:
+    """One hivemind peer: matchmake on request, run the all-reduce when told, print its seconds."""
+    import hivemind
+    import torch
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.compression import Float16Compression
+
+    torch.set_num_threads(1)
+    dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=initial)
+    averager = hivemind.DecentralizedAverager(
+        [torch.zeros(numel)], dht, start=True, prefix="compare", target_group_size=k, min_group_size=k,
+        min_matchmaking_time=2.0, request_timeout=5.0, compression=Float16Compression(), allreduce_timeout=120)
+    print(json.dumps({"maddrs": [str(a) for a in dht.get_visible_maddrs()]}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        if job.get("stop"):
+            break
+        with averager.get_tensors() as tensors:
+            tensors[0][:] = torch.randn(numel, generator=torch.Generator().manual_seed(job["seed"]))
+        control = averager.step(wait=False, require_trigger=True, timeout=120)
+        while control.stage not in (AveragingStage.AWAITING_TRIGGER, AveragingStage.FINISHED):
+            time.sleep(0.05)
+        print(json.dumps({"ready": control.stage == AveragingStage.AWAITING_TRIGGER}), flush=True)
+        at = json.loads(sys.stdin.readline())["at"]
+        time.sleep(max(at - time.time(), 0.0))
+        control.allow_allreduce()
+        try:
+            ok = control.result(180) is not None
+        except Exception:  # noqa: BLE001 - a failed round is data here
+            ok = False
+        print(json.dumps({"status": "ok" if ok else "failed", "seconds": time.time() - at}), flush=True)
+    averager.shutdown()
+    dht.shutdown()
+
+
+class HivemindPeer(allreduce_wan.Peer):
+    def __init__(self, host: netns.Host, initial: list[str], k: int, numel: int):
+        argv = [*host.prefix(), sys.executable, __file__, "--worker", host.ip, "--k", str(k), "--numel", str(numel),
+                "--initial", json.dumps(initial)]
+        self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.hello = self.read()
+
+
+def tx_bytes(hosts: netns.Hosts, k: int) -> list[int]:
+    out = []
+    for i in range(k):
+        raw = subprocess.run(["ip", "-n", hosts[i].ns, "-s", "-j", "link", "show", "eth0"],
+                             capture_output=True, text=True, check=True).stdout
+        out.append(json.loads(raw)[0]["stats64"]["tx"]["bytes"])
+    return out
+
+
+def _round(hosts: netns.Hosts, peers: list, k: int, jobs: list[dict], two_step: bool) -> dict:
+    for p, job in zip(peers, jobs, strict=True):
+        p.send(job)
+    if two_step:  # hivemind: wait until every peer holds its group, then trigger all at once
+        ready = [p.read() for p in peers]
+        if not all(r["ready"] for r in ready):
+            raise RuntimeError(f"hivemind matchmaking did not form the group: {ready}")
+        at = time.time() + 1.0
+        for p in peers:
+            p.send({"at": at})
+    before = tx_bytes(hosts, k)
+    results = [p.read() for p in peers]
+    after = tx_bytes(hosts, k)
+    assert all(r["status"] == "ok" for r in results), results
+    return {"seconds": max(r["seconds"] for r in results),
+            "sent": statistics.mean(b - a for a, b in zip(before, after, strict=True))}
+
+
+def measure(hosts: netns.Hosts, k: int, numel: int, rounds: int, ours: bool) -> dict:
+    from diloco_p2p.swarm import wire
+
+    peers: list = []
+    try:
+        for i in range(k):
+            initial = peers[0].hello["maddrs"] if peers else []
+            peers.append(allreduce_wan.Peer(hosts[i], initial, wire.DEFAULT_CHUNK_ELEMENTS) if ours
+                         else HivemindPeer(hosts[i], initial, k, numel))
+        ids = [p.hello.get("peer") for p in peers]
+        runs = []
+        for r in range(rounds + 1):  # round 0 warms up the connections
+            at = time.time() + 1.0
+            jobs = [{"group": f"cmp-{k}-{r}", "peers": ids, "numel": numel, "seed": i, "at": at, "comp": "fp16"}
+                    for i in range(k)]
+            got = _round(hosts, peers, k, jobs, two_step=not ours)
+            print(f"    {'ours' if ours else 'hivemind'} round {r}: {got['seconds']:.3f} s, "
+                  f"{got['sent'] / 1e6:.3f} MB", file=sys.stderr, flush=True)
+            if r:
+                runs.append(got)
+        return {key: statistics.median(x[key] for x in runs) for key in ("seconds", "sent")}
+    finally:
+        for p in peers:
+            p.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="20,100", help="link rates in Mbit/s, comma-separated")
+    parser.add_argument("--k", type=int, default=3, help="group size")
+    parser.add_argument("--numel", type=int, default=3_500_000, help="values per peer (3.5M = the tiny model)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--initial", default="[]", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return hivemind_worker(args.worker, json.loads(args.initial), args.k, args.numel)
+    if not netns.available():
+        raise SystemExit("benchmarks/hivemind_compare.py needs root and iproute2 (ip, tc) to make network namespaces")
+    print(f"{args.numel:,} values per peer, fp16, group of {args.k}; medians over {args.rounds} all-reduces; "
+          "bytes: interface tx per peer")
+    print(f"{'Mbit/s':>6} {'ours s':>8} {'hivemind s':>10} {'time ratio':>10} {'ours MB':>8} {'hivemind MB':>11} "
+          f"{'wire-time s':>11}")
+    rows = []
+    for rate in (float(r) for r in args.rates.split(",")):
+        with netns.Hosts(args.k, rate_mbit=rate) as hosts:
+            ours = measure(hosts, args.k, args.numel, args.rounds, ours=True)
+            theirs = measure(hosts, args.k, args.numel, args.rounds, ours=False)
+        wire_s = 2 * (args.k - 1) / args.k * args.numel * 2 * 8 / (rate * 1e6)
+        rows.append({"rate": rate, "k": args.k, "numel": args.numel, "ours": ours, "hivemind": theirs,
+                     "ratio": ours["seconds"] / theirs["seconds"], "wire_seconds": wire_s})
+        print(f"{rate:>6g} {ours['seconds']:>8.3f} {theirs['seconds']:>10.3f} {rows[-1]['ratio']:>10.2f} "
+              f"{ours['sent'] / 1e6:>8.3f} {theirs['sent'] / 1e6:>11.3f} {wire_s:>11.3f}", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "hivemind_compare.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
