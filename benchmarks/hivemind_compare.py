@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def hivemind_worker(ip: str, initial: list[str], k: int, numel: int) -> None:
     dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=initial)
     averager = hivemind.DecentralizedAverager(
         [torch.zeros(numel)], dht, start=True, prefix="compare", target_group_size=k, min_group_size=k,
-        min_matchmaking_time=2.0, request_timeout=5.0, compression=Float16Compression(), allreduce_timeout=120)
+        min_matchmaking_time=3.0, request_timeout=2.0, compression=Float16Compression(), allreduce_timeout=120)
     print(json.dumps({"maddrs": [str(a) for a in dht.get_visible_maddrs()]}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
@@ -153,7 +154,7 @@ def main() -> None:
             theirs = measure(hosts, args.k, args.numel, args.rounds, ours=False)
         wire_s = 2 * (args.k - 1) / args.k * args.numel * 2 * 8 / (rate * 1e6)
         rows.append({"rate": rate, "k": args.k, "numel": args.numel, "ours": ours, "hivemind": theirs,
-                     "ratio": ours["seconds"] / theirs["seconds"], "wire_seconds": wire_s})
+                     "ratio": ours["seconds"] / theirs["seconds"], "wire_seconds": wire_s, "load": os.getloadavg()[0]})
         print(f"{rate:>6g} {ours['seconds']:>8.3f} {theirs['seconds']:>10.3f} {rows[-1]['ratio']:>10.2f} "
               f"{ours['sent'] / 1e6:>8.3f} {theirs['sent'] / 1e6:>11.3f} {wire_s:>11.3f}", flush=True)
     RESULTS.mkdir(exist_ok=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -62,7 +63,7 @@ def run_allreduces(rate: float, ks: list[int], comps: list[str], numel: int, rou
             got = allreduce_wan.measure(hosts, k, comps, numel, rounds, wire.DEFAULT_CHUNK_ELEMENTS)
             for comp, r in got.items():
                 out.append({"rate": rate, "k": k, "comp": comp, "numel": numel, "seconds": r["seconds"],
-                            "sent": r["sent"]})
+                            "sent": r["sent"], "load": os.getloadavg()[0]})
                 print(f"  measured {rate:g} Mbit k={k} {comp}: {r['seconds']:.3f} s, {r['sent'] / 1e6:.3f} MB",
                       flush=True)
     return out
@@ -118,7 +119,7 @@ def stage_allreduce(args) -> None:
     cal = plan.Calibration()
     print(f"all-reduce of {args.numel:,} values, k peers, predicted (calibration: {cal.source}) vs measured")
     print(f"{'Mbit/s':>6} {'k':>2} {'wire':>5} {'pred s':>9} {'meas s':>9} {'err':>8} {'pred MB':>9} "
-          f"{'meas MB':>9} {'err':>8}")
+          f"{'meas MB':>9} {'err':>8} {'load':>5}")
     rows = []
     for rate in args.rates:
         for m in run_allreduces(rate, args.ks, args.comps, args.numel, args.rounds):
@@ -126,7 +127,7 @@ def stage_allreduce(args) -> None:
             rows.append({**m, "pred_seconds": seconds, "pred_sent": sent,
                          "err_seconds": (seconds - m["seconds"]) / m["seconds"], "err_sent": (sent - m["sent"]) / m["sent"]})
             print(f"{rate:>6g} {m['k']:>2} {m['comp']:>5} {_row('s', seconds, m['seconds'])} "
-                  f"{_row('MB', sent / 1e6, m['sent'] / 1e6)}", flush=True)
+                  f"{_row('MB', sent / 1e6, m['sent'] / 1e6)} {m['load']:>5.1f}", flush=True)
     path = RESULTS / "plan_check.json"
     old = json.loads(path.read_text()).get("allreduce", []) if path.exists() else []
     keep = [r for r in old if (r["rate"], r["k"], r["comp"]) not in {(x["rate"], x["k"], x["comp"]) for x in rows}]
@@ -206,7 +207,7 @@ def stage_rounds(args) -> None:
                       inner_steps=args.inner_steps)
         p = plan.predict_scheme(inp, k, "butterfly", cal)
         meas = {key: statistics.median(g[key] for g in got) for key in ("seconds", "allreduce", "exposed", "sent")}
-        rows.append({"k": k, "rounds": len(got), "compute": compute, "measured": meas, "predicted": p.as_dict(),
+        rows.append({"k": k, "rounds": len(got), "compute": compute, "load": os.getloadavg()[0], "measured": meas, "predicted": p.as_dict(),
                      "err_seconds": (p.round_seconds - meas["seconds"]) / meas["seconds"],
                      "err_sent": (p.bytes_sent - meas["sent"]) / meas["sent"]})
         print(f"{k:>2} {len(got):>6} {compute:>9.2f} {_row('s', p.round_seconds, meas['seconds'])} "
