@@ -44,27 +44,32 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CORES = 2  # the machine these checks ran on
 
 
-def _inputs(numel: int, rate: float, comp: str, k: int, **kw) -> plan.Inputs:
+def _inputs(numel: int, rate: float, comp: str, k: int, group: int | None = None, **kw) -> plan.Inputs:
     links = plan.Links(rate, rate)
-    return plan.Inputs(params=numel, step_seconds=1.0, uplink=links, downlink=links, rtt_ms=0.0, scheme="butterfly",
-                       group=max(k, 2), compression=comp, oversubscribe=max(k / CORES, 1.0), **kw)
+    return plan.Inputs(params=numel, step_seconds=1.0, uplink=links, downlink=links, rtt_ms=0.0,
+                       scheme="grid" if group else "butterfly", group=group or max(k, 2), compression=comp,
+                       oversubscribe=max(k / CORES, 1.0), **kw)
 
 
-def predicted_allreduce(numel: int, rate: float, comp: str, k: int, cal: plan.Calibration) -> tuple[float, int]:
-    inp = _inputs(numel, rate, comp, k)
-    (level,) = plan.levels(inp, "butterfly", k)
-    return sum(plan.level_seconds(level, inp, k, cal).values()), level.sent
+def predicted_allreduce(numel: int, rate: float, comp: str, k: int, cal: plan.Calibration,
+                        group: int | None = None) -> tuple[float, int]:
+    """(seconds, bytes sent per peer) of one all-reduce: the butterfly, or the grid with rows of `group`."""
+    inp = _inputs(numel, rate, comp, k, group)
+    steps = plan.levels(inp, inp.scheme, k)
+    return sum(sum(plan.level_seconds(x, inp, k, cal).values()) for x in steps), sum(x.sent for x in steps)
 
 
-def run_allreduces(rate: float, ks: list[int], comps: list[str], numel: int, rounds: int) -> list[dict]:
+def run_allreduces(rate: float, ks: list[int], comps: list[str], numel: int, rounds: int,
+                   grid: int | None = None) -> list[dict]:
     out = []
     with netns.Hosts(max(ks), rate_mbit=rate) as hosts:
         for k in ks:
-            got = allreduce_wan.measure(hosts, k, comps, numel, rounds, wire.DEFAULT_CHUNK_ELEMENTS)
-            for comp, r in got.items():
-                out.append({"rate": rate, "k": k, "comp": comp, "numel": numel, "seconds": r["seconds"],
-                            "sent": r["sent"], "load": os.getloadavg()[0]})
-                print(f"  measured {rate:g} Mbit k={k} {comp}: {r['seconds']:.3f} s, {r['sent'] / 1e6:.3f} MB",
+            got = allreduce_wan.measure(hosts, k, comps, numel, rounds, wire.DEFAULT_CHUNK_ELEMENTS, grid)
+            for key, r in got.items():
+                comp, _, scheme = key.partition("/")
+                out.append({"rate": rate, "k": k, "comp": comp, "scheme": scheme or "butterfly", "numel": numel,
+                            "seconds": r["seconds"], "sent": r["sent"], "load": os.getloadavg()[0]})
+                print(f"  measured {rate:g} Mbit k={k} {key}: {r['seconds']:.3f} s, {r['sent'] / 1e6:.3f} MB",
                       flush=True)
     return out
 
@@ -118,19 +123,22 @@ def _row(name: str, pred: float, meas: float) -> str:
 def stage_allreduce(args) -> None:
     cal = plan.Calibration()
     print(f"all-reduce of {args.numel:,} values, k peers, predicted (calibration: {cal.source}) vs measured")
-    print(f"{'Mbit/s':>6} {'k':>2} {'wire':>5} {'pred s':>9} {'meas s':>9} {'err':>8} {'pred MB':>9} "
+    print(f"{'Mbit/s':>6} {'k':>2} {'wire':>9} {'pred s':>9} {'meas s':>9} {'err':>8} {'pred MB':>9} "
           f"{'meas MB':>9} {'err':>8} {'load':>5}")
     rows = []
     for rate in args.rates:
-        for m in run_allreduces(rate, args.ks, args.comps, args.numel, args.rounds):
-            seconds, sent = predicted_allreduce(m["numel"], rate, m["comp"], m["k"], cal)
+        for m in run_allreduces(rate, args.ks, args.comps, args.numel, args.rounds, args.grid):
+            group = args.grid if m["scheme"] == "grid" else None
+            seconds, sent = predicted_allreduce(m["numel"], rate, m["comp"], m["k"], cal, group)
             rows.append({**m, "pred_seconds": seconds, "pred_sent": sent,
                          "err_seconds": (seconds - m["seconds"]) / m["seconds"], "err_sent": (sent - m["sent"]) / m["sent"]})
-            print(f"{rate:>6g} {m['k']:>2} {m['comp']:>5} {_row('s', seconds, m['seconds'])} "
+            name = m["comp"] + ("/grid" if group else "")
+            print(f"{rate:>6g} {m['k']:>2} {name:>9} {_row('s', seconds, m['seconds'])} "
                   f"{_row('MB', sent / 1e6, m['sent'] / 1e6)} {m['load']:>5.1f}", flush=True)
     path = RESULTS / "plan_check.json"
     old = json.loads(path.read_text()).get("allreduce", []) if path.exists() else []
-    keep = [r for r in old if (r["rate"], r["k"], r["comp"]) not in {(x["rate"], x["k"], x["comp"]) for x in rows}]
+    done = {(x["rate"], x["k"], x["comp"], x["scheme"]) for x in rows}
+    keep = [r for r in old if (r["rate"], r["k"], r["comp"], r.get("scheme", "butterfly")) not in done]
     _write("allreduce", keep + rows)
 
 
@@ -144,6 +152,7 @@ def main() -> None:
     parser.add_argument("--cal-rate", type=float, default=50.0)
     parser.add_argument("--rates", default="20,100")
     parser.add_argument("--round-rate", type=float, default=50.0)
+    parser.add_argument("--grid", type=int, default=None, help="allreduce: also the grid all-reduce, rows of B")
     parser.add_argument("--inner-steps", type=int, default=10, help="H of the training rounds")
     args = parser.parse_args()
     args.ks = [int(k) for k in (args.ks or ("2,4,6" if args.stage == "rounds" else "2,4,6,8")).split(",")]

@@ -242,7 +242,8 @@ def levels(inp: Inputs, scheme: str, nodes: int) -> list[Level]:
         return [Level("all-gather", nodes, sparse_bytes(n, nodes, chunk, d), 2 * (nodes - 1))]
     rows, size = grid_shape(nodes, inp.group)
     part = math.ceil(n / size)  # what a row's reducer averages across its column
-    agree = butterfly_bytes(size, rows, "fp32", chunk) + butterfly_bytes(size, size, "fp32", chunk)  # 0/1 masks
+    mask = size + nodes  # 0/1 per interval and per member (its contribution entered), fp32
+    agree = butterfly_bytes(mask, rows, "fp32", chunk) + butterfly_bytes(mask, size, "fp32", chunk)
     return [Level("row", size, butterfly_bytes(n, size, comp, chunk, density=d), 3 * (size - 1)),
             Level("column", rows, butterfly_bytes(part, rows, comp, chunk, density=d), 3 * (rows - 1)),
             Level("agreement", max(rows, size), agree, 3 * (rows - 1) + 3 * (size - 1))]
