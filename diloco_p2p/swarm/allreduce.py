@@ -132,7 +132,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from diloco_p2p.swarm import aggregate, streams, wire
+from diloco_p2p.swarm import aggregate, allgather, codecs, streams, wire
 from diloco_p2p.swarm.allreduce_state import AllreduceResult, Session, conclude
 from diloco_p2p.swarm.streams import NETWORK_ERRORS
 
@@ -215,17 +215,22 @@ class AllreduceService:
         timeout: float = 60.0,
         max_weight_ratio: float = 64.0,
         robust: aggregate.Robust = aggregate.MEAN,
+        density: float = 0.01,
         on_phase: PhaseHook | None = None,
         on_scattered: Callable[[], object] | None = None,
         part_hook: PartHook | None = None,
     ) -> AllreduceResult:
         """Weighted average of `tensor` over `peers` (this peer included, same order on all members).
+        A sparse `compression` (``topk2``, keeping `density` of the values) runs `allgather` instead.
 
         `part_hook` (a level of `diloco_p2p.swarm.hierarchy`): our part is reduced whole, then
         ``await part_hook(values, total_weight)`` gives what we gather instead: ``(values,
         compression)``, or None (the part is lost)."""
-        if compression not in wire.COMPRESSIONS:
-            raise ValueError(f"compression must be one of {wire.COMPRESSIONS}, got {compression!r}")
+        if compression not in wire.COMPRESSIONS + wire.SPARSE:
+            raise ValueError(f"compression must be one of {wire.COMPRESSIONS + wire.SPARSE}, got {compression!r}")
+        codecs.check_density(density)
+        if compression in wire.SPARSE and part_hook is not None:
+            raise ValueError("a sparse all-gather has no parts to hand to a part_hook")
         if tensor.dim() != 1 or tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             raise ValueError("allreduce expects a flat float32 CPU tensor")
         if not (timeout > 0 and max_weight_ratio >= 1):
@@ -255,6 +260,11 @@ class AllreduceService:
         scatter_tasks: list[asyncio.Task] = []
         clean = False
         try:
+            if compression in wire.SPARSE:
+                result = await allgather.run(self, s, tensor, float(weight), density=density, max_ratio=max_weight_ratio,
+                                             on_phase=on_phase, on_scattered=on_scattered, started=started, tasks=tasks)
+                clean = True
+                return result
             tasks += self._scatter(s, tensor, float(weight))
             scatter_tasks = list(tasks)
             reducer = self._spawn(self._pipeline(s, max_weight_ratio, on_phase, started, tasks))
@@ -551,7 +561,8 @@ class AllreduceService:
             return
         s.heard.add(j)
         try:
-            receive = {"scatter": self._recv_scatter, "gather": self._recv_gather, "mask": self._recv_mask}
+            receive = {"scatter": self._recv_scatter, "gather": self._recv_gather, "mask": self._recv_mask,
+                       "contrib": allgather.receive}
             async with asyncio.timeout_at(s.d_end):
                 accepted = await receive[h["kind"]](s, j, h, reader, writer)
             writer.write(GO if accepted else NO_GO)
@@ -646,6 +657,7 @@ class AllreduceService:
         if accepted:
             s.masks[j] = h["mask"]
             s.mask_lists[j] = (h.get("part_digests") or [None] * s.k, h.get("norms") or [None] * s.k)
+            s.mask_digests[j] = h.get("contrib_digests", [])
         return accepted
 
     async def _read_payload(self, s: Session, h: dict, reader, store: Callable) -> str | None:

@@ -79,6 +79,7 @@ class Session:
         self.rejected: dict[int, str] = {}  # reasons for contributions to *our* part
         self.gathered: dict[int, dict[str, Any]] = {}  # part -> its (validated, complete) gather header
         self.masks: dict[int, list[int]] = {}
+        self.mask_digests: dict[int, list[str]] = {}  # sparse all-gather: digests of the contributions held
         self.heard: set[int] = set()
         self.probing: set[int] = set()
         self.gone: set[int] = set()

@@ -4,7 +4,7 @@ and the checks a receiver applies at the boundary.
 Everything here is a pure function of bytes and tensors (no sockets, no event loop), so the precision and validation rules are unit-tested on their own; the
 protocol that moves these bytes is `diloco_p2p.swarm.allreduce`.
 
-Compression (`fp32 | fp16 | int8`) is applied chunk by chunk, so a part of any size streams in
+Compression (`fp32 | fp16 | int8 | int4`) is applied chunk by chunk, so a part of any size streams in
 bounded memory:
 
 - ``fp32``: raw little-endian float32, exact.
@@ -19,6 +19,10 @@ bounded memory:
   out) and its error is not bounded per element; per-block absmax streams and keeps an outlier
   from crushing the resolution of the rest of the vector (the scheme of LLM.int8 / bitsandbytes
   blockwise quantization, Dettmers et al. 2022). Overhead: 4 bytes per 1024 elements (0.4%).
+- ``int4``: the same per-block absmax scheme with 4-bit codes (`diloco_p2p.swarm.codecs`).
+
+The sparse ``topk2`` (top-k + 2-bit values, `codecs`) does not go through a reduce-scatter:
+its messages (kind ``contrib``) are the all-gather of `diloco_p2p.swarm.allgather`.
 
 Messages are length-prefixed frames (`diloco_p2p.swarm.streams`): the first frame of a message
 is a small JSON header (never pickle); the following frames are the compressed chunks.
@@ -34,9 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from diloco_p2p.swarm import codecs
 from diloco_p2p.swarm.streams import WireError, dump_json, load_json
 
-COMPRESSIONS = ("fp32", "fp16", "int8")
+COMPRESSIONS = ("fp32", "fp16", "int8", "int4")  # dense: reduce-scatter + all-gather
+SPARSE = ("topk2",)  # sparse: an all-gather of every member's contribution (`allgather`)
 INT8_BLOCK = 1024
 DEFAULT_CHUNK_ELEMENTS = 1 << 16  # 256 KiB of fp32, 128 KiB of fp16, ~64 KiB of int8 per frame: the pipeline's step
 MAX_CHUNK_ELEMENTS = 1 << 24
@@ -44,7 +50,7 @@ MAX_HEADER_BYTES = 1 << 16
 PROTOCOL_VERSION = 2  # 2: pipelined gather (stream flag, trailer frame)
 TRAILER_OK, TRAILER_VOID = b"\x01", b"\x00"  # the last frame of a streamed gather
 REJECT_REASONS = ("nan", "shape", "weight", "timeout", "compression", "group", "norm")
-KINDS = ("scatter", "gather", "mask", "ping")
+KINDS = ("scatter", "gather", "mask", "ping", "contrib")
 
 
 # ----------------------------------------------------------------------------- partitioning
@@ -83,13 +89,15 @@ def encoded_size(numel: int, compression: str) -> int:
         return 4 * numel
     if compression == "fp16":
         return 2 * numel
+    if compression == "int4":
+        return codecs.int4_size(numel)
     return 4 * math.ceil(numel / INT8_BLOCK) + numel
 
 
 def bytes_per_element(compression: str) -> float:
     """Wire bytes per element for large vectors (what the 2(k-1)/k lower bound is measured in)."""
     _check_compression(compression)
-    return {"fp32": 4.0, "fp16": 2.0, "int8": 1.0}[compression]
+    return {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / codecs.INT4_BLOCK}[compression]
 
 
 def encode(x: torch.Tensor, compression: str) -> bytes:
@@ -100,6 +108,8 @@ def encode(x: torch.Tensor, compression: str) -> bytes:
         return x.numpy().astype("<f4", copy=False).tobytes()
     if compression == "fp16":
         return x.to(torch.float16).numpy().astype("<f2", copy=False).tobytes()
+    if compression == "int4":
+        return codecs.encode_int4(x)
     numel = x.numel()
     blocks = math.ceil(numel / INT8_BLOCK)
     padded = torch.zeros(blocks * INT8_BLOCK, dtype=torch.float32)
@@ -122,6 +132,8 @@ def decode(data: bytes | bytearray | memoryview, numel: int, compression: str) -
         return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
     if compression == "fp16":
         return torch.from_numpy(np.frombuffer(data, dtype="<f2").astype(np.float32))
+    if compression == "int4":
+        return codecs.decode_int4(data, numel)
     blocks = math.ceil(numel / INT8_BLOCK)
     scale = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=blocks).astype(np.float32))
     codes = torch.from_numpy(np.frombuffer(data, dtype=np.int8, offset=4 * blocks).astype(np.float32))
@@ -224,7 +236,13 @@ def parse_header(raw: bytes) -> dict[str, Any]:
         if not isinstance(mask, list) or not all(_is_int(m) and m in (0, 1) for m in mask):
             raise WireError("mask must be a list of 0/1")
         _check_part_lists(h, len(mask))
+        digests = h.get("contrib_digests", [])  # sparse all-gather (`allgather`): each contribution held, or ""
+        if not (isinstance(digests, list) and len(digests) in (0, len(mask))
+                and all(isinstance(d, str) and len(d) <= 64 for d in digests)):
+            raise WireError("contrib_digests must list one short digest (or \"\") per member")
         return h
+    if kind == "contrib":
+        return _check_contrib(h)
     for key in ("part", "n", "numel", "chunk"):
         if not _is_int(h.get(key)) or h[key] < 0:
             raise WireError(f"{key} must be a non-negative integer")
@@ -252,6 +270,25 @@ def parse_header(raw: bytes) -> dict[str, Any]:
         raise WireError("contributors must be member indices")
     if not all(isinstance(p, str) and p.isdigit() and r in REJECT_REASONS for p, r in rejected.items()):
         raise WireError("rejected must map member indices to known reasons")
+    return h
+
+
+def _check_contrib(h: dict[str, Any]) -> dict[str, Any]:
+    """A sparse contribution's header (`allgather`): the sender's whole vector, chunked."""
+    for key in ("n", "chunk"):
+        if not _is_int(h.get(key)) or h[key] < 0:
+            raise WireError(f"{key} must be a non-negative integer")
+    if not 0 < h["chunk"] <= MAX_CHUNK_ELEMENTS:
+        raise WireError("chunk size out of range")
+    if h.get("comp") not in SPARSE:
+        raise WireError("unknown compression")
+    density = h.get("density")
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise WireError("density must be a number in (0, 1]")
+    if isinstance(h.get("weight"), bool) or not isinstance(h.get("weight"), (int, float)):
+        raise WireError("weight must be a number")
+    if not isinstance(h.get("finite"), bool):
+        raise WireError("finite must be a boolean")
     return h
 
 

@@ -1,0 +1,196 @@
+"""Sparse all-gather of pseudo-gradients (``sync.compression: topk2``) on the all-reduce's streams.
+
+Why not the reduce-scatter. In `allreduce` member j reduces part j and sends the mean to all;
+that pays off because a dense mean is no larger than one contribution. A top-k contribution
+is not: the mean of k sparse contributions holds the union of their indices (up to k times
+the kept values), so the gather would carry up to k times what the scatter did, and
+re-sparsifying the mean would drop values no member's error feedback accounts for. So with
+``topk2`` every member sends its whole sparse contribution (`codecs.encode_topk`, chunked) to
+every other member, and every member decodes all contributions it holds and reduces them
+itself, in member-index order, in fp32: weight·value as a multiply then an add (two correctly
+rounded operations, no fused multiply-add), then one divide by the total weight. The same
+bytes in the same order give the same bits on every member, without a reducer.
+
+Bytes per member and round: (k-1)·S out and (k-1)·S in, S = `codecs.topk_size(n, density)`
+(0.0245 bytes per element at density 1%). The dense butterfly sends 2(k-1)/k·n·b (b = 2 for
+fp16). Ratio to fp16: 4/(k·S/n) = 163/k at 1%: 82x at k = 2, 54x at k = 3, 41x at k = 4; the
+all-gather stops paying against an int4 butterfly (b = 0.5625) when (k-1)·S > 2(k-1)/k·0.5625·n,
+i.e. k > 46 at 1% or k > 4.6 at 10%. So this is for small groups and low densities (the
+hierarchical all-reduce keeps groups small); a large group should use int4/int8.
+
+Faults work as in the butterfly, on the same `Session` (deadlines, pings, exclusion, masks):
+
+1. Every member streams its contribution (header kind ``contrib``: n, chunk, density, weight,
+   finite; then one frame per chunk) to every other member until the gather deadline (0.7T).
+   The receiver checks sizes ("shape"), compression and density ("compression": excluded),
+   finiteness ("nan") and the weight ("weight"), decodes each chunk (bad offsets or lengths:
+   "shape") and keeps the complete contribution's frames and their sha256 digest.
+2. Masks: bit j = "I hold member j's complete, valid contribution", plus the digest of each
+   (``contrib_digests``). A contribution enters the mean iff every mask heard holds it with the
+   same digest (a sender that sent different bytes to different members is dropped on all),
+   then the weight rule of `wire.accept_weights` over those contributions. A dead member's
+   contribution is missing from the survivors' masks and so is dropped on every member alike.
+
+The result is one "part" (the whole vector): ``committed_parts`` is [0] unless nothing was
+agreed ("failed", zeros, as in the butterfly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from diloco_p2p.swarm import codecs, streams, wire
+from diloco_p2p.swarm.allreduce_state import AllreduceResult, Session
+
+NO_GO, GO = b"\x00", b"\x01"
+
+
+def contribution_digest(weight: float, frames: list[bytes]) -> str:
+    """What members compare in their masks: the weight and every byte of the contribution."""
+    h = hashlib.sha256(repr(float(weight)).encode())
+    for data in frames:
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:32]
+
+
+def sparse_mean(contribs: list[tuple[float, list[bytes]]], n: int, chunk: int, density: float) -> torch.Tensor:
+    """Weighted mean of complete sparse contributions, in the given order (see the module docstring)."""
+    acc, total = torch.zeros(n, dtype=torch.float32), 0.0
+    for weight, frames in contribs:
+        total += weight
+        for (a, b), data in zip(wire.chunk_ranges(n, chunk), frames, strict=True):
+            acc[a:b] += codecs.decode_topk(data, b - a, density) * weight
+    return acc.div_(total) if contribs else acc
+
+
+def encode_contribution(tensor: torch.Tensor, chunk: int, density: float) -> list[bytes]:
+    return [codecs.encode_topk(tensor[a:b], density) for a, b in wire.chunk_ranges(tensor.numel(), chunk)]
+
+
+def decoded(frames: list[bytes], n: int, chunk: int, density: float) -> torch.Tensor:
+    """A contribution as every member decodes it (what the sender's error feedback subtracts)."""
+    out = torch.empty(n, dtype=torch.float32)
+    for (a, b), data in zip(wire.chunk_ranges(n, chunk), frames, strict=True):
+        out[a:b] = codecs.decode_topk(data, b - a, density)
+    return out
+
+
+async def run(service: Any, s: Session, tensor: torch.Tensor, weight: float, *, density: float,
+              max_ratio: float, on_phase: Callable | None, on_scattered: Callable | None, started: float,
+              tasks: list[asyncio.Task]) -> AllreduceResult:
+    """The sparse all-gather on a started session `s` of `service` (an `AllreduceService`)."""
+    s.density, s.digests = density, {}
+    finite = wire.is_finite(tensor)
+    own = encode_contribution(tensor, s.chunk, density)
+    header = s.header("contrib", n=s.n, chunk=s.chunk, comp=s.compression, density=density, weight=weight,
+                      finite=finite)
+    sends = [service._spawn(service._send(s, j, header, own, s.d_gather)) for j in s.others]
+    tasks += sends
+    reason = wire.weight_problem(weight, None, math.inf)
+    if reason is None and not (finite and wire.is_finite(decoded(own, s.n, s.chunk, density))):
+        reason = "nan"
+    if reason:
+        s.rejected[s.me] = reason
+    else:
+        s.contribs[s.me] = (weight, own)
+        s.complete.add(s.me)
+        s.digests[s.me] = contribution_digest(weight, own)
+    if on_phase is not None or on_scattered is not None:
+        await asyncio.wait(sends, timeout=max(s.d_gather - asyncio.get_running_loop().time(), 0.0))
+        await _phase(on_phase, "scattered")
+        if on_scattered is not None:
+            on_scattered()
+    await service._wait(s, lambda: s.pending(s.complete | s.rejected.keys() | s.failed.keys(), False), s.d_gather)
+    s.mark("gathered", started)
+    await _phase(on_phase, "gathered")
+    s.mask_fixed = True
+    s.masks[s.me] = [int(j in s.complete) for j in range(s.k)]
+    s.mask_digests[s.me] = [s.digests.get(j, "") for j in range(s.k)]
+    mask = s.header("mask", mask=s.masks[s.me], contrib_digests=s.mask_digests[s.me])
+    tasks += [service._spawn(service._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone]
+    await service._wait(s, lambda: s.pending(s.masks, only_heard=True), s.d_end)
+    return await asyncio.to_thread(conclude, s, max_ratio, started)
+
+
+def conclude(s: Session, max_ratio: float, started: float) -> AllreduceResult:
+    """The mean of the contributions every heard mask holds with the same digest."""
+    masks = {j: m for j, m in s.masks.items() if j not in s.excluded and len(s.mask_digests.get(j, [])) == s.k}
+    committed = [c for c in range(s.k) if all(m[c] for m in masks.values())
+                 and len({s.mask_digests[j][c] for j in masks}) == 1]
+    accepted, heavy = wire.accept_weights({c: s.contribs[c][0] for c in committed}, max_ratio)
+    status = "ok" if len(masks) >= 2 and accepted else "failed"
+    average = (sparse_mean([s.contribs[c] for c in accepted], s.n, s.chunk, s.density) if status == "ok"
+               else torch.zeros(s.n, dtype=torch.float32))
+    rejected = {s.names[j]: "weight" for j in heavy}
+    for j in range(s.k):
+        if j not in committed:
+            rejected[s.names[j]] = s.rejected.get(j) or s.failed.get(j) or "timeout"
+    contributors = [s.names[c] for c in accepted] if status == "ok" else []
+    return AllreduceResult(
+        average=average, status=status, committed_parts=[0] if status == "ok" else [], num_parts=1,
+        contributors=contributors, rejected=rejected, bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
+        seconds=time.perf_counter() - started, part_contributors={0: contributors} if status == "ok" else {},
+        agreed_with=[s.names[j] for j in sorted(masks)], phases=dict(s.phases),
+    )
+
+
+async def receive(s: Session, j: int, h: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Serve member j's ``contrib`` message (called by `AllreduceService._serve`)."""
+    density = getattr(s, "density", None)
+    if j in s.contribs or j in s.rejected or j in s.failed or s.mask_fixed:
+        writer.write(NO_GO)
+        return False
+    if h["n"] != s.n or h["chunk"] != s.chunk:  # every member reduces in our chunk layout
+        reason = "shape"
+    elif h["comp"] != s.compression or h["density"] != density:
+        reason = "compression"
+    elif h["finite"] is not True:
+        reason = "nan"
+    else:
+        reason = wire.weight_problem(h["weight"], None, math.inf)
+    if reason is not None:
+        if reason not in ("weight", "nan"):
+            s.excluded.add(j)
+        s.rejected[j] = reason
+        writer.write(NO_GO)
+        return False
+    writer.write(GO)
+    frames: list[bytes] = []
+    try:
+        for a, b in wire.chunk_ranges(s.n, h["chunk"]):
+            data = await streams.read_frame(reader, codecs.topk_size(b - a, density))
+            s.bytes_received += streams.LENGTH_PREFIX + len(data)
+            try:
+                values = codecs.decode_topk(data, b - a, density)
+            except wire.WireError:
+                s.failed[j] = "shape"
+                return False
+            if not wire.is_finite(values):
+                s.failed[j] = "nan"
+                return False
+            frames.append(data)
+    except BaseException:
+        s.failed.setdefault(j, "timeout")
+        raise
+    if s.mask_fixed or s.finished:
+        return False
+    weight = float(h["weight"])
+    s.contribs[j] = (weight, frames)
+    s.digests[j] = contribution_digest(weight, frames)
+    s.complete.add(j)
+    return True
+
+
+async def _phase(hook: Callable | None, name: str) -> None:
+    if hook is not None:
+        outcome = hook(name)
+        if asyncio.iscoroutine(outcome) or isinstance(outcome, asyncio.Future):
+            await outcome
