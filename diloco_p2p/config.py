@@ -196,8 +196,17 @@ class AdmissionConfig(_Section):
 
 
 class SyncConfig(_Section):
-    compression: Literal["fp32", "fp16", "int8"] = Field(
-        "fp16", description="Wire format of pseudo-gradients in the all-reduce (accumulation is fp32)."
+    compression: Literal["fp32", "fp16", "int8", "int4", "topk2"] = Field(
+        "fp16", description="Wire format of pseudo-gradients in the all-reduce (accumulation is fp32): fp32, fp16, "
+        "int8 or int4 (blockwise absmax) through the butterfly, or topk2 (top-k values per 4096-block, 2 bits each) "
+        "through a sparse all-gather (for small groups)."
+    )
+    topk_density: float = Field(
+        0.01, gt=0, le=1, description="Fraction of the values each block keeps under compression topk2."
+    )
+    error_feedback: bool | None = Field(
+        None, description="Keep what the lossy wire did not send (int8, int4, topk2) and add it to the next "
+        "round's pseudo-gradient (checkpointed); unset = on for topk2 only."
     )
     min_group_size: int = Field(2, ge=1, description="Fewest peers that make a group; fewer = the round ends alone.")
     target_group_size: int = Field(
@@ -316,6 +325,7 @@ class Config(_Section):
     # corpus may differ between volunteers, and older checkpoints stay resumable).
     SWARM_FIELDS: ClassVar[tuple[str, ...]] = (
         "run_id", "seed", "model", "outer", "sync.compression", "inner.seq_len", "data.dataset_id",
+        "sync.topk_density",  # only under compression topk2: other runs keep their hash
         "sync.overlap",  # absent when none: older runs keep their hash
         "sync.target_group_size",  # fixes the all-reduce's grid (`swarm.hierarchy`); absent at 16, the default
         # How reducers aggregate and bound contributions (`swarm.aggregate`); absent at the defaults.
@@ -343,7 +353,8 @@ class Config(_Section):
         return {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in self.SWARM_FIELDS)
                 and not (k == "data.dataset_id" and v is None) and not (k == "sync.overlap" and v == "none")
                 and not (k == "sync.target_group_size" and v == 16)
-                and not (k in self._VIEW_DEFAULTS and v == self._VIEW_DEFAULTS[k])}
+                and not (k in self._VIEW_DEFAULTS and v == self._VIEW_DEFAULTS[k])
+                and not (k == "sync.topk_density" and self.sync.compression != "topk2")}
 
     def swarm_hash(self) -> str:
         """sha256 over `swarm_view()`; peers with a different hash are refused."""

@@ -37,6 +37,7 @@ from diloco_p2p.contract import (
 from diloco_p2p.data import DataPosition, open_dataset
 from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
+from diloco_p2p.feedback import ErrorFeedback
 from diloco_p2p.fsdp import (
     ShardLayout,
     gather_optimizer_state,
@@ -104,6 +105,7 @@ class Node:
         total_steps = cfg.inner.total_steps or cfg.train.max_rounds * cfg.outer.inner_steps
         self.trainer = InnerTrainer(self.model, cfg.inner, total_steps, self.device, precision, ranks, faults)
         self.outer = OuterOptimizer(self.layout.local_views(), cfg.outer)
+        self.feedback = ErrorFeedback(self.outer.numel, cfg.sync)  # what the lossy wire has not sent yet
         # sync.overlap: the average in flight behind the next round's compute (diloco_p2p.overlap)
         self.pipeline = None if cfg.sync.overlap == "none" else Pipeline(
             cfg.sync.overlap, self.outer.numel, cfg.outer, cfg.sync.min_group_size)
@@ -183,7 +185,10 @@ class Node:
             if flight is not None and not self._stopping():
                 phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
                 self._apply(flight.result())
+                self.feedback.settle(flight.delta, flight.result())
+            delta = self.feedback.offer(delta)  # + what earlier rounds' lossy wire did not send (`feedback`)
             outcome = self.sync.average(round, delta, weight, self.params_sha256())
+            self.feedback.settle(delta, outcome)
             if pipe is not None and pipe.correction is not None:
                 pipe.correction.reset()
             if not self._stopping():
@@ -200,8 +205,9 @@ class Node:
             phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
             self._apply(outcome)
             pipe.learn(outcome)
+            self.feedback.settle(flight.delta, outcome)
         pipe.correct(delta)  # eager: a_t·Δ_m^(t) replaces a_{t-1}·Δ_m^(t-1) in the local correction
-        pipe.begin(self.sync, round, delta, weight, self.params_sha256())
+        pipe.begin(self.sync, round, self.feedback.offer(delta), weight, self.params_sha256())
         return outcome, None if flight is None else flight.round
 
     def _apply(self, outcome: RoundOutcome) -> None:
@@ -252,6 +258,7 @@ class Node:
         if self.pipeline is not None:  # our round in flight and correction go; the state's average in flight comes
             self.pipeline.adopt(resync.tensors, resync.round, self.outer.numel)
         self.outer.copy_into(self.layout.local_views())
+        self.feedback.reset()  # our residual belongs to the trajectory we just left (`diloco_p2p.feedback`)
         if self.step == 0 and self.joined_at_round is None:
             self.joined_at_round = resync.round
         else:
@@ -332,6 +339,7 @@ class Node:
         """The node's checkpoint in the 1-rank layout (collective on N ranks; None off rank 0)."""
         leader = self.ranks.leader
         theta, momentum = self.layout.to_full(self.outer.theta), self.layout.to_full(self.outer.momentum)
+        error = self.layout.to_full(self.feedback.error) if self.feedback.enabled else None
         trainer_state = self.trainer.state_dict()
         optimizer = gather_optimizer_state(trainer_state["optimizer"], keep=leader)
         params_sha256 = self.params_sha256()
@@ -342,6 +350,8 @@ class Node:
         if self.pipeline is not None:  # the pending local Δ (the round in flight) and the eager correction
             extra, overlap = self.pipeline.state_tensors()
             tensors.update(extra)
+        if error is not None:
+            tensors["feedback.error"] = error
         inner = split_tensors({"optimizer": optimizer, "scheduler": trainer_state["scheduler"]}, tensors, "inner")
         meta = {
             "inner": inner, "data_position": asdict(self.data.position), "swarm_view": self.swarm_view,
@@ -363,6 +373,8 @@ class Node:
             return
         self.outer.load_state_tensors({k: self.layout.to_local(ckpt.tensors[k]) for k in ("outer.theta",
                                                                                           "outer.momentum")})
+        if "feedback.error" in ckpt.tensors and self.feedback.enabled:  # absent: written with feedback off
+            self.feedback.load(self.layout.to_local(ckpt.tensors["feedback.error"]))
         if "inner" in ckpt.meta:  # absent in a state fetched from the swarm: a fresh AdamW then
             state = join_tensors(ckpt.meta["inner"], ckpt.tensors)
             state["optimizer"] = shard_optimizer_state(self.trainer.optimizer, state["optimizer"])

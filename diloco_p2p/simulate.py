@@ -10,7 +10,10 @@ encoded with `sync.compression` and reduced by `aggregate.reduce_part` under the
 `sync.aggregation` and bounds (`mean`: token-weighted, fp32, in member order, then encoded and
 decoded once more; each member's stated norm is the one its sender computes). So M replicas whose keys are a real swarm's
 peer ids end every round with the swarm's ``params_sha256``; with M = 1 Δ is applied as is
-(a node alone). Every round is a committed round of all M: no faults, no stragglers.
+(a node alone). Every round is a committed round of all M: no faults, no stragglers. The sparse
+``topk2`` is averaged as its all-gather does (`codecs.sparse_mean` of every member's contribution,
+in member order); error feedback (`diloco_p2p.feedback`) lives in each replica's `Node`, as on
+the swarm.
 
 Under ``sync.overlap`` a replica hands its Δ in at the end of a round and collects the average
 at the end of the next (`ReplicaSync.begin_average`), as a swarm node does (`diloco_p2p.overlap`).
@@ -32,18 +35,22 @@ from diloco_p2p.config import Config, SyncConfig
 from diloco_p2p.contract import RoundOutcome, RoundRecord, SoloSync
 from diloco_p2p.logs import log_context
 from diloco_p2p.overlap import InFlight
-from diloco_p2p.swarm import aggregate, wire
+from diloco_p2p.swarm import aggregate, codecs, wire
 
 log = logging.getLogger(__name__)
 
 
 def wire_average(deltas: Sequence[torch.Tensor], weights: Sequence[float], compression: str,
                  max_weight_ratio: float, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS,
-                 robust: aggregate.Robust = aggregate.MEAN) -> torch.Tensor:
+                 robust: aggregate.Robust = aggregate.MEAN, density: float = 0.01) -> torch.Tensor:
     """The all-reduce's result for members in this order, every contribution complete and on time:
     part j is reduced by member j from every member's encoded chunks; a part whose result is not
-    finite is zero (not committed), as on the swarm."""
+    finite is zero (not committed), as on the swarm. ``topk2``: the all-gather's mean."""
     n, k = deltas[0].numel(), len(deltas)
+    if compression in wire.SPARSE:
+        accepted, _ = wire.accept_weights({i: float(w) for i, w in enumerate(weights)}, max_weight_ratio)
+        contribs = [(float(weights[i]), codecs.encode_chunks(deltas[i], chunk, density)) for i in accepted]
+        return codecs.sparse_mean(contribs, n, chunk, density)
     out = torch.zeros(n, dtype=torch.float32)
     for lo, hi in wire.partition(n, k):
         ranges = wire.chunk_ranges(hi - lo, chunk)
@@ -80,7 +87,7 @@ class Rendezvous:
                 members = [self._pending.pop(k) for k in self.keys]
                 self._results[round] = members[0][0] if len(members) == 1 else wire_average(
                     [d for d, _ in members], [w for _, w in members], self.cfg.compression, self.cfg.max_weight_ratio,
-                    robust=aggregate.robust_of(self.cfg))
+                    robust=aggregate.robust_of(self.cfg), density=self.cfg.topk_density)
                 self._results.pop(round - 2, None)
                 self._cond.notify_all()
 

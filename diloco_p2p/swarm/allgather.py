@@ -61,41 +61,19 @@ def contribution_digest(weight: float, frames: list[bytes]) -> str:
     return h.hexdigest()[:32]
 
 
-def sparse_mean(contribs: list[tuple[float, list[bytes]]], n: int, chunk: int, density: float) -> torch.Tensor:
-    """Weighted mean of complete sparse contributions, in the given order (see the module docstring)."""
-    acc, total = torch.zeros(n, dtype=torch.float32), 0.0
-    for weight, frames in contribs:
-        total += weight
-        for (a, b), data in zip(wire.chunk_ranges(n, chunk), frames, strict=True):
-            acc[a:b] += codecs.decode_topk(data, b - a, density) * weight
-    return acc.div_(total) if contribs else acc
-
-
-def encode_contribution(tensor: torch.Tensor, chunk: int, density: float) -> list[bytes]:
-    return [codecs.encode_topk(tensor[a:b], density) for a, b in wire.chunk_ranges(tensor.numel(), chunk)]
-
-
-def decoded(frames: list[bytes], n: int, chunk: int, density: float) -> torch.Tensor:
-    """A contribution as every member decodes it (what the sender's error feedback subtracts)."""
-    out = torch.empty(n, dtype=torch.float32)
-    for (a, b), data in zip(wire.chunk_ranges(n, chunk), frames, strict=True):
-        out[a:b] = codecs.decode_topk(data, b - a, density)
-    return out
-
-
 async def run(service: Any, s: Session, tensor: torch.Tensor, weight: float, *, density: float,
               max_ratio: float, on_phase: Callable | None, on_scattered: Callable | None, started: float,
               tasks: list[asyncio.Task]) -> AllreduceResult:
     """The sparse all-gather on a started session `s` of `service` (an `AllreduceService`)."""
     s.density, s.digests = density, {}
     finite = wire.is_finite(tensor)
-    own = encode_contribution(tensor, s.chunk, density)
+    own = codecs.encode_chunks(tensor, s.chunk, density)
     header = s.header("contrib", n=s.n, chunk=s.chunk, comp=s.compression, density=density, weight=weight,
                       finite=finite)
     sends = [service._spawn(service._send(s, j, header, own, s.d_gather)) for j in s.others]
     tasks += sends
     reason = wire.weight_problem(weight, None, math.inf)
-    if reason is None and not (finite and wire.is_finite(decoded(own, s.n, s.chunk, density))):
+    if reason is None and not (finite and wire.is_finite(codecs.decode_chunks(own, s.n, s.chunk, density))):
         reason = "nan"
     if reason:
         s.rejected[s.me] = reason
@@ -127,7 +105,7 @@ def conclude(s: Session, max_ratio: float, started: float) -> AllreduceResult:
                  and len({s.mask_digests[j][c] for j in masks}) == 1]
     accepted, heavy = wire.accept_weights({c: s.contribs[c][0] for c in committed}, max_ratio)
     status = "ok" if len(masks) >= 2 and accepted else "failed"
-    average = (sparse_mean([s.contribs[c] for c in accepted], s.n, s.chunk, s.density) if status == "ok"
+    average = (codecs.sparse_mean([s.contribs[c] for c in accepted], s.n, s.chunk, s.density) if status == "ok"
                else torch.zeros(s.n, dtype=torch.float32))
     rejected = {s.names[j]: "weight" for j in heavy}
     for j in range(s.k):

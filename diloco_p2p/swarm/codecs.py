@@ -41,6 +41,11 @@ INT4_BLOCK = 64
 TOPK_BLOCK = 4096  # offsets fit uint16; SparseLoCo's chunked top-k works on blocks of this order
 
 
+def _ranges(numel: int, chunk: int) -> list[tuple[int, int]]:
+    """`wire.chunk_ranges` (repeated: wire imports this module)."""
+    return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
+
+
 # ----------------------------------------------------------------------------- int4
 
 
@@ -174,3 +179,31 @@ def decode_topk(data: bytes | bytearray | memoryview, numel: int, density: float
     values = torch.where(torch.from_numpy(codes & 2 > 0), -magnitude, magnitude)
     out[torch.from_numpy(block_of * TOPK_BLOCK + idx)] = values
     return out
+
+
+# ----------------------------------------------------------------------------- whole sparse vectors
+
+
+def encode_chunks(x: torch.Tensor, chunk: int, density: float) -> list[bytes]:
+    """A sparse contribution: `x` top-k encoded chunk by chunk (one frame each)."""
+    return [encode_topk(x[a:b], density) for a, b in _ranges(x.numel(), chunk)]
+
+
+def decode_chunks(frames: list[bytes], n: int, chunk: int, density: float) -> torch.Tensor:
+    """A sparse contribution as every member decodes it (what its sender's error feedback subtracts)."""
+    out = torch.empty(n, dtype=torch.float32)
+    for (a, b), data in zip(_ranges(n, chunk), frames, strict=True):
+        out[a:b] = decode_topk(data, b - a, density)
+    return out
+
+
+def sparse_mean(contribs: list[tuple[float, list[bytes]]], n: int, chunk: int, density: float) -> torch.Tensor:
+    """Weighted mean of complete sparse contributions (weight, frames), in the given order: fp32,
+    weight·value as a multiply then an add (no fused multiply-add, whose rounding differs between
+    CPUs), one divide by the total weight. The same bytes in the same order give the same bits."""
+    acc, total = torch.zeros(n, dtype=torch.float32), 0.0
+    for weight, frames in contribs:
+        total += weight
+        for (a, b), data in zip(_ranges(n, chunk), frames, strict=True):
+            acc[a:b] += decode_topk(data, b - a, density) * weight
+    return acc.div_(total) if contribs else acc

@@ -244,6 +244,7 @@ class SwarmSync:
                                   butterfly_max=self.cfg.target_group_size,
                                   compression=self.cfg.compression, timeout=self.cfg.allreduce_timeout,
                                   max_weight_ratio=self.cfg.max_weight_ratio, robust=robust_of(self.cfg),
+                                  density=self.cfg.topk_density,
                                   on_scattered=lambda: self.faults.fire("allreduce", round)),
                 timeout=self.cfg.allreduce_timeout + 30,
             )

@@ -99,3 +99,18 @@ def test_every_config_file_in_repo_loads():
     assert {f.stem for f in files} >= {"tiny-cpu", "150m", "1b"}
     for f in files:
         load_config(f)
+
+
+def test_compression_options_are_checked_and_topk_density_joins_the_swarm_view_under_topk2():
+    cfg = load_config(None, ["sync.compression=topk2", "sync.topk_density=0.03", "sync.error_feedback=false"])
+    assert (cfg.sync.compression, cfg.sync.topk_density, cfg.sync.error_feedback) == ("topk2", 0.03, False)
+    assert cfg.swarm_view()["sync.topk_density"] == 0.03
+    other = load_config(None, ["sync.compression=topk2", "sync.topk_density=0.05"])
+    assert diff_swarm_fields(cfg.swarm_view(), other.swarm_view()) == ["sync.topk_density: 0.03 != 0.05"]
+    dense = load_config(None, ["sync.compression=int4", "sync.topk_density=0.05"])
+    assert "sync.topk_density" not in dense.swarm_view()  # no other wire reads it; older hashes unchanged
+    assert dense.swarm_hash() == load_config(None, ["sync.compression=int4"]).swarm_hash()
+    assert load_config(None, []).sync.error_feedback is None  # unset: on for topk2 only (`feedback`)
+    for bad in ("sync.topk_density=0", "sync.topk_density=1.5", "sync.compression=int2"):
+        with pytest.raises(UserError):
+            load_config(None, [bad])

@@ -1,0 +1,153 @@
+"""The lossy codecs (`swarm.codecs`): int4 and topk2 error bounds computed here independently,
+exact sizes, round trips, bad and truncated payloads refused with WireError, non-finite input
+kept visible, and the sparse mean every member computes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from diloco_p2p.swarm import codecs, wire
+
+DENSITY = 0.01
+
+
+def vector(n: int = 10_000, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2, 63, 64, 65, 1001, 5000])
+def test_int4_size_is_exact_and_error_is_bounded_by_each_blocks_absmax(numel):
+    x = vector(numel)
+    data = codecs.encode_int4(x)
+    assert len(data) == codecs.int4_size(numel) == 4 * math.ceil(numel / 64) + math.ceil(numel / 2)
+    y = codecs.decode_int4(data, numel)
+    assert y.shape == (numel,) and y.dtype == torch.float32
+    for start in range(0, numel, codecs.INT4_BLOCK):
+        block, approx = x[start : start + 64], y[start : start + 64]
+        assert (approx - block).abs().max() <= block.abs().max() / 14 * (1 + 1e-6)
+        assert len(set(torch.round(approx / (block.abs().max() / 7)).tolist())) <= 15  # 4-bit codes
+
+
+def test_int4_goes_through_wire_and_keeps_zero_blocks_exact():
+    x = torch.zeros(300)
+    x[200] = -3.0
+    assert torch.equal(wire.roundtrip(x, "int4", chunk_elements=128), x)
+    assert wire.bytes_per_element("int4") == 0.5625
+
+
+def test_int4_refuses_a_wrong_length_and_an_unused_code():
+    data = codecs.encode_int4(torch.randn(100))
+    for bad, n in ((data[:-1], 100), (data + b"\x88", 100), (data, 98)):
+        with pytest.raises(wire.WireError):
+            codecs.decode_int4(bad, n)
+    zeroed = bytearray(data)
+    zeroed[-1] = 0x08  # the high nibble of the last byte is 0: not a code
+    with pytest.raises(wire.WireError, match="nibble"):
+        codecs.decode_int4(bytes(zeroed), 100)
+
+
+def _reference_topk(x: torch.Tensor, density: float) -> torch.Tensor:
+    """What topk2 keeps, computed with numpy: per block of 4096 the ceil(d·m) largest magnitudes,
+    each rounded to lo + (hi-lo)/4 or lo + 3(hi-lo)/4 of the kept magnitudes' range."""
+    a = x.double().numpy()
+    out = np.zeros_like(a)
+    for start in range(0, a.size, codecs.TOPK_BLOCK):
+        block = a[start : start + codecs.TOPK_BLOCK]
+        k = min(block.size, max(1, math.ceil(density * block.size)))
+        keep = np.argsort(-np.abs(block), kind="stable")[:k]
+        mag = np.abs(block[keep])
+        lo, hi = mag.min(), mag.max()
+        level = np.where(mag >= (lo + hi) / 2, lo + 0.75 * (hi - lo), lo + 0.25 * (hi - lo))
+        out[start + keep] = np.sign(block[keep]) * level
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("numel, density", [(1, 0.01), (100, 0.01), (4096, 0.01), (10_000, 0.01), (9000, 0.3)])
+def test_topk2_keeps_each_blocks_largest_values_within_a_quarter_of_their_range(numel, density):
+    x = vector(numel, seed=numel)
+    data = codecs.encode_topk(x, density)
+    assert len(data) == codecs.topk_size(numel, density)
+    y = codecs.decode_topk(data, numel, density)
+    ref = _reference_topk(x, density)
+    assert torch.equal(y != 0, ref != 0)  # the same positions (the vector has no ties)
+    assert torch.allclose(y.double(), ref, rtol=1e-6, atol=0)
+    for start in range(0, numel, codecs.TOPK_BLOCK):  # error of kept values <= (hi - lo)/4
+        kept = (y[start : start + codecs.TOPK_BLOCK] != 0)
+        mag = x[start : start + codecs.TOPK_BLOCK][kept].abs()
+        err = (y[start : start + codecs.TOPK_BLOCK] - x[start : start + codecs.TOPK_BLOCK])[kept].abs()
+        assert err.max() <= (mag.max() - mag.min()) / 4 * (1 + 1e-6) + 1e-12
+
+
+def test_topk2_is_at_least_50x_smaller_than_fp16_at_one_percent():
+    n = 1 << 20
+    assert 2 * n / codecs.topk_size(n, 0.01) >= 80
+
+
+def test_topk2_refuses_truncated_padded_and_disordered_payloads():
+    x = vector(5000)
+    data = codecs.encode_topk(x, DENSITY)
+    for bad in (data[:-1], data + b"\x00"):
+        with pytest.raises(wire.WireError, match="expected"):
+            codecs.decode_topk(bad, 5000, DENSITY)
+    with pytest.raises(wire.WireError):
+        codecs.decode_topk(data, 5000, 0.02)  # another density: another size
+    blocks = 2
+    offsets = np.frombuffer(data, dtype="<u2", offset=8 * blocks, count=41).copy()
+    swapped = offsets.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    out_of_range = offsets.copy()
+    out_of_range[-1] = 4096
+    for changed in (swapped, out_of_range):
+        bad = data[: 8 * blocks] + changed.astype("<u2").tobytes() + data[8 * blocks + 2 * 41 :]
+        with pytest.raises(wire.WireError, match="offsets"):
+            codecs.decode_topk(bad, 5000, DENSITY)
+
+
+def test_topk2_tail_block_offsets_are_checked_against_its_own_size():
+    x = vector(4100)  # a full block and a tail of 4
+    data = bytearray(codecs.encode_topk(x, DENSITY))
+    offset_of_tail = 8 * 2 + 2 * 41
+    data[offset_of_tail : offset_of_tail + 2] = (4).to_bytes(2, "little")  # the tail has offsets 0..3
+    with pytest.raises(wire.WireError, match="offsets"):
+        codecs.decode_topk(bytes(data), 4100, DENSITY)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_topk2_non_finite_input_stays_visible(bad):
+    x = vector(5000)
+    x[10] = bad
+    assert not wire.is_finite(codecs.decode_topk(codecs.encode_topk(x, DENSITY), 5000, DENSITY))
+
+
+def test_density_is_checked():
+    for bad in (0, -0.1, 1.5, True, "0.1"):
+        with pytest.raises(ValueError):
+            codecs.check_density(bad)
+    codecs.check_density(1)
+
+
+def test_sparse_mean_is_the_weighted_mean_of_the_decoded_contributions_in_fp32():
+    xs, weights, chunk = [vector(9000, seed=s) for s in range(3)], [1.0, 3.0, 2.0], 4000
+    contribs = [(w, codecs.encode_chunks(x, chunk, DENSITY)) for w, x in zip(weights, xs, strict=True)]
+    mean = codecs.sparse_mean(contribs, 9000, chunk, DENSITY)
+    decoded = [codecs.decode_chunks(frames, 9000, chunk, DENSITY).double() for _, frames in contribs]
+    exact = sum(w * d for w, d in zip(weights, decoded, strict=True)) / sum(weights)
+    assert mean.dtype == torch.float32 and torch.allclose(mean.double(), exact, rtol=1e-6, atol=1e-9)
+    assert torch.equal(mean, codecs.sparse_mean(list(contribs), 9000, chunk, DENSITY))  # deterministic
+
+
+def test_contrib_headers_are_validated():
+    good = {"kind": "contrib", "group": "g", "digest": "d", "n": 10, "chunk": 4, "comp": "topk2",
+            "density": 0.01, "weight": 1.0, "finite": True}
+    assert wire.parse_header(wire.pack_header(good))["density"] == 0.01
+    for key, value in (("comp", "int8"), ("density", 0), ("density", 2), ("weight", "1"), ("finite", 1),
+                       ("chunk", 0), ("n", -1)):
+        with pytest.raises(wire.WireError):
+            wire.parse_header(wire.pack_header({**good, key: value}))
+    mask = {"kind": "mask", "group": "g", "digest": "d", "mask": [1, 0], "contrib_digests": ["ab", ""]}
+    assert wire.parse_header(wire.pack_header(mask))["contrib_digests"] == ["ab", ""]

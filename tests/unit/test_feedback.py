@@ -1,0 +1,126 @@
+"""Error feedback (`diloco_p2p.feedback`): the arithmetic after each kind of round, what
+"sent" means per wire and group size, and the buffer in a node: offered with Δ, checkpointed,
+restored on resume, reset when the node adopts the swarm's state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco_p2p.config import SyncConfig, load_config
+from diloco_p2p.contract import RoundOutcome, SwarmState
+from diloco_p2p.feedback import ErrorFeedback, sent_values
+from diloco_p2p.node import Node
+from diloco_p2p.swarm import codecs, wire
+from tests.unit.test_node import SMALL, ScriptedSync
+
+
+def vector(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def committed(k: int = 3) -> RoundOutcome:
+    return RoundOutcome(status="committed", average=torch.zeros(1), group_size=k)
+
+
+def test_defaults_on_for_topk2_only_and_never_for_fp32_fp16():
+    assert ErrorFeedback(10, SyncConfig(compression="topk2")).enabled
+    assert not ErrorFeedback(10, SyncConfig(compression="int4")).enabled
+    assert ErrorFeedback(10, SyncConfig(compression="int8", error_feedback=True)).enabled
+    assert not ErrorFeedback(10, SyncConfig(compression="topk2", error_feedback=False)).enabled
+    assert not ErrorFeedback(10, SyncConfig(compression="fp16", error_feedback=True)).enabled
+    off = ErrorFeedback(10, SyncConfig())
+    d = torch.ones(10)
+    assert off.offer(d) is d
+
+
+@pytest.mark.parametrize("compression, k", [("int4", 2), ("int4", 3), ("int8", 3)])
+def test_dense_sent_values_are_what_the_reducers_decode_of_each_part(compression, k):
+    x, chunk = vector(3000, 1), 500
+    expected = torch.cat([torch.cat([wire.decode(wire.encode(x[lo + a : lo + b], compression), b - a, compression)
+                                     for a, b in wire.chunk_ranges(hi - lo, chunk)])
+                          for lo, hi in wire.partition(3000, k)])
+    assert torch.equal(sent_values(x, compression, k, chunk=chunk), expected)
+
+
+def test_topk2_sent_values_are_the_decoded_contribution():
+    x = vector(9000, 2)
+    sent = sent_values(x, "topk2", 3, density=0.02, chunk=4000)
+    assert torch.equal(sent, codecs.decode_chunks(codecs.encode_chunks(x, 4000, 0.02), 9000, 4000, 0.02))
+    assert int((sent != 0).sum()) == sum(min(m, -(-m * 2 // 100)) for m in (4000, 4000, 1000))
+
+
+def test_error_is_what_was_not_sent_and_everything_is_sent_eventually():
+    """offered_t = Δ_t + e_(t-1), e_t = offered_t − sent_t, so Σ sent_t = Σ Δ_t − e_T: the
+    feedback loses nothing, it only delays."""
+    fb = ErrorFeedback(5000, SyncConfig(compression="topk2", topk_density=0.05), chunk=2048)
+    total_delta, total_sent = torch.zeros(5000, dtype=torch.float64), torch.zeros(5000, dtype=torch.float64)
+    for t in range(30):
+        delta = vector(5000, 10 + t)
+        offered = fb.offer(delta)
+        fb.settle(offered, committed())
+        sent = sent_values(offered, "topk2", 3, density=0.05, chunk=2048)
+        assert torch.allclose(fb.error, offered - sent)
+        total_delta += delta.double()
+        total_sent += sent.double()
+    assert torch.allclose(total_sent + fb.error.double(), total_delta, atol=1e-4)
+    # the residual stays bounded (it does not grow like Σ Δ, about sqrt(30)·|Δ| here)
+    assert fb.error.abs().max() < 0.5 * total_delta.abs().max() + 30
+
+
+def test_alone_applied_clears_the_error_and_nothing_applied_keeps_it():
+    fb = ErrorFeedback(100, SyncConfig(compression="int4", error_feedback=True))
+    offered = fb.offer(vector(100, 3))
+    fb.settle(offered, committed(2))
+    kept = fb.error.clone()
+    assert kept.abs().max() > 0
+    fb.settle(fb.offer(vector(100, 4)), RoundOutcome(status="failed", average=None, group_size=2))
+    assert torch.equal(fb.error, kept)
+    fb.settle(fb.offer(vector(100, 5)), RoundOutcome(status="alone", average=torch.zeros(100), group_size=1))
+    assert torch.equal(fb.error, torch.zeros(100))
+
+
+def test_a_non_finite_offer_leaves_no_non_finite_error():
+    fb = ErrorFeedback(100, SyncConfig(compression="topk2"))
+    delta = vector(100, 6)
+    delta[3] = float("nan")
+    fb.settle(fb.offer(delta), committed())
+    assert bool(torch.isfinite(fb.error).all())
+
+
+def _node(tmp_path, sync, rounds):
+    config = load_config(None, [*SMALL, f"train.max_rounds={rounds}", "sync.compression=topk2",
+                                "sync.topk_density=0.05", "train.checkpoint_every=1"])
+    return Node(config, tmp_path / "run", sync, progress=False)
+
+
+def test_node_offers_delta_plus_error_checkpoints_it_and_resumes_it(tmp_path):
+    sync = ScriptedSync({r: (lambda d: RoundOutcome(status="committed", average=d / 2, group_size=2))
+                         for r in (1, 2)})
+    node = _node(tmp_path, sync, rounds=1)
+    node.run()
+    e1 = node.feedback.error.clone()
+    assert torch.allclose(e1, sync.deltas[1] - sent_values(sync.deltas[1], "topk2", 2, density=0.05))
+    assert e1.abs().max() > 0
+
+    resumed = _node(tmp_path, sync, rounds=2)
+    assert torch.equal(resumed.feedback.error, e1)  # restored from the checkpoint
+    resumed.outer.pseudo_gradient = lambda views: torch.zeros_like(e1)  # a round that moved nothing
+    resumed.run()
+    assert torch.equal(sync.deltas[2], e1)  # so it offered exactly what it owed
+
+
+def test_adopting_the_swarms_state_resets_the_error(tmp_path):
+    def donor(node):
+        theta = node.state["outer.theta"].clone()
+        return SwarmState(tensors={"outer.theta": theta, "outer.momentum": torch.zeros_like(theta)}, round=5,
+                          outcome=RoundOutcome(status="resynced", group_size=0))
+
+    sync = ScriptedSync({1: lambda d: RoundOutcome(status="committed", average=d, group_size=2)}, resyncs={1: donor})
+    node = _node(tmp_path, sync, rounds=6)
+    node.outer.pseudo_gradient = lambda views: torch.zeros_like(node.outer.theta) + 0.25
+    node.run()
+    e1 = sync.deltas[1] - sent_values(sync.deltas[1], "topk2", 2, density=0.05)
+    assert e1.abs().max() > 0
+    assert [r.status for _, r in sync.after] == ["committed", "resynced", "alone"]
+    assert torch.equal(sync.deltas[6], torch.full_like(e1, 0.25))  # after the resync: Δ alone, nothing owed
