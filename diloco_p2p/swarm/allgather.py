@@ -61,8 +61,17 @@ def contribution_digest(weight: float, frames: list[bytes]) -> str:
     return h.hexdigest()[:32]
 
 
-async def run(service: Any, s: Session, tensor: torch.Tensor, weight: float, *, density: float,
-              max_ratio: float, on_phase: Callable | None, on_scattered: Callable | None, started: float,
+def check_args(compression: str, density: float, part_hook: Any) -> None:
+    """`AllreduceService.allreduce`'s checks of its wire arguments (ValueError)."""
+    if compression not in wire.COMPRESSIONS + wire.SPARSE:
+        raise ValueError(f"compression must be one of {wire.COMPRESSIONS + wire.SPARSE}, got {compression!r}")
+    codecs.check_density(density)
+    if compression in wire.SPARSE and part_hook is not None:
+        raise ValueError("a sparse all-gather has no parts to hand to a part_hook")
+
+
+async def run(service: Any, s: Session, tensor: torch.Tensor, weight: float, density: float, max_ratio: float,
+              on_phase: Callable | None, on_scattered: Callable | None, started: float,
               tasks: list[asyncio.Task]) -> AllreduceResult:
     """The sparse all-gather on a started session `s` of `service` (an `AllreduceService`)."""
     s.density, s.digests = density, {}

@@ -132,7 +132,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from diloco_p2p.swarm import aggregate, allgather, codecs, streams, wire
+from diloco_p2p.swarm import aggregate, allgather, streams, wire
 from diloco_p2p.swarm.allreduce_state import AllreduceResult, Session, conclude
 from diloco_p2p.swarm.streams import NETWORK_ERRORS
 
@@ -221,16 +221,11 @@ class AllreduceService:
         part_hook: PartHook | None = None,
     ) -> AllreduceResult:
         """Weighted average of `tensor` over `peers` (this peer included, same order on all members).
-        A sparse `compression` (``topk2``, keeping `density` of the values) runs `allgather` instead.
 
         `part_hook` (a level of `diloco_p2p.swarm.hierarchy`): our part is reduced whole, then
         ``await part_hook(values, total_weight)`` gives what we gather instead: ``(values,
         compression)``, or None (the part is lost)."""
-        if compression not in wire.COMPRESSIONS + wire.SPARSE:
-            raise ValueError(f"compression must be one of {wire.COMPRESSIONS + wire.SPARSE}, got {compression!r}")
-        codecs.check_density(density)
-        if compression in wire.SPARSE and part_hook is not None:
-            raise ValueError("a sparse all-gather has no parts to hand to a part_hook")
+        allgather.check_args(compression, density, part_hook)
         if tensor.dim() != 1 or tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             raise ValueError("allreduce expects a flat float32 CPU tensor")
         if not (timeout > 0 and max_weight_ratio >= 1):
@@ -260,10 +255,9 @@ class AllreduceService:
         scatter_tasks: list[asyncio.Task] = []
         clean = False
         try:
-            if compression in wire.SPARSE:
-                result = await allgather.run(self, s, tensor, float(weight), density=density, max_ratio=max_weight_ratio,
-                                             on_phase=on_phase, on_scattered=on_scattered, started=started, tasks=tasks)
-                clean = True
+            if compression in wire.SPARSE:  # topk2 keeping `density` of the values: `allgather` instead
+                clean, result = True, await allgather.run(self, s, tensor, float(weight), density, max_weight_ratio,
+                                                          on_phase, on_scattered, started, tasks)
                 return result
             tasks += self._scatter(s, tensor, float(weight))
             scatter_tasks = list(tasks)
