@@ -269,6 +269,8 @@ class SyncConfig(_Section):
     def _group_bounds(self) -> SyncConfig:
         if self.target_group_size < self.min_group_size:
             raise ValueError("sync.target_group_size must be >= sync.min_group_size")
+        if self.compression == "topk2" and self.aggregation != "mean":  # every member reduces by itself (`allgather`)
+            raise ValueError("sync.compression topk2 averages by all-gather with the mean only; set sync.aggregation=mean")
         return self
 
 

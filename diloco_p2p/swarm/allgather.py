@@ -61,19 +61,37 @@ def contribution_digest(weight: float, frames: list[bytes]) -> str:
     return h.hexdigest()[:32]
 
 
-def check_args(compression: str, density: float, part_hook: Any) -> None:
+def check_args(compression: str, density: float, part_hook: Any, aggregation: str = "mean") -> None:
     """`AllreduceService.allreduce`'s checks of its wire arguments (ValueError)."""
     if compression not in wire.COMPRESSIONS + wire.SPARSE:
         raise ValueError(f"compression must be one of {wire.COMPRESSIONS + wire.SPARSE}, got {compression!r}")
     codecs.check_density(density)
     if compression in wire.SPARSE and part_hook is not None:
         raise ValueError("a sparse all-gather has no parts to hand to a part_hook")
+    if compression in wire.SPARSE and aggregation != "mean":
+        raise ValueError("a sparse all-gather averages with the mean only (robust rules run on the reducers)")
 
 
 async def run(service: Any, s: Session, tensor: torch.Tensor, weight: float, density: float, max_ratio: float,
-              on_phase: Callable | None, on_scattered: Callable | None, started: float,
-              tasks: list[asyncio.Task]) -> AllreduceResult:
-    """The sparse all-gather on a started session `s` of `service` (an `AllreduceService`)."""
+              on_phase: Callable | None, on_scattered: Callable | None) -> AllreduceResult:
+    """The sparse all-gather on a started session `s` of `service` (an `AllreduceService`); like
+    the butterfly it finishes the session, and cancels its sends unless it ends cleanly."""
+    loop, started, tasks = asyncio.get_running_loop(), time.perf_counter(), []
+    try:
+        result = await _run(service, s, tensor.detach(), weight, density, max_ratio, on_phase, on_scattered, started,
+                            tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+    finally:
+        s.finish(loop.time())
+    return result
+
+
+async def _run(service: Any, s: Session, tensor: torch.Tensor, weight: float, density: float, max_ratio: float,
+               on_phase: Callable | None, on_scattered: Callable | None, started: float,
+               tasks: list[asyncio.Task]) -> AllreduceResult:
     s.density, s.digests = density, {}
     finite = wire.is_finite(tensor)
     own = codecs.encode_chunks(tensor, s.chunk, density)

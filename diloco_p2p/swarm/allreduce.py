@@ -225,7 +225,7 @@ class AllreduceService:
         `part_hook` (a level of `diloco_p2p.swarm.hierarchy`): our part is reduced whole, then
         ``await part_hook(values, total_weight)`` gives what we gather instead: ``(values,
         compression)``, or None (the part is lost)."""
-        allgather.check_args(compression, density, part_hook)
+        allgather.check_args(compression, density, part_hook, robust.aggregation)
         if tensor.dim() != 1 or tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             raise ValueError("allreduce expects a flat float32 CPU tensor")
         if not (timeout > 0 and max_weight_ratio >= 1):
@@ -237,9 +237,8 @@ class AllreduceService:
         started = time.perf_counter()
         if len(peers) == 1:  # alone: the exact tensor, nothing on the wire
             seconds = time.perf_counter() - started
-            return AllreduceResult(
-                tensor.detach().clone(), "ok", [0], 1, [own], {}, 0, 0, seconds, {0: [own]}, [own]
-            )
+            return AllreduceResult(tensor.detach().clone(), "ok", [0], 1, [own], {}, 0, 0, seconds, {0: [own]},
+                                   [own])
         if not self._running:
             raise RuntimeError("AllreduceService.start() was not called")
         loop = asyncio.get_running_loop()
@@ -248,17 +247,14 @@ class AllreduceService:
             raise ValueError(f"group_id {group_id!r} was already used on this peer")
         me, n = names.index(own), tensor.numel()
         s.start(list(peers), me, n, compression, self.chunk_elements, loop.time(), timeout)
-        s.part_hook = part_hook
-        s.robust = robust
+        s.part_hook, s.robust = part_hook, robust
+        if compression in wire.SPARSE:  # topk2 keeping `density` of the values: `allgather` on this session
+            return await allgather.run(self, s, tensor, float(weight), density, max_weight_ratio, on_phase, on_scattered)
         tensor = tensor.detach()
         tasks: list[asyncio.Task] = []
         scatter_tasks: list[asyncio.Task] = []
         clean = False
         try:
-            if compression in wire.SPARSE:  # topk2 keeping `density` of the values: `allgather` instead
-                clean, result = True, await allgather.run(self, s, tensor, float(weight), density, max_weight_ratio,
-                                                          on_phase, on_scattered, started, tasks)
-                return result
             tasks += self._scatter(s, tensor, float(weight))
             scatter_tasks = list(tasks)
             reducer = self._spawn(self._pipeline(s, max_weight_ratio, on_phase, started, tasks))

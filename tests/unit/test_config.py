@@ -114,3 +114,5 @@ def test_compression_options_are_checked_and_topk_density_joins_the_swarm_view_u
     for bad in ("sync.topk_density=0", "sync.topk_density=1.5", "sync.compression=int2"):
         with pytest.raises(UserError):
             load_config(None, [bad])
+    with pytest.raises(UserError, match="aggregation=mean"):
+        load_config(None, ["sync.compression=topk2", "sync.aggregation=trimmed_mean"])
