@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -165,6 +166,8 @@ class TokenDataset:
             )
         self.position = DataPosition()
         self._order: KeyedPermutation | BlockedOrder | None = None
+        self._peeked: dict[int, BlockedOrder] = {}
+        self._peek_lock = threading.Lock()
 
     def _has_both_splits(self) -> bool:
         """At least one training and one held-out window (found by looking at the first few)."""
@@ -198,21 +201,33 @@ class TokenDataset:
                                 f"{self.order_key}:{epoch}")
         return KeyedPermutation(self.n_windows, f"{self.order_key}:{epoch}")
 
+    def _peek(self, epoch: int) -> BlockedOrder:
+        """Epoch `epoch`'s blocked order for `upcoming_shards`, cached apart from the training
+        thread's (`_epoch_order`), which another thread must not swap under it."""
+        with self._peek_lock:
+            order = self._peeked.get(epoch)
+            if order is None:
+                order = self._make_order(epoch)
+                assert isinstance(order, BlockedOrder)
+                self._peeked = {e: o for e, o in self._peeked.items() if e >= epoch - 1}
+                self._peeked[epoch] = order
+            return order
+
     def upcoming_shards(self, blocks: int) -> list[int]:
         """The shards that the current block and the next `blocks` read, in the order needed
         (a block's last window may run into the next shard); only in the blocked order."""
-        epoch, offset = self.position.epoch, self.position.offset
+        position = self.position  # read by the prefetch thread: a hint, never written here
+        epoch, offset = position.epoch, position.offset
         if offset >= self.n_windows:
             epoch, offset = epoch + 1, 0
-        order = self._epoch_order(epoch) if epoch == self.position.epoch else self._make_order(epoch)
-        assert isinstance(order, BlockedOrder)
+        order = self._peek(epoch)
         out: list[int] = []
         j = order.block(offset)
         n_shards = len(order.shards)
         for _ in range(blocks + 1):
             if j >= n_shards:
                 epoch, j = epoch + 1, 0
-                order = self._make_order(epoch)
+                order = self._peek(epoch)
             s = order.shards[j]
             for t in (s, s + 1):
                 if t < n_shards and t not in out:

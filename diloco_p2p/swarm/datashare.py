@@ -123,9 +123,8 @@ class DataShare:
             self._refresh.cancel()
             with suppress(asyncio.CancelledError):
                 await self._refresh
-        for dataset in list(self.datasets):
-            with suppress(Exception):
-                await self._store(dataset, None)
+        with suppress(Exception):  # a tombstone each; else the records expire within announce_ttl
+            await asyncio.wait_for(asyncio.gather(*(self._store(d, None) for d in self.datasets)), 3)
         with suppress(*NETWORK_ERRORS):
             await self.p2p.remove_binary_stream_handler(HANDLER)
 
