@@ -374,8 +374,9 @@ class AllreduceService:
             complete = {j: c for j, c in s.contribs.items() if j in s.complete and j not in s.rejected}
             accepted, refused, frames, values = await asyncio.to_thread(self._reduce_part, s, complete, max_ratio)
             s.rejected.update(refused)
-            if hooked and values is not None:
-                fields["comp"], frames, values = await self._next_level(s, values, [complete[j][0] for j in accepted])
+            if hooked and values is not None:  # the part's weight at the next level: the weights it was reduced with
+                capped = aggregate.capped_weights({j: complete[j][0] for j in accepted}, s.robust.weight_cap)
+                fields["comp"], frames, values = await self._next_level(s, values, list(capped.values()))
             if values is not None and s.result is not None:
                 s.result[lo:hi] = values
             rejected = {str(j): r for j, r in sorted(s.rejected.items())}

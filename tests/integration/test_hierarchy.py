@@ -145,3 +145,19 @@ def test_a_gone_member_drops_its_part_on_every_member_alike(swarm):
             assert bool((results[0].average[a:b] == 0).all())
         else:
             assert bool((error[a:b] <= ok[a:b]).all()), f"interval {j}: max error {error[a:b].max():.3g}"
+
+
+def test_a_capped_weight_counts_capped_at_every_level(swarm):
+    """With `weight_cap` (sync's default 4): member 5 claims 10x the others. Its row caps it at 4x
+    the row's lower median before reducing, and the row's part enters the column with the weights
+    it was reduced with, so the swarm's mean is the mean with that capped weight."""
+    from diloco_p2p.swarm.aggregate import Robust
+
+    xs, weights = inputs(seed=13), [1000.0] * 5 + [10_000.0]
+    results = run(swarm, swarm.services, list(range(6)), xs, weights, butterfly_max=3, compression="fp16",
+                  robust=Robust(weight_cap=4.0))
+    assert all(r.status == "ok" and torch.equal(r.average, results[0].average) for r in results)
+    capped = [1000.0] * 5 + [4000.0]
+    exact = sum(w * x.double() for w, x in zip(capped, xs, strict=True)) / sum(capped)
+    error = (results[0].average.double() - exact).abs()
+    assert bool((error <= bound(xs, capped, exact, "fp16")).all()), f"max error {error.max():.3g}"
