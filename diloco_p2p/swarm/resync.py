@@ -15,14 +15,20 @@
 Every reader applies the same rule to the same records, so every node reaches the same verdict
 without talking to the others. A tie between θ hashes at our round never moves a node to an
 arbitrary one (an attacker can grind its hash to be the smallest): a node holding one of the
-tied hashes keeps it.
+tied hashes keeps it, except between the members of the group we last committed with (a fork of
+one group, e.g. 1-1 in a swarm of two, which would otherwise never re-merge): among the tied
+hashes that such members hold, the one held by the member with the smallest
+``sha256(peer id, round)`` wins (`tie_winner`). A hash cannot be ground to win it (the θ hash
+plays no part), nor a peer id chosen afterwards (only our own group's members take part, and the
+round changes the order every round); it is a deterministic draw among peers we averaged with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +132,7 @@ def _reject(on_reject: Callable[[str, str, str], None] | None, peer: str, reason
 def resync_target(
     others: Mapping[str, ProgressRecord], our_round: int, our_hash: str, averaged_round: int | None = None,
     *, quorum: int = 1, max_round: int | None = None, on_reject: Callable[[str, str, str], None] | None = None,
+    group: tuple[str, Collection[str]] | None = None,
 ) -> Resync | None:
     """Whether a node at (`our_round`, `our_hash`), whose θ was last averaged at round
     `averaged_round` (None: not since it started), must adopt the swarm's state, and which.
@@ -136,7 +143,8 @@ def resync_target(
     - behind (`top` > ours): download the state of round `top` with its most reported θ hash
       (any of them if several tie: each has `quorum` backers);
     - same round, another hash reported strictly more than any other, ours included: download
-      it (a tie moves nobody);
+      it; a tie moves nobody, unless `group` = (our peer id, the members of the group we last
+      committed with) breaks it (`tie_winner`, module docstring);
     - cut off: the reference nodes averaged after our θ last did, we ended
       `MAX_UNBACKED_ROUNDS` or more rounds since without a group, and we are ahead of them in
       round number: our rounds since hold our own data only, so go back to their state.
@@ -156,13 +164,13 @@ def resync_target(
     if top == our_round:
         counts = at_top + Counter([our_hash])
         theirs = _unique_top(counts)
+        why = "differ from the swarm's"
+        if theirs is None and group is not None:
+            holders = {p: r.params_sha256 for p, r in reference.items() if r.round == top}
+            theirs, why = tie_winner(counts, {**holders, group[0]: our_hash}, group[1], top), "lost a tie of our group to"
         if theirs is None or theirs == our_hash:
             return None  # ours is the most reported, or a tie: never move to an arbitrary hash
-        return Resync(
-            top,
-            f"our parameters {our_hash[:12]} differ from the swarm's {theirs[:12]} at round {top}",
-            exclude, theirs,
-        )
+        return Resync(top, f"our parameters {our_hash[:12]} {why} {theirs[:12]} at round {top}", exclude, theirs)
     ours = -1 if averaged_round is None else averaged_round
     theirs = _averaged(next(iter(reference.values())))
     if theirs > ours and our_round - ours >= MAX_UNBACKED_ROUNDS:
@@ -173,6 +181,17 @@ def resync_target(
             exclude, _unique_top(at_top),
         )
     return None
+
+
+def tie_winner(counts: Counter[str], holders: Mapping[str, str], group: Collection[str], round: int) -> str | None:
+    """Among the hashes tied for the most reports (`counts`), the one whose holder (peer -> hash)
+    in `group` has the smallest sha256(peer id, round); None if no member of `group` holds one."""
+    best = max(counts.values(), default=0)
+    tied = {h for h, c in counts.items() if c == best}
+    eligible = [p for p, h in holders.items() if h in tied and p in group]
+    if not eligible:
+        return None
+    return holders[min(eligible, key=lambda p: hashlib.sha256(f"{p}:{round}".encode()).hexdigest())]
 
 
 def _unique_top(counts: Counter[str]) -> str | None:

@@ -96,6 +96,7 @@ class SwarmSync:
         self.averaged_round: int | None = None
         self._adopted_averaged_round: int | None = None
         self.resync_exclude: frozenset[str] = frozenset()  # peers whose state is not the swarm's
+        self.last_group: frozenset[str] | None = None  # the members we last committed a round with
         run_dir.mkdir(parents=True, exist_ok=True)
         identity = Path(p2p.identity_path) if p2p.identity_path else run_dir / "identity.key"
         # hivemind forks the DHT process: create it before any thread of ours.
@@ -164,8 +165,9 @@ class SwarmSync:
         same_round = [r.params_sha256 for r in reference.values() if r.round == node.round]
         self.agreement = {"params_agree": all(h == ours for h in same_round),
                           "config_agree": all(r.config_hash == self.config_hash for r in others.values())}
+        group = (self.peer_id, self.last_group) if self.last_group else None  # breaks a tie within it
         target = resync_target(others, node.round, ours, self.averaged_round, quorum=self.cfg.resync_quorum,
-                               max_round=self.max_round, on_reject=self.guard.reject)
+                               max_round=self.max_round, on_reject=self.guard.reject, group=group)
         if target is None:
             self._computing_since = time.perf_counter()  # the node trains now: its speed for DyLU
             return None
@@ -235,6 +237,7 @@ class SwarmSync:
             group = self._interruptible(self._form_group(round, params_hash, weight),
                                         timeout=self.cfg.matchmaking_timeout + 30)
             self.speeds = group.speeds if group is not None else None
+            self.last_group = None
             if group is None:
                 log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
                 return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement))
@@ -252,6 +255,8 @@ class SwarmSync:
             log.warning("round %d: averaging interrupted (%s)", round, e)
             return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement, interrupted=True))
         self._keep(round, delta, weight, result)
+        if result.status != "failed":
+            self.last_group = frozenset(p.to_base58() for p in group.peers)
         blame(self.guard, round, result)
         return self._seen(round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement))
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
+
 import pytest
 
 from diloco_p2p.config import Config
@@ -14,6 +17,7 @@ from diloco_p2p.swarm.resync import (
     reference_records,
     resync_target,
     round_majorities,
+    tie_winner,
     vouched_records,
 )
 from tests.unit.dht_fixtures import PEERS, make
@@ -293,3 +297,34 @@ def test_behind_with_two_vouched_hashes_at_the_top_round_takes_whichever_a_donor
              **{p: make(p, round=5, params_sha256=H["d"]) for p in PEERS[2:4]}}
     target = resync_target(split, 3, H["a"], quorum=2)
     assert target is not None and target.min_round == 5 and target.params_hash is None
+
+
+def test_a_tie_within_our_last_group_is_broken_the_same_way_by_both_sides():
+    """A 1-1 fork of a group of two: each side sees the other's record. With the group known, both
+    pick the hash of the member with the smallest sha256(peer id, round): exactly one moves."""
+    a, b = PEERS[0], PEERS[1]
+    for round in range(6):
+        rec = {a: make(a, round=round, params_sha256=H["a"], averaged_round=round),
+               b: make(b, round=round, params_sha256=H["b"], averaged_round=round)}
+        group = frozenset({a, b})
+        seen_by_a = resync_target({b: rec[b]}, round, H["a"], round, quorum=2, group=(a, group))
+        seen_by_b = resync_target({a: rec[a]}, round, H["b"], round, quorum=2, group=(b, group))
+        winner = min((a, b), key=lambda p: hashlib.sha256(f"{p}:{round}".encode()).hexdigest())
+        loser_target, winner_target = (seen_by_b, seen_by_a) if winner == a else (seen_by_a, seen_by_b)
+        assert winner_target is None
+        assert loser_target is not None and loser_target.params_hash == rec[winner].params_sha256
+        assert loser_target.min_round == round and "tie" in loser_target.reason
+        # without the group (or with a peer outside it), a tie moves nobody
+        assert resync_target({b: rec[b]}, round, H["a"], round, quorum=2) is None
+        stranger = PEERS[5]
+        claim = {stranger: make(stranger, round=round, params_sha256=H["c"], averaged_round=round)}
+        assert resync_target(claim, round, H["a"], round, quorum=2, group=(a, group)) is None
+
+
+def test_tie_winner_ignores_the_hashes_and_peers_outside_the_group():
+    counts = Counter({H["a"]: 2, H["b"]: 2, H["c"]: 1})
+    holders = {PEERS[0]: H["a"], PEERS[1]: H["b"], PEERS[2]: H["c"], PEERS[3]: H["a"]}
+    assert tie_winner(counts, holders, {PEERS[2]}, 4) is None  # its hash is not among the tied
+    assert tie_winner(counts, holders, {PEERS[1]}, 4) == H["b"]
+    both = tie_winner(counts, holders, set(holders), 4)
+    assert both == tie_winner(counts, dict(reversed(list(holders.items()))), set(holders), 4)
