@@ -290,6 +290,10 @@ class P2PConfig(_Section):
     connect_timeout: float = Field(
         20.0, gt=0, description="Seconds to wait for the initial peers before giving up with an error."
     )
+    reachability: Literal["auto", "public", "private"] = Field(
+        "auto", description="Whether other peers can dial this node: `auto` asks an initial peer to dial it back "
+        "at start; `private` (behind NAT, nothing inbound) averages through public peers and reduces no part.",
+    )
 
 
 class MetricsConfig(_Section):

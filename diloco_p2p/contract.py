@@ -170,6 +170,8 @@ class Sync(Protocol):
     # Compute speed (tokens/s) of each member of our last group, for dynamic local updates;
     # None when unknown (solo, no group yet, or a multi-rank node whose shards may differ).
     speeds: dict[str, float] | None
+    # "public" or "private" (behind NAT: `diloco_p2p.swarm.reach`); None without a swarm.
+    reachability: str | None
 
     def announce(self, node: NodeState) -> None:
         """The node is built: make it visible (and refuse it now if its config differs)."""
@@ -194,6 +196,7 @@ class SoloSync:
     def __init__(self, peer_id: str):
         self.peer_id = peer_id
         self.speeds: dict[str, float] | None = None
+        self.reachability: str | None = None
 
     def announce(self, node: NodeState) -> None:
         pass

@@ -170,6 +170,9 @@ class NodeMetrics:
         self.state_seconds = Histogram("diloco_state_download_seconds", "Time of one state download.",
                                        buckets=STATE_BUCKETS, registry=r)
         self.dht_peers = Gauge("diloco_dht_peers", "DHT peers this process sees.", registry=r)
+        self.public = Gauge("diloco_reachable", "1 if other peers can dial this node, 0 behind NAT "
+                            "(p2p.reachability; NaN: no swarm).", registry=r)
+        self.public.set(NAN)
         self.dropped_peers = Counter("diloco_dropped_peers",
                                      "Group members whose contribution was missing from a round.", registry=r)
         self.params_agree = Gauge(
@@ -247,6 +250,9 @@ class NodeMetrics:
 
     def set_dht_peers(self, n: int) -> None:
         self.dht_peers.set(n)
+
+    def set_reachability(self, reachability: str | None) -> None:
+        self.public.set(NAN if reachability is None else float(reachability == "public"))
 
 
 def _number(value: Any) -> float | None:

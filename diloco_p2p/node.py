@@ -297,6 +297,7 @@ class Node:
         if self.metrics:
             self.metrics.observe_round(record.as_dict())
             self.metrics.set_dht_peers(self.sync.dht_peers())
+            self.metrics.set_reachability(self.sync.reachability)
         self.sync.after_round(self.state(), record)
         self._log_round(record)
         return record

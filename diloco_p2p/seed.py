@@ -6,6 +6,9 @@ others pass as ``--initial-peers``. It stores DHT records for any run id, like e
 node; it does not need to know the runs. Operators' notes (ports, NAT, announce addresses,
 identity backup, systemd) are in ``bootstrap/README.md``.
 
+It also answers the dial-back probes with which a starting node learns whether it can be
+dialled or sits behind NAT (`diloco_p2p.swarm.reach`), so the seed itself must be public.
+
 It runs until SIGTERM or SIGINT, then shuts the DHT (and its p2pd) down and returns 0. If the
 DHT process dies under it, it returns 1 so a supervisor (systemd ``Restart=on-failure``)
 restarts it.
@@ -24,6 +27,8 @@ from typing import Any
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.errors import UserError
 from diloco_p2p.swarm.dht import dht_peer_count, start_dht, visible_maddrs
+from diloco_p2p.swarm.reach import ReachServer
+from diloco_p2p.swarm.runner import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +70,11 @@ def run_seed(
     dht = start_dht(cfg, Path(identity_path) if identity_path is not None else None)
     stop = stop_event or threading.Event()
     previous = _install_stop_handlers(stop)
-    metrics = None
+    metrics = loop = None
     try:
+        loop = BackgroundLoop("seed-reach")
+        reach = ReachServer(loop.run(dht.replicate_p2p(), timeout=30))
+        loop.run(reach.start(), timeout=30)
         addrs = visible_maddrs(dht)
         for a in addrs:
             print(a, flush=True)
@@ -92,6 +100,8 @@ def run_seed(
         _restore_handlers(previous)
         if metrics is not None:
             metrics.shutdown()
+        if loop is not None:
+            loop.close()
         dht.shutdown()
 
 

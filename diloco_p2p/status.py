@@ -10,6 +10,10 @@ Below the table come the peers the nodes refuse (`excluded` in their records: fo
 peers a closed run has not admitted, states nobody vouches for; `diloco_p2p.swarm.guard`), with
 how many nodes refuse each, and entries status itself found forged (signed by another peer than
 the one they name). In JSON, each node's row carries its `excluded` map.
+
+REACH says whether other peers can dial the node (`public`) or it sits behind NAT (`private`,
+`diloco_p2p.swarm.reach`); a swarm with too few public nodes for its private ones gets a
+``WARNING`` line under the table (and, in JSON, `swarm_warning` in the first row).
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ from diloco_p2p.config import P2PConfig
 from diloco_p2p.errors import UserError
 from diloco_p2p.logs import short_peer
 from diloco_p2p.swarm.dht import start_dht
+from diloco_p2p.swarm.reach import PRIVATE, shortage
 from diloco_p2p.swarm.records import ProgressRecord, read_progress
 from diloco_p2p.swarm.resync import majority, round_majorities
 
 # A client needs no reachable address; listening on loopback only exposes nothing.
 CLIENT_HOST_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
-COLUMNS = ("PEER", "ROUND", "TOKENS/S", "TRAIN_LOSS", "EVAL_LOSS", "LAST_SEEN", "HASH_AGREES", "STATUS")
+COLUMNS = ("PEER", "ROUND", "TOKENS/S", "TRAIN_LOSS", "EVAL_LOSS", "LAST_SEEN", "HASH_AGREES", "STATUS", "REACH")
 
 
 def run_status(
@@ -52,7 +57,8 @@ def run_status(
     except UserError as e:
         print(f"error: {e}", file=err)
         return e.exit_code
-    print(json.dumps(rows, indent=2) if as_json else format_table(rows) + format_excluded(rows), file=out)
+    table = format_table(rows) + format_excluded(rows) + format_warning(rows)
+    print(json.dumps(rows, indent=2) if as_json else table, file=out)
     return 0
 
 
@@ -114,8 +120,13 @@ def status_rows(
                 "resyncs": r.resyncs,
                 "version": r.version,
                 "excluded": dict(r.excluded or {}),
+                "reachability": r.reachability or "public",
             }
         )
+    private = sum(r.reachability == PRIVATE for r in records.values())
+    warning = shortage(len(records) - private, private)
+    if warning and rows:
+        rows[0]["swarm_warning"] = warning
     if seen_forged:  # status's own finding, in the first row so JSON stays a list of nodes
         rows[0]["status_saw_forged"] = dict(seen_forged)
     return rows
@@ -140,6 +151,12 @@ def format_excluded(rows: list[dict[str, Any]]) -> str:
     return "\n\nEXCLUDED PEERS\n" + "\n".join(lines)
 
 
+def format_warning(rows: list[dict[str, Any]]) -> str:
+    """The footer line for a swarm with too few public nodes (empty otherwise)."""
+    warning = rows[0].get("swarm_warning") if rows else None
+    return f"\n\nWARNING: {warning}" if warning else ""
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     cells = [COLUMNS] + [
         (
@@ -151,6 +168,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{row['last_seen_s']:.0f}s",
             "yes" if row["hash_agrees"] else "no",
             row["status"],
+            row.get("reachability", "public"),
         )
         for row in rows
     ]

@@ -8,6 +8,13 @@ uplink looks like to the swarm. `cut(i)` / `heal(i)` take a host's link down and
 partition with the process still running, unlike SIGSTOP (the kernel keeps answering TCP for
 a stopped process; a cut link answers nothing).
 
+`private=(i, ...)` puts those hosts behind NAT, each behind its own home router: the router's
+namespace holds the host's address on the bridge (``10.231.0.<i+1>``, its "public" address) and
+a LAN ``192.168.<i+1>.0/24`` towards the host (``.2``); it masquerades the host's outbound
+connections (iptables MASQUERADE) and drops every connection that starts outside. So the host
+can dial anyone and nobody can dial it, as behind a home router without port forwarding. The
+link shaping then applies to the router's uplink. `nat_available()` says whether iptables works.
+
 Needs root and iproute2 (`ip`, `tc`); `available()` says whether this machine has them. Every
 namespace is deleted on exit (deleting a namespace removes its interfaces and qdiscs), also
 after a failed test; namespaces left by a test process that was killed outright (their names
@@ -35,6 +42,17 @@ def available() -> bool:
     return made
 
 
+def nat_available() -> bool:
+    """Whether NAT hosts can be built here: namespaces, and iptables (Debian's `iptables` package)."""
+    return available() and shutil.which("iptables") is not None
+
+
+def _run(*args: str) -> None:
+    result = subprocess.run(list(args), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: {result.stderr.strip()}")
+
+
 def _ip(*args: str) -> None:
     result = subprocess.run(["ip", *args], capture_output=True, text=True)
     if result.returncode != 0:
@@ -55,8 +73,9 @@ def _tc(ns: str, dev: str, rate_mbit: float) -> None:
 @dataclass(frozen=True)
 class Host:
     ns: str
-    ip: str
-    hub_port: str  # the bridge port in the hub namespace that leads to this host
+    ip: str  # the address the host itself holds (behind NAT: its LAN address)
+    hub_port: str  # the bridge port in the hub namespace that leads to this host (or its router)
+    public_ip: str | None = None  # behind NAT: its router's address, what others see; None: `ip` itself
 
     def prefix(self) -> list[str]:
         """Prepend to a command to run it on this host (`ip netns exec` keeps the pid: signals reach it)."""
@@ -70,15 +89,15 @@ def _remove_orphans() -> None:
     """Delete namespaces of ours whose test process is gone."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for name in (line.split()[0] for line in listing.splitlines() if line.strip()):
-        m = re.fullmatch(r"dlp(\d+)-\w+", name)
+        m = re.fullmatch(r"(?:dlp|nt)(\d+)-\w+", name)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 class Hosts:
-    def __init__(self, n: int, rate_mbit: float | None = None):
+    def __init__(self, n: int, rate_mbit: float | None = None, private: tuple[int, ...] = (), tag: str = "dlp"):
         _remove_orphans()
-        self.tag = f"dlp{os.getpid()}"
+        self.tag = f"{tag}{os.getpid()}"
         self.hub = f"{self.tag}-hub"
         self.hosts: list[Host] = []
         self._namespaces: list[str] = []
@@ -87,17 +106,22 @@ class Hosts:
             _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.hub, "link", "set", "br0", "up")
             for i in range(n):
-                host = Host(ns=f"{self.tag}-h{i}", ip=f"{SUBNET}.{i + 1}", hub_port=f"p{i}")
-                self._add_ns(host.ns)
-                _ip("link", "add", "eth0", "netns", host.ns, "type", "veth", "peer", "name", host.hub_port,
-                    "netns", self.hub)
-                _ip("-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
-                _ip("-n", host.ns, "link", "set", "eth0", "up")
-                _ip("-n", self.hub, "link", "set", host.hub_port, "master", "br0")
-                _ip("-n", self.hub, "link", "set", host.hub_port, "up")
+                uplink = f"{self.tag}-r{i}" if i in private else f"{self.tag}-h{i}"
+                self._add_ns(uplink)
+                _ip("link", "add", "eth0", "netns", uplink, "type", "veth", "peer", "name", f"p{i}", "netns", self.hub)
+                _ip("-n", uplink, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "eth0")
+                _ip("-n", uplink, "link", "set", "eth0", "up")
+                _ip("-n", self.hub, "link", "set", f"p{i}", "master", "br0")
+                _ip("-n", self.hub, "link", "set", f"p{i}", "up")
                 if rate_mbit is not None:
-                    _tc(host.ns, "eth0", rate_mbit)
-                    _tc(self.hub, host.hub_port, rate_mbit)
+                    _tc(uplink, "eth0", rate_mbit)
+                    _tc(self.hub, f"p{i}", rate_mbit)
+                if i in private:
+                    host = Host(f"{self.tag}-h{i}", f"192.168.{i + 1}.2", f"p{i}", public_ip=f"{SUBNET}.{i + 1}")
+                    self._add_ns(host.ns)
+                    self._nat(uplink, host, i)
+                else:
+                    host = Host(uplink, f"{SUBNET}.{i + 1}", f"p{i}")
                 self.hosts.append(host)
         except BaseException:
             self.close()
@@ -107,6 +131,25 @@ class Hosts:
         _ip("netns", "add", ns)
         self._namespaces.append(ns)
         _ip("-n", ns, "link", "set", "lo", "up")
+
+    def _nat(self, router: str, host: Host, i: int) -> None:
+        """Put `host` on a LAN behind `router`, which masquerades its outbound connections and
+        drops every connection that starts on the outside (no port forwarding)."""
+        _ip("link", "add", "eth0", "netns", host.ns, "type", "veth", "peer", "name", "lan0", "netns", router)
+        _ip("-n", router, "addr", "add", f"192.168.{i + 1}.1/24", "dev", "lan0")
+        _ip("-n", router, "link", "set", "lan0", "up")
+        _ip("-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
+        _ip("-n", host.ns, "link", "set", "eth0", "up")
+        _ip("-n", host.ns, "route", "add", "default", "via", f"192.168.{i + 1}.1")
+        ex = ["ip", "netns", "exec", router]
+        _run(*ex, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        _run(*ex, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE")
+        _run(*ex, "iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-m", "conntrack", "--ctstate",
+             "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _run(*ex, "iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-j", "DROP")
+        _run(*ex, "iptables", "-A", "INPUT", "-i", "eth0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+             "-j", "ACCEPT")
+        _run(*ex, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "DROP")
 
     def __getitem__(self, i: int) -> Host:
         return self.hosts[i]

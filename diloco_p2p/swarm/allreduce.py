@@ -9,7 +9,7 @@ hash each round). Here the reducer of a part quantizes the averaged part once an
 those bytes to every member; every member, the reducer included, uses the dequantized values.
 We keep hivemind's transport (p2pd streams, NAT traversal, peer ids) and write only the protocol.
 
-This module is long (about 600 lines, a sixth of it this description) because the sender and the
+This module is long (about 750 lines, a sixth of it this description) because the sender and the
 receiver sides of one protocol read best side by side; its pure parts (the commit rule, the
 reduce) already live in `allreduce_state.py` and `wire.py`.
 
@@ -90,6 +90,22 @@ Robust aggregation and reducer checks (`diloco_p2p.swarm.aggregate`, `robust=`):
   `allreduce_state.conclude` drops a part whose digests differ among the masks heard, or whose
   average's norm exceeds what its contributors' stated norms allow, on every member alike, and
   names its reducer (``AllreduceResult.reducers``).
+
+Private members (behind NAT; `diloco_p2p.swarm.reach` finds out, matchmaking tells every member
+who is who: ``public[j]``). Such a member can open streams but not accept connections. libp2p
+opens a stream on any existing connection in either direction, so a public member reaches a
+private one over the connection the private member opened (verified through real NAT,
+`tests/integration/test_nat.py`); two private members have no path to each other. Hence:
+the partition gives parts to public members only (`wire.partition_among`: deterministic, so θ
+stays bit-identical; a private member's part is empty and counts as gathered by everyone); a
+private member scatters to the public reducers and receives their gathered parts over its own
+connections, and is pinged only once it has been heard (before that no connection exists).
+Masks: a private member sends its mask to the public members only; a public member first waits
+(until t0+0.85T) for the masks of the private members it heard and ANDs them into its own mask,
+then sends that to everyone, so every member ends with the AND of all masks although private
+members never talk to each other (no relay needed). Cost with P public members of k: a public
+member sends (P-1)·n/P in the scatter and (k-1)·n/P in the gather, (k+P-2)/P·n values each way
+(P = k: the 2(k-1)/k·n above); a private member sends and receives n (`benchmarks/nat.py`).
 
 Where later schemes plug in (keep these properties when changing this module):
 
@@ -219,12 +235,14 @@ class AllreduceService:
         on_phase: PhaseHook | None = None,
         on_scattered: Callable[[], object] | None = None,
         part_hook: PartHook | None = None,
+        public: list[bool] | None = None,
     ) -> AllreduceResult:
         """Weighted average of `tensor` over `peers` (this peer included, same order on all members).
 
         `part_hook` (a level of `diloco_p2p.swarm.hierarchy`): our part is reduced whole, then
         ``await part_hook(values, total_weight)`` gives what we gather instead: ``(values,
-        compression)``, or None (the part is lost)."""
+        compression)``, or None (the part is lost). `public[j]`: whether member j can be dialled
+        (None: all can); see "Private members" (not for sparse wires: their all-gather needs everyone)."""
         allgather.check_args(compression, density, part_hook, robust.aggregation)
         if tensor.dim() != 1 or tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             raise ValueError("allreduce expects a flat float32 CPU tensor")
@@ -246,7 +264,8 @@ class AllreduceService:
         if s is None or s.started.is_set():
             raise ValueError(f"group_id {group_id!r} was already used on this peer")
         me, n = names.index(own), tensor.numel()
-        s.start(list(peers), me, n, compression, self.chunk_elements, loop.time(), timeout)
+        s.start(list(peers), me, n, compression, self.chunk_elements, loop.time(), timeout,
+                None if compression in wire.SPARSE else public)
         s.part_hook, s.robust = part_hook, robust
         if compression in wire.SPARSE:  # topk2 keeping `density` of the values: `allgather` on this session
             return await allgather.run(self, s, tensor, float(weight), density, max_weight_ratio, on_phase, on_scattered)
@@ -260,23 +279,19 @@ class AllreduceService:
             reducer = self._spawn(self._pipeline(s, max_weight_ratio, on_phase, started, tasks))
             tasks.append(reducer)
             if on_phase is not None or on_scattered is not None:
-                await asyncio.wait(scatter_tasks, timeout=max(s.d_scatter - loop.time(), 0.0))
+                if scatter_tasks:  # none when we are the only public member
+                    await asyncio.wait(scatter_tasks, timeout=max(s.d_scatter - loop.time(), 0.0))
                 await _phase(on_phase, "scattered")
                 if on_scattered is not None:
                     on_scattered()
             await reducer  # our part reduced, its gather sent or on its way (a hook's exception surfaces here)
             s.mark("reduced", started)
-            await self._wait(s, lambda: s.pending(s.gathered, only_heard=True), s.d_gather)
+            heard = s.public[s.me]  # a private member has heard nobody yet: it waits for every public reducer
+            await self._wait(s, lambda: s.pending(s.gathered, only_heard=heard), s.d_gather)
             s.mark("gathered", started)
             await _phase(on_phase, "gathered")
 
-            s.mask_fixed = True
-            s.masks[s.me] = [int(p in s.gathered and not s.gathered[p]["empty"]) for p in range(s.k)]
-            s.mask_lists[s.me] = ([s.part_digests.get(p) if held else None for p, held in enumerate(s.masks[s.me])],
-                                  s.own_norms)
-            mask = s.header("mask", mask=s.masks[s.me], part_digests=s.mask_lists[s.me][0], norms=s.own_norms)
-            tasks += [self._spawn(self._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone]
-            await self._wait(s, lambda: s.pending(s.masks, only_heard=True), s.d_end)
+            await self._agree(s, tasks, heard)
             result = conclude(s, time.perf_counter() - started)
             clean = True
             return result
@@ -284,6 +299,32 @@ class AllreduceService:
             s.finish(loop.time())
             for task in scatter_tasks if clean else tasks:
                 task.cancel()  # gather/mask sends of a clean run finish in the background by d_end
+
+    async def _agree(self, s: Session, tasks: list[asyncio.Task], heard: bool) -> None:
+        """Step 5: send our mask (with our part digests and norms) and wait for the others'."""
+        s.mask_fixed = True
+        s.masks[s.me] = await self._relay_masks(s)
+        s.mask_lists[s.me] = ([s.part_digests.get(p) if held else None for p, held in enumerate(s.masks[s.me])],
+                              s.own_norms)
+        mask = s.header("mask", mask=s.masks[s.me], part_digests=s.mask_lists[s.me][0], norms=s.own_norms)
+        tasks += [self._spawn(self._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone - s.silent]
+        await self._wait(s, lambda: s.pending(s.masks, only_heard=heard), s.d_end)
+
+    async def _relay_masks(self, s: Session) -> list[int]:
+        """The mask we send: the parts we hold. A public member first waits (until `d_relay`) for
+        the masks of the private members it heard from and ANDs them into its own: two private
+        members cannot reach each other, so the public members carry their masks. A private mask
+        that comes later is refused (`_recv_mask`): no other member could count it either."""
+        own = [int(p in s.gathered and not s.gathered[p]["empty"]) for p in range(s.k)]
+        if s.public[s.me] and not all(s.public):
+            await self._wait(s, lambda: [j for j in s.pending(s.masks, True) if not s.public[j]], s.d_relay)
+            for j, mask in list(s.masks.items()):
+                if not s.public[j] and j not in s.excluded:  # a part it got other bytes of is dropped too
+                    digests = s.mask_lists.get(j, ([None] * s.k, None))[0]
+                    own = [int(a and b and d in (None, s.part_digests.get(p, d)))
+                           for p, (a, b, d) in enumerate(zip(own, mask, digests, strict=True))]
+        s.mask_sent = True
+        return own
 
     def _scatter(self, s: Session, tensor: torch.Tensor, weight: float) -> list[asyncio.Task]:
         # A sender whose vector is non-finite anywhere says so, and every reducer drops it, not just the
@@ -293,6 +334,8 @@ class AllreduceService:
         s.own_norms = [aggregate.stated(x) for x in norms]
         s.norms[s.me] = s.own_norms[s.me]
         for j in s.others:
+            if not s.public[j]:
+                continue  # a private member reduces no part
             lo, hi = s.bounds[j]
             fields = {"part": j, "n": s.n, "numel": hi - lo, "chunk": s.chunk, "comp": s.compression}
             header = s.header("scatter", **fields, weight=weight, finite=finite, norm=s.own_norms[j])
@@ -319,6 +362,8 @@ class AllreduceService:
         queued (`s.out`) for the gather streams at once. The contributors are fixed first, from the
         scatter headers; if one of them then fails mid-part, the streamed gather ends void and the
         part is reduced again, whole, over the complete contributions (`s.fallback`)."""
+        if not s.public[s.me]:  # a private member reduces no part: its empty part counts as gathered
+            return await _reduced_nothing(s, on_phase)
         await self._wait(s, lambda: s.pending(s.contribs.keys() | s.rejected.keys(), False), s.d_scatter)
         s.reduced = True  # from here on, scatter headers are late
         s.mark("scattered", started)
@@ -440,7 +485,7 @@ class AllreduceService:
         loop = asyncio.get_running_loop()
         while pending() and loop.time() < deadline:
             await s.wait_until(lambda: not pending(), min(deadline, loop.time() + self.probe_interval))
-            for j in set(pending()) - s.probing:
+            for j in set(pending()) - s.probing - {j for j in s.others if not s.public[j] and j not in s.heard}:
                 s.probing.add(j)
                 ping = self._send(
                     s, j, s.header("ping"), [], min(deadline, loop.time() + self.probe_interval)
@@ -643,7 +688,8 @@ class AllreduceService:
     async def _recv_mask(self, s: Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
         if len(h["mask"]) != s.k:
             s.excluded.add(j)
-        accepted = len(h["mask"]) == s.k and j not in s.masks and not s.finished
+        late = s.mask_sent and not s.public[j]  # a private mask after ours left: see `_relay_masks`
+        accepted = len(h["mask"]) == s.k and j not in s.masks and not s.finished and not late
         writer.write(GO if accepted else NO_GO)
         if accepted:
             s.masks[j] = h["mask"]
@@ -688,6 +734,11 @@ def _encoded_chunks(part: torch.Tensor, chunk: int, compression: str) -> Iterabl
     """Encode lazily, one chunk per frame, so a send holds one chunk in memory at a time."""
     for a, b in wire.chunk_ranges(part.numel(), chunk):
         yield wire.encode(part[a:b], compression)
+
+
+async def _reduced_nothing(s: Session, on_phase: PhaseHook | None) -> None:
+    s.reduced = True
+    await _phase(on_phase, "reduced")
 
 
 async def _phase(hook: PhaseHook | None, name: str) -> None:

@@ -24,6 +24,7 @@ log = logging.getLogger("diloco_p2p.swarm.allreduce")
 
 SCATTER_FRACTION = 0.4
 GATHER_FRACTION = 0.7
+RELAY_FRACTION = 0.85  # a public member waits for the private members' masks until here (allreduce.py)
 
 
 @dataclass
@@ -54,18 +55,26 @@ class Session:
         self.finished, self.finished_at = False, 0.0
 
     def start(
-        self, peer_ids: list[PeerID], me: int, n: int, compression: str, chunk: int, t0: float, T: float
+        self, peer_ids: list[PeerID], me: int, n: int, compression: str, chunk: int, t0: float, T: float,
+        public: list[bool] | None = None,
     ):
         self.peer_ids, self.names = peer_ids, [p.to_base58() for p in peer_ids]
         self.me, self.k, self.n = me, len(peer_ids), n
         self.index = {name: i for i, name in enumerate(self.names)}
         self.others = [j for j in range(self.k) if j != me]
-        self.bounds = wire.partition(n, self.k)
+        # Members that cannot be dialled (NAT, `diloco_p2p.swarm.reach`) reduce no part; two of
+        # them never talk to each other (`silent`). Their empty parts count as gathered by all.
+        if public is not None and len(public) != self.k:
+            raise ValueError("public must flag every member")
+        self.public = list(public) if public is not None and any(public) else [True] * self.k
+        self.bounds = wire.partition_among(n, self.public)
+        self.silent = {j for j in self.others if not (self.public[me] or self.public[j])}
         self.compression, self.chunk = compression, chunk
         self.digest = wire.peers_digest(self.names)
-        self.d_scatter, self.d_gather, self.d_end = (
+        self.d_scatter, self.d_gather, self.d_relay, self.d_end = (
             t0 + SCATTER_FRACTION * T,
             t0 + GATHER_FRACTION * T,
+            t0 + RELAY_FRACTION * T,
             t0 + T,
         )
         self.result: torch.Tensor | None = torch.zeros(n, dtype=torch.float32)
@@ -77,14 +86,17 @@ class Session:
         self.out_final: bytes | None = None  # the streamed gather's trailer (ok/void), when it is decided
         self.fallback: tuple[dict[str, Any], list[bytes]] | None = None  # our part reduced again, whole
         self.rejected: dict[int, str] = {}  # reasons for contributions to *our* part
-        self.gathered: dict[int, dict[str, Any]] = {}  # part -> its (validated, complete) gather header
+        self.gathered: dict[int, dict[str, Any]] = {  # part -> its (validated, complete) gather header
+            j: {"empty": False, "stream": False, "contributors": [], "rejected": {}}
+            for j in range(self.k) if not self.public[j]
+        }
         self.masks: dict[int, list[int]] = {}
         self.mask_digests: dict[int, list[str]] = {}  # sparse all-gather: digests of the contributions held
         self.heard: set[int] = set()
         self.probing: set[int] = set()
         self.gone: set[int] = set()
         self.excluded: set[int] = set()  # sent us a message that contradicts our view (sizes, group, format)
-        self.reduced = self.mask_fixed = False
+        self.reduced = self.mask_fixed = self.mask_sent = False
         self.part_hook: Any = None  # `AllreduceService.allreduce(part_hook=...)`: a hierarchy's next level
         self.bytes_sent = self.bytes_received = 0
         self.phases: dict[str, float] = {}
@@ -104,7 +116,7 @@ class Session:
 
     def pending(self, done: Iterable[int], only_heard: bool) -> list[int]:
         """Live members still expected to deliver what `done` is keyed by."""
-        skip = self.gone | self.excluded | set(done)
+        skip = self.gone | self.excluded | self.silent | set(done)
         return [j for j in self.others if j not in skip and (j in self.heard or not only_heard)]
 
     async def notify(self) -> None:

@@ -35,6 +35,13 @@ class Group:
     weights: dict[str, float] | None = None  # base58 peer id -> weight the member announced
     leader: PeerID | None = None
     speeds: dict[str, float] | None = None  # base58 peer id -> its compute speed (tokens/s), for DyLU
+    public: dict[str, bool] | None = None  # base58 peer id -> whether it can be dialled (None: all can)
+
+    def public_flags(self) -> list[bool] | None:
+        """`public` in member order, for the all-reduce (None when every member is public)."""
+        if not self.public or all(self.public.values()):
+            return None
+        return [self.public.get(p.to_base58(), True) for p in self.peers]
 
     @property
     def size(self) -> int:
@@ -57,6 +64,7 @@ class Entry:
     t: float
     w: float
     done: str | None
+    pub: bool = True  # whether it can be dialled; a private peer never leads (`Session.best_candidate`)
 
 
 @dataclass
@@ -65,6 +73,7 @@ class Epoch:
 
     members: dict[str, tuple[float, int]]  # peer -> (weight, token of the stream that joined it)
     speeds: dict[str, float] = field(default_factory=dict)  # peer -> announced speed (tokens/s of compute)
+    public: dict[str, bool] = field(default_factory=dict)  # peer -> whether it can be dialled
     answer: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     close_reason: str | None = None  # "full", "complete" or "expired" once closed with a group
 
@@ -87,6 +96,7 @@ class Session:
     # once all of them are members there is no one left to wait for.
     expected: frozenset[str] = frozenset()
     speed: float = 0.0  # our tokens per second of compute this round (0: not measured)
+    public: bool = True  # whether others can dial us (`diloco_p2p.swarm.reach`)
 
     @property
     def close_at(self) -> float:
@@ -97,7 +107,8 @@ class Session:
         return self.t + self.timeout + self.request_timeout
 
     def lead(self) -> Epoch:
-        self.epoch, self.following = Epoch({self.me: (self.weight, 0)}, {self.me: self.speed}), None
+        self.epoch = Epoch({self.me: (self.weight, 0)}, {self.me: self.speed}, {self.me: self.public})
+        self.following = None
         return self.epoch
 
     def follow(self, leader: str, leader_t: float) -> None:
@@ -107,13 +118,19 @@ class Session:
         self.epoch, self.following = None, (leader, leader_t)
 
     def best_candidate(self, view: dict[str, Entry], excluded: set[str]) -> Entry | None:
-        """The live registration that precedes us in (t, peer id), or None if we are the best."""
+        """The live registration that precedes us in (t, peer id), or None if we are the best.
+        Only public peers lead (a private one cannot be dialled): they are the candidates, and a
+        private node follows the first of them whatever its own t (it never leads, so no loop)."""
         best: Entry | None = None
         for e in view.values():
-            if e.done is None and e.peer != self.me and e.peer not in excluded:
-                if (e.t, e.peer) < (self.t, self.me) and (best is None or (e.t, e.peer) < (best.t, best.peer)):
+            if e.done is None and e.pub and e.peer != self.me and e.peer not in excluded:
+                if self.precedes(e.t, e.peer) and (best is None or (e.t, e.peer) < (best.t, best.peer)):
                     best = e
         return best
+
+    def precedes(self, t: float, peer: str) -> bool:
+        """Whether we may follow `peer` registered at `t` (a private node may follow anyone)."""
+        return not self.public or (t, peer) < (self.t, self.me)
 
     def closing_reason(self, epoch: Epoch) -> str | None:
         """Why the open group we lead should close now: ``full`` (target reached), ``complete``
@@ -140,6 +157,7 @@ class Session:
             "s": "group", "id": digest, "leader": self.me, "why": reason, "peers": peers,
             "w": {p: epoch.members[p][0] for p in peers},
             "sp": {p: epoch.speeds.get(p, 0.0) for p in peers},
+            "pub": {p: epoch.public.get(p, True) for p in peers},
         })
 
     def final(self, answer: dict[str, Any], *, own: bool) -> Final | None:
@@ -172,8 +190,11 @@ class Session:
         speeds = answer.get("sp")
         speeds = ({p: float(v) for p, v in speeds.items()} if isinstance(speeds, dict) and set(speeds) == set(peers)
                   and all(valid_weight(v) for v in speeds.values()) else None)  # optional: absent = unknown
+        public = answer.get("pub")  # optional: absent = every member public
+        public = (dict(public) if isinstance(public, dict) and set(public) == set(peers)
+                  and all(isinstance(v, bool) for v in public.values()) else None)
         group = Group(group_id, peer_ids, peers.index(self.me), {p: float(w) for p, w in weights.items()}, leader_id,
-                      speeds)
+                      speeds, public)
         return Final(group, GROUP, why if why in ("full", "complete", "expired") else None)
 
     def rejects(self, request: dict[str, Any], follower: str) -> bool:
@@ -211,5 +232,5 @@ def parse_view(result: Any) -> dict[str, Entry]:
             continue
         t, w, done = value.get("t"), value.get("w"), value.get("done")
         if finite_number(t) and valid_weight(w) and (done is None or isinstance(done, str)):
-            view[peer] = Entry(peer, float(t), float(w), done)
+            view[peer] = Entry(peer, float(t), float(w), done, value.get("pub") is not False)
     return view

@@ -151,9 +151,12 @@ async def average(
     butterfly_max: int, timeout: float = 60.0, **kwargs: Any,
 ) -> AllreduceResult:
     """The round's all-reduce: one butterfly up to `butterfly_max` members, else the grid. Sparse
-    compressions (an all-gather, not a reduce) always run as one butterfly call."""
+    compressions (an all-gather, not a reduce) always run as one butterfly call, and so does a
+    membership with members behind NAT (``public``, `diloco_p2p.swarm.reach`): the grid's rows
+    would each need a public reducer per part, which it does not arrange yet."""
     sparse = kwargs.get("compression") in getattr(wire, "SPARSE", ())
-    if sparse or rows_for(len(peers), butterfly_max) == 1:
+    nat = kwargs.get("public") is not None and not all(kwargs["public"])
+    if sparse or nat or rows_for(len(peers), butterfly_max) == 1:
         return await service.allreduce(group_id, peers, tensor, weight, timeout=timeout, **kwargs)
     return await hierarchical_allreduce(service, group_id, peers, tensor, weight, butterfly_max=butterfly_max,
                                         timeout=timeout, **kwargs)

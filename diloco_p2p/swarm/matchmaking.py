@@ -159,8 +159,8 @@ async def _send_last(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 class Matchmaker:
     """Forms one group per round over the DHT and P2P streams; see the module docstring."""
 
-    def __init__(self, dht: hivemind.DHT, p2p: P2P, *, run_id: str):
-        self.dht, self.p2p, self.run_id = dht, p2p, run_id
+    def __init__(self, dht: hivemind.DHT, p2p: P2P, *, run_id: str, public: bool = True):
+        self.dht, self.p2p, self.run_id, self.public = dht, p2p, run_id, public
         self.me = p2p.peer_id.to_base58()
         self.protocol = f"/diloco-p2p/{run_id}/matchmaking/{PROTOCOL_VERSION}"
         self.last_outcome: str | None = None
@@ -234,10 +234,9 @@ class Matchmaker:
             raise RuntimeError(f"form_group for {key} is already running")
         session = Session(
             key=key, round=int(round), params_hash=params_hash, me=self.me, t=get_dht_time(),
-            weight=float(weight), min_size=min_group_size, target=target_group_size,
-            timeout=timeout, request_timeout=request_timeout, expected=frozenset(expected) - {self.me},
-            speed=float(speed) if valid_weight(speed) else 0.0,
-        )
+            weight=float(weight), min_size=min_group_size, target=target_group_size, timeout=timeout,
+            request_timeout=request_timeout, expected=frozenset(expected) - {self.me},
+            speed=float(speed) if valid_weight(speed) else 0.0, public=self.public)
         session.lead()  # serve join requests from the start: they may arrive before our first read
         self._sessions[key] = session
         final = Final(None, TIMEOUT)
@@ -296,7 +295,7 @@ class Matchmaker:
                     isinstance(outcome, Redirect)
                     and outcome.to not in excluded
                     and outcome.to != self.me
-                    and (outcome.t, outcome.to) < (session.t, self.me)
+                    and session.precedes(outcome.t, outcome.to)
                 ):
                     target = Entry(outcome.to, outcome.t, 0.0, None)
                     session.follow(outcome.to, outcome.t)
@@ -348,7 +347,7 @@ class Matchmaker:
             )
             await _send_frame(writer, {
                 "v": PROTOCOL_VERSION, "key": session.key, "h": session.params_hash,
-                "t": session.t, "w": session.weight, "hb": rt / 3, "sp": session.speed,
+                "t": session.t, "w": session.weight, "hb": rt / 3, "sp": session.speed, "pub": session.public,
             })
             while True:
                 remaining = session.deadline - get_dht_time()
@@ -429,6 +428,7 @@ class Matchmaker:
         token = next(self._tokens)
         epoch.members[follower] = (float(request["w"]), token)
         epoch.speeds[follower] = float(request["sp"]) if valid_weight(request.get("sp")) else 0.0
+        epoch.public[follower] = request.get("pub") is not False
         gone = asyncio.ensure_future(reader.read(1))  # EOF (or anything) = the follower left
         try:
             await _send_frame(writer, {"s": "wait"})
@@ -470,7 +470,7 @@ class Matchmaker:
     # ------------------------------------------------------------ DHT
 
     async def _register(self, session: Session) -> None:
-        value = {"t": session.t, "w": session.weight}
+        value = {"t": session.t, "w": session.weight, "pub": session.public}
         ok = await self._dht_call(
             self.dht.store, session.key, value, self._expiration(session), subkey=self.me,
             timeout=session.request_timeout,
@@ -479,7 +479,7 @@ class Matchmaker:
             logger.warning("%s: could not register for matchmaking in the DHT; others may not find us", session.key)
 
     async def _withdraw(self, session: Session, reason: str) -> None:
-        value = {"t": session.t, "w": session.weight, "done": reason}
+        value = {"t": session.t, "w": session.weight, "pub": session.public, "done": reason}
         # A later expiration than the registration's: hivemind keeps the newest value of a subkey.
         await self._dht_call(
             self.dht.store, session.key, value, self._expiration(session) + 1.0, subkey=self.me,

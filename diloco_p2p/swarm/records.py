@@ -74,6 +74,8 @@ class ProgressRecord(pydantic.BaseModel):
     excluded: Optional[dict[PeerB58, Literal[REJECTION_REASONS]]] = None  # type: ignore[valid-type]
     # A closed run's admission token for this peer (`diloco_p2p.swarm.admission`).
     admission_token: Optional[pydantic.constr(strict=True, max_length=4096)] = None
+    # Whether other peers can dial this node (`diloco_p2p.swarm.reach`); None: an older node, public.
+    reachability: Optional[Literal["public", "private"]] = None
     version: pydantic.constr(strict=True, min_length=1, max_length=64)
     updated: NonNegFloat
 
@@ -102,6 +104,7 @@ class ProgressRecord(pydantic.BaseModel):
         averaged_round: int | None = None,
         excluded: Mapping[str, str] | None = None,
         admission_token: str | None = None,
+        reachability: str | None = None,
         updated: float | None = None,
         version: str = __version__,
     ) -> ProgressRecord:
@@ -129,6 +132,7 @@ class ProgressRecord(pydantic.BaseModel):
             averaged_round=None if averaged_round is None else int(averaged_round),
             excluded=dict(sorted(excluded.items())[:MAX_EXCLUDED]) if excluded else None,
             admission_token=admission_token,
+            reachability=reachability,
             version=version,
             updated=float(get_dht_time() if updated is None else updated),
         )

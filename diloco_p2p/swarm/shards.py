@@ -98,6 +98,7 @@ class ShardSync:
                                faults=faults, max_round=config.train.max_rounds)
         self.peer_id = self.inner.peer_id  # until `attach`: then rank 0's, the node's identity
         self.speeds: dict[str, float] | None = None  # shards may measure differently: no DyLU on N ranks
+        self.reachability = self.inner.reachability
         self.ranks: Ranks | None = None
         self._shard_sha256 = ""
         self.node_progress: ProgressPublisher | None = None

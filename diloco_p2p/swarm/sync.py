@@ -48,6 +48,7 @@ from diloco_p2p.swarm.datashare import DataShare
 from diloco_p2p.swarm.dht import dht_peer_count, start_dht
 from diloco_p2p.swarm.guard import Guard
 from diloco_p2p.swarm.matchmaking import Matchmaker
+from diloco_p2p.swarm.reach import PRIVATE, ReachServer, resolve, shortage
 from diloco_p2p.swarm.records import (
     ProgressRecord,
     progress_validator,
@@ -99,16 +100,23 @@ class SwarmSync:
         self.last_group: frozenset[str] | None = None  # the members we last committed a round with
         run_dir.mkdir(parents=True, exist_ok=True)
         identity = Path(p2p.identity_path) if p2p.identity_path else run_dir / "identity.key"
+        # Behind NAT (nobody can dial us) we join the DHT as a client and reduce no all-reduce part.
+        self.reachability, why = resolve(p2p)
+        self.public = self.reachability != PRIVATE
+        log.info("reachability: %s (%s)%s", self.reachability, why, "" if self.public else
+                 "; averaging through public peers over our own connections, serving no part and no state")
+        self._shortage: str | None = None
         # hivemind forks the DHT process: create it before any thread of ours.
         validators = [progress_validator(run_id), state_validator(run_id)]
-        self.dht = start_dht(p2p, identity, record_validators=validators)
+        self.dht = start_dht(p2p, identity, client_mode=not self.public, record_validators=validators)
         self.loop = BackgroundLoop()
         self.progress: ProgressPublisher | None = None
         try:
             self.p2p = self.loop.run(self.dht.replicate_p2p())
             self.peer_id = self.p2p.peer_id.to_base58()
             self.admission = Admission(cfg.admission, run_id, self.peer_id, self.guard, refresh=self._read_records)
-            self.matchmaker = Matchmaker(self.dht, self.p2p, run_id=run_id)
+            self.matchmaker = Matchmaker(self.dht, self.p2p, run_id=run_id, public=self.public)
+            self.reach = ReachServer(self.p2p) if self.public else None  # dial-back probes of joiners
             self.allreduce = AllreduceService(self.p2p, prefix=run_id)
             self.state_server = StateServer(self.dht, self.p2p, run_id=run_id)
             self.datashare = DataShare(self.dht, self.p2p, self.loop)  # the corpus's shards (`datashare`)
@@ -127,6 +135,8 @@ class SwarmSync:
         await self.allreduce.start()
         await self.state_server.start()
         await self.datashare.start()
+        if self.reach is not None:
+            await self.reach.start()
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -248,6 +258,7 @@ class SwarmSync:
                                   compression=self.cfg.compression, timeout=self.cfg.allreduce_timeout,
                                   max_weight_ratio=self.cfg.max_weight_ratio, robust=robust_of(self.cfg),
                                   density=self.cfg.topk_density,
+                                  public=group.public_flags(),
                                   on_scattered=lambda: self.faults.fire("allreduce", round)),
                 timeout=self.cfg.allreduce_timeout + 30,
             )
@@ -280,6 +291,7 @@ class SwarmSync:
         # Under sync.overlap a peer publishes round `round` while that round's average is still in flight.
         last = round if self.cfg.overlap != "none" else round - 1
         expected = [peer for peer, r in records.items() if peer != self.peer_id and r.round <= last]
+        self._check_public(records)
         computing = time.perf_counter() - self._computing_since if self._computing_since else 0.0
         self._computing_since = None
         # One membership per round, whatever its size: the all-reduce runs in sub-groups past
@@ -288,6 +300,14 @@ class SwarmSync:
                                                 target_group_size=hierarchy.MAX_MEMBERS,
                                                 timeout=self.cfg.matchmaking_timeout, expected=expected,
                                                 speed=weight / computing if computing > 0 else 0.0)
+
+    def _check_public(self, records: dict[str, ProgressRecord]) -> None:
+        """Log (once per change) when the swarm has too few public peers for its private ones."""
+        private = sum(r.reachability == PRIVATE for p, r in records.items() if p != self.peer_id) + (not self.public)
+        message = shortage(len(records | {self.peer_id: None}) - private, private)
+        if message != self._shortage and message is not None:
+            log.warning("%s", message)
+        self._shortage = message
 
     def _keep(self, round: int, delta: torch.Tensor, weight: float, result: AllreduceResult) -> None:
         """Tests (``keep@average``): each round's Δ and the average, to recompute the mean."""
@@ -318,8 +338,9 @@ class SwarmSync:
         self._publish(node, record)
         meta = {"round": node.round, "params_sha256": node.shard_sha256, "config_hash": self.config_hash,
                 "averaged_round": self.averaged_round}
-        self.loop.run(self.state_server.set_state(node.round, pack_state(node.state, meta), node.shard_sha256),
-                      timeout=60)
+        if self.public:  # nobody could dial a private donor
+            self.loop.run(self.state_server.set_state(node.round, pack_state(node.state, meta), node.shard_sha256),
+                          timeout=60)
 
     def dht_peers(self) -> int:
         """DHT peers this node knows (its routing table), for the node's metrics."""
@@ -332,7 +353,8 @@ class SwarmSync:
         self.progress.publish(progress_fields(node, record, peer_id=self.peer_id, params_sha256=node.shard_sha256,
                                               config_hash=self.config_hash, config_view=self.swarm_view,
                                               averaged_round=self.averaged_round, excluded=self.guard.excluded(),
-                                              admission_token=self.admission.token))
+                                              admission_token=self.admission.token,
+                                              reachability=self.reachability))
 
     def close(self) -> None:
         """Withdraw our records and stop serving; bounded so a shutdown never hangs."""
@@ -349,8 +371,8 @@ class SwarmSync:
         """Undo `__init__` as far as it got."""
         if hasattr(self, "peer_id"):
             await withdraw_progress_async(self.dht, self.run_id, self.peer_id)
-        for service in ("datashare", "state_server", "allreduce", "matchmaker"):
-            if hasattr(self, service):
+        for service in ("datashare", "state_server", "allreduce", "matchmaker", "reach"):
+            if getattr(self, service, None) is not None:
                 await getattr(self, service).stop()
         if hasattr(self, "p2p"):
             await self.p2p.shutdown()  # our replica only: the DHT process owns the daemon

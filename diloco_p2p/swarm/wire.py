@@ -69,6 +69,23 @@ def partition(n: int, k: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def partition_among(n: int, reducers: Sequence[bool]) -> list[tuple[int, int]]:
+    """Like `partition(n, sum(reducers))`, but only the members flagged True get a part: member j
+    gets the j-th non-empty part if `reducers[j]`, else an empty part ``(lo, lo)``. A pure function
+    of (n, flags), so every member of a group computes the same bounds; all True equals
+    ``partition(n, len(reducers))``. Used for members that cannot be dialled (NAT): they reduce
+    nothing, and the public members' parts grow to cover the vector."""
+    parts = iter(partition(n, sum(bool(r) for r in reducers)))  # no reducer at all: ValueError
+    bounds, end = [], 0
+    for r in reducers:
+        if r:
+            bounds.append(next(parts))
+            end = bounds[-1][1]
+        else:
+            bounds.append((end, end))
+    return bounds
+
+
 def chunk_ranges(numel: int, chunk_elements: int) -> list[tuple[int, int]]:
     """Offsets (relative to the part) of the chunks a part of `numel` elements is streamed in."""
     return [(a, min(a + chunk_elements, numel)) for a in range(0, numel, chunk_elements)]

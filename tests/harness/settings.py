@@ -13,6 +13,7 @@ TINY = [
 SWARM = TINY + [
     "run_id=swarm-test", "p2p.host_maddrs=['/ip4/127.0.0.1/tcp/0']", "p2p.connect_timeout=20",
     "sync.min_group_size=2", "sync.matchmaking_timeout=6", "sync.allreduce_timeout=8", "sync.state_timeout=16",
+    "p2p.reachability=public",  # loopback: no dial-back probe at start (tests/integration/test_nat.py probes)
 ]
 
 

@@ -151,3 +151,24 @@ def test_nobody_else_shows_up_then_reusing_the_group_id_is_a_bug(swarm):
     assert torch.equal(result.average, torch.zeros(100)) and result.seconds < 0.5 + 0.3
     with pytest.raises(ValueError, match="already used"):
         loop.run(services[0].allreduce("lonely", peers, x, 1.0, timeout=0.5), 10)
+
+
+def test_private_member_reduces_nothing_and_members_still_agree(swarm):
+    """Member 1 flagged private (behind NAT, `swarm.reach`): it reduces no part, the two public
+    members reduce half each, and every member ends with the same bits. Its bytes are n each way,
+    the public ones' (k+P-2)/P·n (allreduce docstring, "Private members")."""
+    loop, services, peers = swarm
+    xs = inputs(seed=3)
+    public = [True, False, True]
+    results = run_group(loop, services, peers, xs, WEIGHTS, compression="fp16", timeout=TIMEOUT, public=public)
+    names = [p.to_base58() for p in peers]
+    for r in results:
+        assert r.status == "ok" and r.committed_parts == [0, 1, 2]
+        assert r.contributors == names and torch.equal(r.average, results[0].average)
+        assert r.part_contributors[1] == []  # the private member's part is empty
+    exact = sum(w * x.double() for w, x in zip(WEIGHTS, xs, strict=True)) / sum(WEIGHTS)
+    assert bool(((results[0].average.double() - exact).abs() <= error_bound(xs, WEIGHTS, exact, "fp16")).all())
+    k, p, per = 3, 2, wire.bytes_per_element("fp16") * N
+    assert 1.0 <= results[1].bytes_sent / per < 1.03 and 1.0 <= results[1].bytes_received / per < 1.03
+    for r in (results[0], results[2]):
+        assert 1.0 <= r.bytes_sent / ((k + p - 2) / p * per) < 1.03

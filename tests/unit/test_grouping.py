@@ -37,6 +37,37 @@ def test_best_candidate_is_the_earliest_live_registration_before_us():
     assert s.best_candidate(tied, set()).peer == PEERS[0]
 
 
+def test_private_peers_never_lead_and_a_private_node_follows_any_public_one():
+    view = {
+        PEERS[0]: Entry(PEERS[0], 9.0, 1.0, None, pub=False),  # earliest live but behind NAT: never a leader
+        PEERS[2]: Entry(PEERS[2], 12.0, 1.0, None),  # public, registered after us
+    }
+    assert _session().best_candidate(view, set()) is None  # public: leads rather than follow a later peer
+    private = _session()
+    private.public = False
+    assert private.best_candidate(view, set()).peer == PEERS[2]  # private: follows the public one
+    assert private.best_candidate(view, {PEERS[2]}) is None  # nobody public left: alone
+    assert parse_view(SimpleNamespace(value={PEERS[0]: SimpleNamespace(value={"t": 1.0, "w": 1.0, "pub": False})}))[
+        PEERS[0]].pub is False
+
+
+def test_the_answer_tells_every_member_who_is_private():
+    async def scenario():
+        leader = _session(me=PEERS[0])
+        epoch = leader.lead()
+        epoch.members.update({PEERS[2]: (3.0, 7), ME: (2.0, 8)})
+        epoch.public[ME] = False
+        leader.close(epoch, "run", "full", now=1.0)
+        return epoch.answer.result()
+
+    answer = asyncio.run(scenario())
+    group = _session().final(answer, own=False).group
+    assert group.public == {PEERS[0]: True, ME: False, PEERS[2]: True}
+    assert group.public_flags() == [True, False, True]  # member order
+    del answer["pub"]  # a leader that does not say: everyone public
+    assert _session().final(answer, own=False).group.public_flags() is None
+
+
 def test_a_closed_group_is_one_answer_every_member_reads_alike():
     async def scenario():
         leader = _session(me=PEERS[0])

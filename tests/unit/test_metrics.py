@@ -108,6 +108,11 @@ def test_unknown_values_are_nan_until_observed():
         assert math.isnan(value(m, name)), name
     m.set_dht_peers(7)
     assert value(m, "diloco_dht_peers") == 7
+    assert math.isnan(value(m, "diloco_reachable"))
+    m.set_reachability("private")
+    assert value(m, "diloco_reachable") == 0
+    m.set_reachability("public")
+    assert value(m, "diloco_reachable") == 1
 
 
 def test_missing_and_none_keys_are_skipped():

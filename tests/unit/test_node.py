@@ -29,6 +29,7 @@ class ScriptedSync:
 
     peer_id = "scripted-peer"
     speeds = None
+    reachability = None
 
     def __init__(self, outcomes=None, resyncs=None, stop: StopRequested | None = None):
         self.outcomes, self.resyncs, self.stop = outcomes or {}, resyncs or {}, stop

@@ -93,6 +93,21 @@ def test_partition_covers_the_vector_in_near_equal_contiguous_parts(n, k):
     assert max(sizes) - min(sizes) <= 1 and sum(sizes) == n
 
 
+@pytest.mark.parametrize("flags", [[True, False, True, False], [False, True], [True] * 3, [False, False, True]])
+def test_partition_among_gives_parts_to_public_members_only(flags):
+    n = 10_001
+    bounds = wire.partition_among(n, flags)
+    assert len(bounds) == len(flags) and bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(bounds[j][1] == bounds[j + 1][0] for j in range(len(flags) - 1))  # contiguous cover
+    assert all((hi > lo) == f for (lo, hi), f in zip(bounds, flags, strict=True))
+    assert [hi - lo for (lo, hi), f in zip(bounds, flags, strict=True) if f] == [
+        hi - lo for lo, hi in wire.partition(n, sum(flags))]
+    if all(flags):
+        assert bounds == wire.partition(n, len(flags))
+    with pytest.raises(ValueError):
+        wire.partition_among(n, [False, False])
+
+
 def test_chunk_ranges_cover_the_part():
     assert wire.chunk_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert wire.chunk_ranges(0, 4) == []
