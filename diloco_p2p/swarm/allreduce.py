@@ -276,7 +276,8 @@ class AllreduceService:
         try:
             tasks += self._scatter(s, tensor, float(weight))
             scatter_tasks = list(tasks)
-            reducer = self._spawn(self._pipeline(s, max_weight_ratio, on_phase, started, tasks))
+            reducer = self._spawn(self._pipeline(s, max_weight_ratio, on_phase, started, tasks) if s.public[s.me]
+                                  else _reduced_nothing(s, on_phase))  # a private member reduces no part
             tasks.append(reducer)
             if on_phase is not None or on_scattered is not None:
                 if scatter_tasks:  # none when we are the only public member
@@ -362,8 +363,6 @@ class AllreduceService:
         queued (`s.out`) for the gather streams at once. The contributors are fixed first, from the
         scatter headers; if one of them then fails mid-part, the streamed gather ends void and the
         part is reduced again, whole, over the complete contributions (`s.fallback`)."""
-        if not s.public[s.me]:  # a private member reduces no part: its empty part counts as gathered
-            return await _reduced_nothing(s, on_phase)
         await self._wait(s, lambda: s.pending(s.contribs.keys() | s.rejected.keys(), False), s.d_scatter)
         s.reduced = True  # from here on, scatter headers are late
         s.mark("scattered", started)
