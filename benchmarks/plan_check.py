@@ -14,6 +14,7 @@ as in `benchmarks/allreduce_wan.py` and `benchmarks/wan.py`, whose machinery thi
   `--round-rate`: predicted vs measured round seconds, given the measured compute of the round
   (the slowest member's inner steps; a planner's user states theirs), and bytes per node.
 - ``curves``: predicted curves to 1,024 nodes (PNG, matplotlib from the `bench` extra).
+- ``report``: every stored measurement again against the current constants (no network).
 
 Results accumulate in benchmarks/results/plan_check.json (one key per stage).
 
@@ -144,7 +145,7 @@ def stage_allreduce(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["calibrate", "allreduce", "rounds", "curves"])
+    parser.add_argument("stage", choices=["calibrate", "allreduce", "rounds", "curves", "report"])
     parser.add_argument("--ks", default=None, help="group sizes, comma-separated (default 2,4,6,8; rounds 2,4,6)")
     parser.add_argument("--comps", default="fp16,int8")
     parser.add_argument("--numel", type=int, default=2_000_000)
@@ -158,8 +159,8 @@ def main() -> None:
     args.ks = [int(k) for k in (args.ks or ("2,4,6" if args.stage == "rounds" else "2,4,6,8")).split(",")]
     args.comps = args.comps.split(",")
     args.rates = [float(r) for r in args.rates.split(",")]
-    if args.stage == "curves":
-        return stage_curves(args)
+    if args.stage in ("curves", "report"):
+        return (stage_curves if args.stage == "curves" else stage_report)(args)
     if not netns.available():
         raise SystemExit("benchmarks/plan_check.py needs root and iproute2 (ip, tc) to make network namespaces")
     {"calibrate": stage_calibrate, "allreduce": stage_allreduce, "rounds": stage_rounds}[args.stage](args)
@@ -197,6 +198,23 @@ def run_rounds(hosts: netns.Hosts, k: int, args, root: Path) -> list[dict]:
         swarm.close()
 
 
+ROUNDS_HEADER = (f"{'k':>2} {'rounds':>6} {'compute s':>9} {'pred s':>9} {'meas s':>9} {'err':>8} {'pred AR':>8} "
+                 f"{'meas AR':>8} {'pred MB':>8} {'meas MB':>8} {'err':>7} {'load':>5}")
+
+
+def predict_round(row: dict, cal: plan.Calibration) -> dict:
+    """The planner's round for a measured row (its compute, k, rate, H), with the % errors; prints it."""
+    inp = replace(_inputs(row["params"], row["rate"], row["comp"], row["k"]),
+                  step_seconds=row["compute"] / row["inner_steps"], inner_steps=row["inner_steps"])
+    p, meas = plan.predict_scheme(inp, row["k"], "butterfly", cal), row["measured"]
+    row = {**row, "predicted": p.as_dict(), "err_seconds": (p.round_seconds - meas["seconds"]) / meas["seconds"],
+           "err_sent": (p.bytes_sent - meas["sent"]) / meas["sent"]}
+    print(f"{row['k']:>2} {row['rounds']:>6} {row['compute']:>9.2f} {_row('s', p.round_seconds, meas['seconds'])} "
+          f"{p.allreduce_seconds:>8.2f} {meas['allreduce']:>8.2f} {_row('MB', p.bytes_sent / 1e6, meas['sent'] / 1e6)} "
+          f"{row['load']:>5.1f}", flush=True)
+    return row
+
+
 def stage_rounds(args) -> None:
     from model_sizes import parameters
 
@@ -204,25 +222,42 @@ def stage_rounds(args) -> None:
     n = parameters(["model.preset=tiny"])
     print(f"training rounds, tiny model ({n:,} parameters), {comp}, H={args.inner_steps}, {args.round_rate:g} Mbit; "
           f"predicted = the slowest member's measured compute + the planner's communication ({cal.source})")
-    print(f"{'k':>2} {'rounds':>6} {'compute s':>9} {'pred s':>9} {'meas s':>9} {'err':>8} {'pred AR':>8} "
-          f"{'meas AR':>8} {'pred MB':>8} {'meas MB':>8} {'err':>7}")
+    print(ROUNDS_HEADER)
     rows = []
     for k in args.ks:
         with netns.Hosts(k + 1, rate_mbit=args.round_rate) as hosts, tempfile.TemporaryDirectory(prefix="pl-") as tmp:
             got = run_rounds(hosts, k, args, Path(tmp))
         assert got, f"no round averaged all {k} nodes"
-        compute = statistics.median(g["compute"] for g in got)
-        inp = replace(_inputs(n, args.round_rate, comp, k), step_seconds=compute / args.inner_steps,
-                      inner_steps=args.inner_steps)
-        p = plan.predict_scheme(inp, k, "butterfly", cal)
         meas = {key: statistics.median(g[key] for g in got) for key in ("seconds", "allreduce", "exposed", "sent")}
-        rows.append({"k": k, "rounds": len(got), "compute": compute, "load": os.getloadavg()[0], "measured": meas, "predicted": p.as_dict(),
-                     "err_seconds": (p.round_seconds - meas["seconds"]) / meas["seconds"],
-                     "err_sent": (p.bytes_sent - meas["sent"]) / meas["sent"]})
-        print(f"{k:>2} {len(got):>6} {compute:>9.2f} {_row('s', p.round_seconds, meas['seconds'])} "
-              f"{p.allreduce_seconds:>8.2f} {meas['allreduce']:>8.2f} {_row('MB', p.bytes_sent / 1e6, meas['sent'] / 1e6)}",
-              flush=True)
+        row = {"k": k, "rounds": len(got), "compute": statistics.median(g["compute"] for g in got), "params": n,
+               "comp": comp, "rate": args.round_rate, "inner_steps": args.inner_steps, "load": os.getloadavg()[0],
+               "measured": meas}
+        rows.append(predict_round(row, cal))
     _write("rounds", rows)
+
+
+def stage_report(args) -> None:
+    """Re-predict every stored measurement with the current `plan.Calibration` (no network needed)."""
+    data = json.loads((RESULTS / "plan_check.json").read_text())
+    cal = plan.Calibration()
+    print(f"constants: {cal}")
+    print(f"all-reduce, predicted vs measured\n{'Mbit/s':>6} {'k':>2} {'wire':>9} {'pred s':>9} {'meas s':>9} "
+          f"{'err':>8} {'pred MB':>9} {'meas MB':>9} {'err':>8} {'load':>5}")
+    rows = []
+    for m in data.get("allreduce", []):
+        group = args.grid if m.get("scheme") == "grid" else None
+        seconds, sent = predicted_allreduce(m["numel"], m["rate"], m["comp"], m["k"], cal, group)
+        rows.append({**m, "pred_seconds": seconds, "pred_sent": sent,
+                     "err_seconds": (seconds - m["seconds"]) / m["seconds"], "err_sent": (sent - m["sent"]) / m["sent"]})
+        name = m["comp"] + ("/grid" if group else "")
+        print(f"{m['rate']:>6g} {m['k']:>2} {name:>9} {_row('s', seconds, m['seconds'])} "
+              f"{_row('MB', sent / 1e6, m['sent'] / 1e6)} {m.get('load', float('nan')):>5.1f}")
+    print("training rounds, predicted (given the measured compute) vs measured")
+    print(ROUNDS_HEADER)
+    data["allreduce"] = rows
+    data["rounds"] = [predict_round(r, cal) for r in data.get("rounds", [])]
+    data["constants"] = {k: v for k, v in vars(cal).items()}
+    (RESULTS / "plan_check.json").write_text(json.dumps(data, indent=1) + "\n")
 
 
 def stage_curves(args) -> None:

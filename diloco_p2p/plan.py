@@ -57,6 +57,7 @@ INT4_BLOCK = 64  # values per fp32 scale in the 4-bit format (`swarm/codecs.py`)
 TOPK_BLOCK = 4096  # top-k is chosen per block of this many values (`swarm/codecs.py`)
 _PREFIX = streams.LENGTH_PREFIX
 _GROUP_ID = "0" * 64  # a group id is a sha256 hex digest (matchmaking)
+MEMBER_LIST_BYTES = 190  # per member in the list the matchmaking leader sends to each member
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,10 @@ class Calibration:
     flow_overhead: all-reduce seconds over the wire time of its bytes once CPU and fixed costs are
     taken out (k-1 TCP flows share one shaped link unevenly). cpu_s_per_byte: one node's CPU per byte
     it sends or receives (encode, reduce, decode, the hop through p2pd). setup_s, per_message_s,
-    rtts: fixed costs of one butterfly. matchmaking_s: forming the group. detect_s: noticing a dead
-    member (the probe interval). apply_s: the outer step and the round's bookkeeping.
+    rtts: fixed costs of one butterfly. matchmaking_per_member_s: forming the group, per other member
+    (fitted on 2-node training rounds); the leader also streams the member list to every member,
+    `MEMBER_LIST_BYTES` per member each (O(N^2) bytes at its uplink, `swarm/hierarchy.py`).
+    detect_s: noticing a dead member (the probe interval). apply_s: the outer step and bookkeeping.
     """
 
     flow_overhead: float = 1.10
@@ -75,9 +78,9 @@ class Calibration:
     setup_s: float = 0.060
     per_message_s: float = 0.0058
     rtts: float = 4.0  # not measured: the test network has no delay
-    matchmaking_s: float = 1.0
+    matchmaking_per_member_s: float = 0.055
     detect_s: float = 1.0
-    apply_s: float = 0.05
+    apply_s: float = 0.0
     source: str = "fitted by benchmarks/plan_check.py calibrate (2-8 peers, 2M values, tbf links)"
 
 
@@ -276,6 +279,14 @@ def level_seconds(level: Level, inp: Inputs, nodes: int, cal: Calibration) -> di
     return {"uplink" if up >= down else "downlink": wire_s, "cpu": cpu, "latency/messages": latency}
 
 
+def matchmaking_seconds(inp: Inputs, nodes: int, cal: Calibration) -> float:
+    """Forming the round's group: per-member work, and the leader sending the member list to each member."""
+    if nodes < 2:
+        return 0.0
+    leader = _mbit_seconds(MEMBER_LIST_BYTES * nodes * (nodes - 1), inp.uplink.slowest(nodes))
+    return cal.matchmaking_per_member_s * (nodes - 1) + leader + 2 * inp.rtt_ms / 1e3
+
+
 def straggler_factor(nodes: int, spread: float) -> float:
     """Expected slowest of `nodes` compute times over the mean (lognormal speeds, Blom's position)."""
     if spread <= 0 or nodes < 2:
@@ -312,7 +323,7 @@ def predict_scheme(inp: Inputs, nodes: int, scheme: str, cal: Calibration) -> Pr
             parts[cause] = parts.get(cause, 0.0) + s
     p_any = 1 - (1 - inp.fail_rate) ** nodes
     allreduce = sum(parts.values()) + p_any * cal.detect_s
-    comm = allreduce + (cal.matchmaking_s if nodes > 1 else 0.0)
+    comm = allreduce + matchmaking_seconds(inp, nodes, cal)
     parts["latency/messages"] = parts.get("latency/messages", 0.0) + comm - allreduce  # matchmaking
     parts["failures"] = p_any * cal.detect_s
     parts["stragglers"] = slowest - compute

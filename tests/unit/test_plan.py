@@ -136,3 +136,11 @@ def test_cli_bad_input_is_one_line_and_a_nonzero_exit(capsys, argv, needle):
     assert cli.main(["plan", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: plan:") and needle in err
+
+
+def test_matchmaking_costs_the_leader_n_squared_bytes():
+    inp = plan.Inputs(params=1_000_000, step_seconds=1.0, uplink=plan.Links(20, 20), rtt_ms=0.0)
+    cal = plan.Calibration(matchmaking_per_member_s=0.0)
+    assert plan.matchmaking_seconds(inp, 1, cal) == 0.0
+    small, large = plan.matchmaking_seconds(inp, 32, cal), plan.matchmaking_seconds(inp, 1024, cal)
+    assert large == pytest.approx(small * (1024 * 1023) / (32 * 31))  # the member list to every member
