@@ -68,7 +68,8 @@ def run_allreduces(rate: float, ks: list[int], comps: list[str], numel: int, rou
             got = allreduce_wan.measure(hosts, k, comps, numel, rounds, wire.DEFAULT_CHUNK_ELEMENTS, grid)
             for key, r in got.items():
                 comp, _, scheme = key.partition("/")
-                out.append({"rate": rate, "k": k, "comp": comp, "scheme": scheme or "butterfly", "numel": numel,
+                out.append({"rate": rate, "k": k, "comp": comp, "scheme": scheme or "butterfly",
+                            "grid": grid if scheme else None, "numel": numel,
                             "seconds": r["seconds"], "sent": r["sent"], "load": os.getloadavg()[0]})
                 print(f"  measured {rate:g} Mbit k={k} {key}: {r['seconds']:.3f} s, {r['sent'] / 1e6:.3f} MB",
                       flush=True)
@@ -236,22 +237,44 @@ def stage_rounds(args) -> None:
     _write("rounds", rows)
 
 
-def stage_report(args) -> None:
-    """Re-predict every stored measurement with the current `plan.Calibration` (no network needed)."""
-    data = json.loads((RESULTS / "plan_check.json").read_text())
-    cal = plan.Calibration()
-    print(f"constants: {cal}")
-    print(f"all-reduce, predicted vs measured\n{'Mbit/s':>6} {'k':>2} {'wire':>9} {'pred s':>9} {'meas s':>9} "
+def fit_loaded(rows: list[dict], rate: float) -> plan.Calibration:
+    """Constants fitted on the butterfly rows at `rate` alone, measured under the load of the check
+    itself: seconds = flow_overhead · wire + setup + per_message · messages · o (least squares)."""
+    fit_rows = [m for m in rows if m["rate"] == rate and m.get("scheme", "butterfly") == "butterfly"]
+    x = [[m["sent"] * 8 / (m["rate"] * 1e6), 1.0, 3 * (m["k"] - 1) * max(m["k"] / CORES, 1.0)] for m in fit_rows]
+    eta, setup, per_message = _lstsq(x, [m["seconds"] for m in fit_rows])
+    return plan.Calibration(flow_overhead=eta, setup_s=max(setup, 0.0), per_message_s=max(per_message, 0.0),
+                            cpu_s_per_byte=0.0, rtts=0.0, source=f"fitted on the loaded {rate:g} Mbit rows")
+
+
+def _report_allreduce(data: dict, cal: plan.Calibration) -> list[dict]:
+    print(f"{'Mbit/s':>6} {'k':>2} {'wire':>9} {'pred s':>9} {'meas s':>9} "
           f"{'err':>8} {'pred MB':>9} {'meas MB':>9} {'err':>8} {'load':>5}")
     rows = []
     for m in data.get("allreduce", []):
-        group = args.grid if m.get("scheme") == "grid" else None
+        group = m.get("grid") if m.get("scheme") == "grid" else None
         seconds, sent = predicted_allreduce(m["numel"], m["rate"], m["comp"], m["k"], cal, group)
         rows.append({**m, "pred_seconds": seconds, "pred_sent": sent,
                      "err_seconds": (seconds - m["seconds"]) / m["seconds"], "err_sent": (sent - m["sent"]) / m["sent"]})
         name = m["comp"] + ("/grid" if group else "")
         print(f"{m['rate']:>6g} {m['k']:>2} {name:>9} {_row('s', seconds, m['seconds'])} "
               f"{_row('MB', sent / 1e6, m['sent'] / 1e6)} {m.get('load', float('nan')):>5.1f}")
+    return rows
+
+
+def stage_report(args) -> None:
+    """Re-predict every stored measurement with the current `plan.Calibration` (no network needed),
+    then with constants fitted on the check's own `--cal-rate` rows (the same machine load)."""
+    data = json.loads((RESULTS / "plan_check.json").read_text())
+    cal = plan.Calibration()
+    print(f"constants: {cal}")
+    print("all-reduce, predicted (shipped constants, fitted on an idle machine) vs measured")
+    rows = _report_allreduce(data, cal)
+    loaded = fit_loaded(data.get("allreduce", []), args.cal_rate)
+    print(f"all-reduce, predicted with constants fitted on the loaded {args.cal_rate:g} Mbit rows "
+          f"(flow_overhead {loaded.flow_overhead:.3f}, setup {loaded.setup_s:.3f} s, "
+          f"per message {loaded.per_message_s * 1e3:.2f} ms): the other rates are the check")
+    data["allreduce_load_matched"] = {"constants": vars(loaded), "rows": _report_allreduce(data, loaded)}
     print("training rounds, predicted (given the measured compute) vs measured")
     print(ROUNDS_HEADER)
     data["allreduce"] = rows
