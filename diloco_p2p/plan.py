@@ -176,6 +176,10 @@ def header_size(kind: str, k: int, n: int, chunk: int) -> int:
         base.update(fields, empty=False, stream=True, contributors=list(range(k)), rejected={})
     elif kind == "mask":
         base.update(mask=[1] * k)
+    elif kind == "contrib":  # the sparse all-gather's message, and its mask with a digest per member
+        base.update(n=n, chunk=chunk, comp="topk2", density=0.01, weight=1024.0, finite=True)
+    elif kind == "digest-mask":
+        base.update(kind="mask", mask=[1] * k, contrib_digests=["0" * 32] * k)
     return _PREFIX + len(wire.pack_header(base))
 
 
@@ -210,8 +214,8 @@ def butterfly_bytes(n: int, k: int, compression: str, chunk: int = wire.DEFAULT_
 def sparse_bytes(n: int, k: int, chunk: int, density: float) -> int:
     """Bytes one member sends in the all-gather of top-k contributions (`swarm/allgather.py`): its
     own to each other member, and a mask carrying a sha256 digest per member."""
-    mask = header_size("mask", k, n, chunk) + k * 67  # "<64 hex digits>", per member
-    return (k - 1) * (header_size("scatter", k, n, chunk) + _frames(n, "topk2", chunk, density) + mask)
+    own = header_size("contrib", k, n, chunk) + _frames(n, "topk2", chunk, density)
+    return (k - 1) * (own + header_size("digest-mask", k, n, chunk))
 
 
 # ----------------------------------------------------------------------------- schemes

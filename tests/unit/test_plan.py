@@ -144,3 +144,12 @@ def test_matchmaking_costs_the_leader_n_squared_bytes():
     assert plan.matchmaking_seconds(inp, 1, cal) == 0.0
     small, large = plan.matchmaking_seconds(inp, 32, cal), plan.matchmaking_seconds(inp, 1024, cal)
     assert large == pytest.approx(small * (1024 * 1023) / (32 * 31))  # the member list to every member
+
+
+@pytest.mark.parametrize("numel", [1, 4095, 4096, 65536, 100_003])
+def test_sparse_and_4bit_sizes_are_the_codecs(numel):
+    from diloco_p2p.swarm import codecs
+
+    assert plan.payload_size(numel, "int4") == codecs.int4_size(numel)
+    for density in (0.01, 0.02, 0.3, 1.0):
+        assert plan.payload_size(numel, "topk2", density) == codecs.topk_size(numel, density)
