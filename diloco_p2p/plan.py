@@ -2,9 +2,13 @@
 
 `diloco-p2p plan` prints, for N = 4 .. 1,024, the round's seconds, compute utilization (inner-step
 seconds over round seconds), bytes each node sends, and the bottleneck (compute, uplink or
-downlink, latency/messages, CPU, stragglers, failures). Everything here is a pure function of
-the inputs and of a few constants measured on real swarms (`Calibration`, fitted and checked by
-`benchmarks/plan_check.py` on namespaces with tbf-shaped links).
+downlink, latency/messages (matchmaking included), CPU, stragglers, failures): the largest cause
+when utilization is below 0.9, else compute. Everything here is a pure function of the inputs
+and of a few constants measured on real swarms (`Calibration`, fitted and checked by
+`benchmarks/plan_check.py` on namespaces with tbf-shaped links). The constants describe a node
+with its cores to itself: on the shared two-core machine they were fitted on (idle), all-reduces
+measured under a load average of 15-19 took 20-60% longer than predicted; refitted under that
+load, the other rates were predicted with a median error of 14% (plan_check.json).
 
 Bytes. For the butterfly (the protocol of `diloco_p2p.swarm.allreduce`, after Patarasuk & Yuan
 2009's bandwidth-optimal all-reduce: reduce-scatter, then all-gather) the count is exact, frame
