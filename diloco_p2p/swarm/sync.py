@@ -290,7 +290,9 @@ class SwarmSync:
             records = {}
         # Under sync.overlap a peer publishes round `round` while that round's average is still in flight.
         last = round if self.cfg.overlap != "none" else round - 1
-        expected = [peer for peer, r in records.items() if peer != self.peer_id and r.round <= last]
+        distrusted = self.guard.distrusted()  # caught reducers: not waited for, not grouped with
+        expected = [peer for peer, r in records.items() if peer != self.peer_id and r.round <= last
+                    and peer not in distrusted]
         self._check_public(records)
         computing = time.perf_counter() - self._computing_since if self._computing_since else 0.0
         self._computing_since = None

@@ -209,3 +209,38 @@ def test_honest_members_get_the_rule_bit_identically(peers, aggregation):
         norms = {i: aggregate.encoded_norm(x[lo:hi], CHUNK, "fp16") for i, x in enumerate(xs)}
         expected = aggregate.reduce_part(robust, contribs, norms, RATIO, hi - lo, CHUNK, "fp16")[3]
         assert torch.equal(results[0].average[lo:hi], expected)
+
+
+def test_a_caught_reducer_is_left_out_of_the_next_group():
+    """Three members distrust the fourth (`Guard.distrusted`, as `SwarmSync` wires it): it arrives
+    first, the natural leader, yet the three form their group without it and it ends alone."""
+    from diloco_p2p.swarm.matchmaking import Matchmaker
+    from tests.harness.inmemory import MemoryDHT, MemoryNetwork, MemoryP2P, MemoryStore
+
+    async def go():
+        store, network = MemoryStore(), MemoryNetwork()
+        p2ps = [MemoryP2P(network) for _ in range(4)]
+        names = [p.peer_id.to_base58() for p in p2ps]
+        mms = [Matchmaker(MemoryDHT(store, name), p2p, run_id="mem") for name, p2p in zip(names, p2ps, strict=True)]
+        for mm in mms[:3]:
+            mm.distrusted = lambda: {names[3]}
+        for mm in mms:
+            await mm.start()
+
+        async def member(i: int):
+            await asyncio.sleep(0.0 if i == 3 else 0.1 + 0.05 * i)
+            expected = [x for x in names if x != names[i] and (i == 3 or x != names[3])]
+            return await mms[i].form_group(1, "ab" * 32, 1.0, min_group_size=2, target_group_size=16,
+                                           timeout=2.0, expected=expected)
+
+        try:
+            return names, await asyncio.gather(*(member(i) for i in range(4)))
+        finally:
+            for mm in mms:
+                await mm.stop()
+
+    names, groups = asyncio.run(go())
+    honest = groups[:3]
+    assert all(g is not None and g.group_id == honest[0].group_id for g in honest)
+    assert sorted(p.to_base58() for p in honest[0].peers) == sorted(names[:3])
+    assert groups[3] is None
