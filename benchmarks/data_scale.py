@@ -4,7 +4,8 @@ Measured, in one run, on synthetic corpora (random words from a 20k-word vocabul
 text files) of each size in ``--sizes-mb``:
 
 1. ``prepare`` with the byte tokenizer: MB of text per second (in-process, so the
-   interpreter's start is not counted).
+   interpreter's start is not counted), and per CPU-second of the process (all its threads):
+   on a shared machine the wall time mostly waits for a core.
 2. ``prepare`` with an 8k ByteLevel BPE trained here with ``tokenizers``, against that
    library's own ``encode_batch`` on the same text (``--bpe-mb`` of it), same process.
 3. Training (the tiny preset, solo) on each prepared corpus vs on the default corpus (the
@@ -70,9 +71,12 @@ def bench_prepare(corpus: Path, out: Path, tokenizer, identity) -> dict:
     from diloco_p2p.data.prepare import prepare
 
     shutil.rmtree(out, ignore_errors=True)
+    cpu = time.process_time()  # every thread of this process: on a shared box, wall time waits for a core
     result = prepare([str(corpus)], out, tokenizer, identity, progress=False)
+    cpu = time.process_time() - cpu
     return {"mb": result.text_bytes / MB, "seconds": result.seconds, "mb_s": result.text_bytes / MB / result.seconds,
-            "tokens": result.manifest.total_tokens}
+            "tokens": result.manifest.total_tokens, "cpu_s": cpu, "mb_per_cpu_s": result.text_bytes / MB / cpu,
+            "load_avg": os.getloadavg()[0]}
 
 
 def train_bpe(corpus: Path, out: Path) -> Path:
@@ -190,7 +194,9 @@ def main() -> None:
         for size in args.sizes_mb:
             corpus = make_corpus(work / f"corpus-{size}", size)
             preps[size] = bench_prepare(corpus, work / f"prepared-{size}", byte, ident)
-            print(f"{size} MB: prepare {preps[size]['mb_s']:.0f} MB/s ({preps[size]['seconds']:.1f} s)", flush=True)
+            print(f"{size} MB: prepare {preps[size]['mb_s']:.0f} MB/s ({preps[size]['seconds']:.1f} s; "
+                  f"{preps[size]['cpu_s']:.1f} CPU-s = {preps[size]['mb_per_cpu_s']:.0f} MB per CPU-second; "
+                  f"load average {preps[size]['load_avg']:.1f})", flush=True)
         runs = {"default": [], **{str(size): [f"data.path={work / f'prepared-{size}'}"] for size in args.sizes_mb}}
         starts = first_steps(work, runs, args.repeats)
         default = starts["default"]
