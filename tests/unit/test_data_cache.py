@@ -218,3 +218,19 @@ def test_a_prepared_directory_missing_shards_is_filled_from_the_swarm(prepared, 
     assert data.blocked and (partial / CACHE_MARKER).exists()
     assert np.array_equal(data.source.slice(0, len(data.source)), ShardSource(prepared).slice(0, 10**9))
     assert 2 in remote.calls
+
+
+def test_the_blocked_order_resumes_exactly_from_a_saved_position(prepared, tmp_path):
+    from dataclasses import replace
+
+    def dataset():
+        return TokenDataset(ShardSource(prepared), 64, prepared.eval_fraction, "node", blocked=True)
+
+    a = dataset()
+    n = a.n_windows
+    a.next_windows(n - 7)  # near the end of epoch 0: the continuation crosses into epoch 1
+    saved = replace(a.position)
+    expected = a.next_windows(40)
+    b = dataset()
+    b.position = saved
+    assert b.next_windows(40) == expected and b.position.epoch == 1
