@@ -12,9 +12,9 @@ shards to nodes that hold only its dataset id (`diloco_p2p.data.cache`).
   ``bad-request``), then the raw bytes from `offset`. The donor keeps the stream open until the
   fetcher has read them (`streams.linger`). Nothing is unpickled: the manifest is JSON whose
   hash must be the dataset id, a shard is raw ids whose sha256 must be the manifest's.
-- **Donors.** Those announcing the shard, in the fetcher's rendezvous order (Thaler &
-  Ravishankar 1998, as for state donors: every fetcher spreads over the donors without
-  coordination). A donor that is unreachable, stalls (nothing for `stall` seconds), leaves or
+- **Donors.** Those announcing the shard, in the fetcher's rendezvous order for that shard
+  (Thaler & Ravishankar 1998, as for state donors, keyed by fetcher and shard: the shards of
+  one fetcher and the fetchers spread over the donors without coordination). A donor that is unreachable, stalls (nothing for `stall` seconds), leaves or
   is ``busy`` is skipped and the next one tried, resuming from the bytes already written
   (`PartFile`); a shard whose sha256 is wrong is deleted, the donor named in one log line and
   not asked again for this dataset, and the shard fetched from another donor. (Bytes
@@ -222,7 +222,8 @@ class DataShare:
     # ------------------------------------------------------------------ fetching
 
     async def donors(self, dataset: str, index: int | None = None) -> list[str]:
-        """Peers announcing `dataset` (holding shard `index`), in this node's rendezvous order."""
+        """Peers announcing `dataset` (holding shard `index`), in this node's rendezvous order for
+        that shard: a fetcher spreads its shards over the donors, and the fetchers over them too."""
         found = await asyncio.wait_for(self.dht.get(data_key(dataset), latest=True, return_future=True), 10)
         peers = []
         for peer, value in live_values(found):
@@ -230,7 +231,7 @@ class DataShare:
                 continue
             if index is None or has_shard(value["have"], index):
                 peers.append(peer)
-        return rendezvous_order(self.peer_id, peers)
+        return rendezvous_order(self.peer_id if index is None else f"{self.peer_id}/{index}", peers)
 
     def fetch_manifest(self, dataset: str, timeout: float) -> bytes:
         """The manifest of `dataset`, from the first donor whose copy hashes to the id; UserError

@@ -52,10 +52,10 @@ def peers(prepared) -> Iterator[tuple[LoopbackPeers, list[DataShare]]]:
             lp.loop.run(s.stop(), timeout=30)
 
 
-def _roles(shares: list[DataShare]) -> tuple[DataShare, DataShare, DataShare]:
-    """(the donor the fetcher tries first, the other donor, the fetcher)."""
+def _roles(shares: list[DataShare], index: int = 0) -> tuple[DataShare, DataShare, DataShare]:
+    """(the donor the fetcher tries first for shard `index`, the other donor, the fetcher)."""
     fetcher = shares[1]
-    first = rendezvous_order(fetcher.peer_id, [shares[0].peer_id, shares[2].peer_id])[0]
+    first = rendezvous_order(f"{fetcher.peer_id}/{index}", [shares[0].peer_id, shares[2].peer_id])[0]
     a, b = (shares[0], shares[2]) if shares[0].peer_id == first else (shares[2], shares[0])
     return a, b, fetcher
 
