@@ -149,7 +149,7 @@ class Node:
                 self.step += 1
                 self._observe_step(stats, len(losses))
                 if self.pipeline and self._last_record and self.pipeline.ready_to_serve():
-                    self.sync.after_round(self.state(), self._last_record)  # joiners need the average in flight
+                    self._serve(self._last_record)  # joiners need the average in flight
             if self._stopping():
                 break  # abandon the partial round: nothing of it reaches θ or the swarm
 
@@ -159,8 +159,8 @@ class Node:
             synced = time.perf_counter()
             outcome, applied = self._average(delta, float(round_tokens), phases)
             exposed = time.perf_counter() - synced  # communication not hidden behind compute
-            if self._stopping():
-                break  # the group carries on without us; our partial round is dropped
+            if outcome is None:
+                break  # stopped: the group carries on without us; our partial round is dropped
             self.round += 1
             self.tokens += round_tokens
             overlap = {} if self.pipeline is None else {"overlap": self.pipeline.mode, "phases": phases}
@@ -175,29 +175,40 @@ class Node:
             self.pipeline.settle()
         return records
 
-    def _average(self, delta: torch.Tensor, weight: float, phases: dict[str, float]) -> tuple[RoundOutcome, int | None]:
+    def _average(self, delta: torch.Tensor, weight: float,
+                 phases: dict[str, float]) -> tuple[RoundOutcome | None, int | None]:
         """The round's outer step: the round's average now (blocking), or under sync.overlap the
         previous round's, which ran behind this round's inner steps, while this round's starts in
-        the background (`diloco_p2p.overlap`). Returns the outcome applied and its round."""
+        the background (`diloco_p2p.overlap`). Returns the outcome applied and its round; None
+        when a stop came first (the round is dropped; a round whose average is under way is not)."""
         round, pipe = self.round + 1, self.pipeline
         if pipe is None or round >= self.config.train.max_rounds:  # blocking; the last round drains the pipeline
             flight = pipe.take() if pipe is not None else None
-            if flight is not None and not self._stopping():
+            saved = None
+            if flight is not None:
+                if self._stopping():
+                    pipe.inflight = flight  # type: ignore[union-attr] - kept for the checkpoint
+                    return None, None
+                saved = {k: v.clone() for k, v in self.outer.state_tensors().items()}
                 phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
                 self._apply(flight.result())
                 self.feedback.settle(flight.delta, flight.result())
             delta = self.feedback.offer(delta)  # + what earlier rounds' lossy wire did not send (`feedback`)
             outcome = self.sync.average(round, delta, weight, self.params_sha256())
+            if self._stopping():
+                if saved is not None:  # back to the round before: its average in flight, not applied
+                    self.outer.load_state_tensors(saved)
+                    pipe.inflight = flight  # type: ignore[union-attr]
+                return None, None
             self.feedback.settle(delta, outcome)
             if pipe is not None and pipe.correction is not None:
                 pipe.correction.reset()
-            if not self._stopping():
-                self._apply(outcome)
+            self._apply(outcome)
             return outcome, round
         flight = pipe.take()  # the exposed part: the wait for round − 1's average
         if self._stopping():
             pipe.inflight = flight  # not applied: the checkpoint keeps it to average again
-            return RoundOutcome(status="failed"), None
+            return None, None
         if flight is None:  # the first round: nothing to apply yet
             outcome = RoundOutcome(status="skipped")
         else:
@@ -298,9 +309,15 @@ class Node:
             self.metrics.observe_round(record.as_dict())
             self.metrics.set_dht_peers(self.sync.dht_peers())
             self.metrics.set_reachability(self.sync.reachability)
-        self.sync.after_round(self.state(), record)
+        self._serve(record)
         self._log_round(record)
         return record
+
+    def _serve(self, record: RoundRecord) -> None:
+        node = self.state()
+        self.sync.after_round(node, record)
+        if self.pipeline is not None:
+            self.pipeline.served(node)
 
     def _append(self, record: RoundRecord) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as f:

@@ -46,7 +46,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from diloco_p2p.config import OuterConfig
-from diloco_p2p.contract import RoundOutcome
+from diloco_p2p.contract import NodeState, RoundOutcome
 
 OVERLAPS = ("none", "delayed", "eager")
 
@@ -235,9 +235,14 @@ class Pipeline:
         if flight is None or not flight.done() or flight.result().average is None or \
                 flight.result().status != "committed":
             return {}
-        self.served_round = flight.round
         return {"overlap.average": flight.result().average,
                 "overlap.average_round": torch.tensor([flight.round], dtype=torch.int64)}
+
+    def served(self, node: NodeState) -> None:
+        """The swarm now serves `node`'s state: with the average in flight, if it carried it."""
+        rnd = node.state.get("overlap.average_round")
+        if rnd is not None:
+            self.served_round = int(rnd.reshape(-1)[0])
 
     def adopt(self, tensors: dict[str, torch.Tensor], round: int, numel: int) -> None:
         """Take over a served state's in-flight average (see the class docstring), if it has one

@@ -1,0 +1,168 @@
+"""Communication hidden behind compute (`sync.overlap`): quality at equal tokens, and the seconds
+of communication a round still exposes on a shaped link.
+
+`quality`: M replicas in one process (`diloco-p2p simulate`, the swarm's arithmetic, exact) on
+`configs/tiny-cpu.yaml`, the same rounds x H inner steps and held-out eval set, with
+``sync.overlap`` none (blocking), delayed (Eager Updates Algorithm 2) and eager (Algorithm 3).
+Prints the final eval loss of each and its difference to blocking (goal: eager within 1%).
+
+`link`: k real nodes on hosts of a test network (`tests/netns.py`: namespaces on a bridge, every
+link token-bucket shaped in both directions, needs root). The rate is chosen so the blocking
+all-reduce costs about 30% of a round: a short blocking run on a fast link measures the compute
+seconds per round and the bytes, and the rate follows from the all-reduce's measured ratio to
+wire time (`--rate` fixes it instead). Then one run per mode at that rate; per mode, medians
+over the steady rounds (blocking: every committed round; overlapped: the rounds that applied
+the previous round's average, i.e. not the first (nothing to apply) nor the last (it drains the
+pipeline, blocking)): round seconds, compute seconds, all-reduce seconds, exposed seconds (the
+loop stood still for the swarm), exposed as a share of the round (goal: <= 3% with overlap).
+Exposed seconds also hold the wait for the slower node of the group, overlap or not.
+
+    python benchmarks/overlap.py quality [--replicas 2] [--rounds 12] [--inner-steps 25] [--set a.b=v ...]
+    sudo python benchmarks/overlap.py link [--k 2] [--rounds 6] [--inner-steps 20] [--rate MBIT] [--share 0.3]
+    sudo python benchmarks/overlap.py all
+
+Results go to benchmarks/results/overlap.json (each part replaces its own section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.netns, tests.harness
+
+from quality import run as simulate_run  # noqa: E402
+
+MODES = ("none", "delayed", "eager")
+RESULTS = Path("benchmarks/results/overlap.json")
+
+
+def quality(args: argparse.Namespace) -> dict:
+    common = [f"train.max_rounds={args.rounds}", f"outer.inner_steps={args.inner_steps}", "train.num_threads=1",
+              f"train.eval_every={args.eval_every}", f"train.checkpoint_every={args.rounds}", *args.overrides]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="diloco-overlap-") as tmp, \
+            concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = {mode: pool.submit(simulate_run, mode, Path(tmp), args.replicas, [*common, f"sync.overlap={mode}"])
+                   for mode in MODES}
+        runs = {mode: f.result() for mode, f in futures.items()}
+    base = runs["none"]["final"]
+    tokens = runs["none"]["curve"][-1][0]
+    print(f"quality: {args.replicas} replicas, {args.rounds} rounds x H={args.inner_steps}, {tokens:,} tokens in all, "
+          f"{' '.join(args.overrides)}; {time.perf_counter() - start:.0f} s")
+    print(f"{'overlap':>8} {'eval loss':>10} {'vs blocking':>12}")
+    for mode, r in runs.items():
+        print(f"{mode:>8} {r['final']:>10.4f} {r['final'] / base - 1:>+12.2%}")
+    return {"args": {k: v for k, v in vars(args).items() if k != "func"}, "tokens": tokens,
+            "runs": {m: {"final": r["final"], "vs_blocking": r["final"] / base - 1, "curve": r["curve"],
+                         "seconds": r["seconds"]} for m, r in runs.items()}}
+
+
+def swarm_run(hosts, k: int, mode: str, rounds: int, extra: list[str], rate: float) -> list[list[dict]]:
+    from tests.harness.procs import wait_until
+    from tests.harness.swarm import ProcessSwarm
+
+    overrides = [f"sync.overlap={mode}", f"train.max_rounds={rounds}", f"sync.target_group_size={k}",
+                 "sync.matchmaking_timeout=30", "sync.allreduce_timeout=120", f"sync.link_mbit={rate}",
+                 "train.eval_every=100000", "train.eval_batches=1", "train.checkpoint_every=100000", *extra]
+    with tempfile.TemporaryDirectory(prefix="overlap-wan-") as tmp:
+        swarm = ProcessSwarm(Path(tmp), seed_host=hosts[0])
+        try:
+            nodes = [swarm.node(f"n{i}", overrides, host=hosts[i + 1]) for i in range(k)]
+            swarm.release(*nodes)
+            for n in nodes:
+                wait_until(lambda n=n: n.popen.poll() is not None, 900, f"{n.run_dir.name} to finish", n)
+                assert n.popen.returncode == 0, n.tail()
+            return [n.records() for n in nodes]
+        finally:
+            swarm.close()
+
+
+def steady(per_node: list[list[dict]], mode: str, rounds: int, k: int) -> dict:
+    """Medians over the steady rounds of every node (see the module docstring)."""
+    if mode == "none":
+        keep = [r for recs in per_node for r in recs if r["status"] == "committed" and r["group_size"] == k]
+    else:
+        keep = [r for recs in per_node for r in recs if r.get("applied_round") is not None
+                and r["applied_round"] == r["round"] - 1 and r["status"] == "committed" and r["group_size"] == k]
+    assert keep, f"{mode}: no steady committed round of all {k} nodes"
+    med = {key: statistics.median(r[key] for r in keep)
+           for key in ("seconds", "compute_seconds", "allreduce_seconds", "exposed_seconds", "bytes_sent")}
+    med["exposed_share"] = statistics.median(r["exposed_seconds"] / r["seconds"] for r in keep)
+    med["allreduce_share"] = statistics.median(r["allreduce_seconds"] / r["seconds"] for r in keep)
+    med["rounds"] = len(keep) // k
+    hashes = [{recs_r["round"]: recs_r["params_sha256"] for recs_r in recs} for recs in per_node]
+    med["theta_agrees"] = all(h == hashes[0] for h in hashes[1:])
+    return med
+
+
+def link(args: argparse.Namespace) -> dict:
+    from tests import netns
+
+    if not netns.available():
+        raise SystemExit("benchmarks/overlap.py link needs root and iproute2 (ip, tc) to make network namespaces")
+    extra = [f"outer.inner_steps={args.inner_steps}", *args.overrides]
+    rate = args.rate
+    if rate is None:  # calibrate: compute seconds and bytes per round, blocking, on a fast link
+        with netns.Hosts(args.k + 1, rate_mbit=1000) as hosts:
+            cal = steady(swarm_run(hosts, args.k, "none", 3, extra, 1000), "none", 3, args.k)
+        ratio = 1.5  # all-reduce seconds over wire time at tens of Mbit/s (benchmarks/wan.py)
+        target = args.share / (1 - args.share) * cal["compute_seconds"]
+        rate = round(cal["bytes_sent"] * 8 * ratio / target / 1e6, 1)
+        print(f"calibration: {cal['compute_seconds']:.2f} s compute/round, {cal['bytes_sent'] / 1e6:.3f} MB sent; "
+              f"{rate} Mbit/s for a blocking all-reduce of ~{args.share:.0%} of a round")
+    out = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rate_mbit": rate, "modes": {}}
+    print(f"link: {args.k} nodes, {rate} Mbit/s each way, H={args.inner_steps}, {args.rounds} rounds; medians over "
+          "steady rounds")
+    print(f"{'overlap':>8} {'round s':>8} {'compute s':>9} {'all-reduce s':>12} {'exposed s':>9} {'exposed %':>9} "
+          f"{'all-reduce %':>12} {'θ agrees':>8}")
+    with netns.Hosts(args.k + 1, rate_mbit=rate) as hosts:
+        for mode in args.modes.split(","):
+            m = steady(swarm_run(hosts, args.k, mode, args.rounds, extra, rate), mode, args.rounds, args.k)
+            out["modes"][mode] = m
+            print(f"{mode:>8} {m['seconds']:>8.2f} {m['compute_seconds']:>9.2f} {m['allreduce_seconds']:>12.2f} "
+                  f"{m['exposed_seconds']:>9.2f} {m['exposed_share']:>9.1%} {m['allreduce_share']:>12.1%} "
+                  f"{m['theta_agrees']!s:>8}", flush=True)
+    return out
+
+
+def save(section: str, result: dict) -> None:
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data[section] = result
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(data, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("part", choices=["quality", "link", "all"])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=None, help="quality: 12; link: 6")
+    p.add_argument("--inner-steps", type=int, default=None, help="H (quality: 25; link: 20)")
+    p.add_argument("--eval-every", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=3)
+    p.add_argument("--k", type=int, default=2, help="link: nodes in the group")
+    p.add_argument("--rate", type=float, default=None, help="link: Mbit/s (default: calibrated for --share)")
+    p.add_argument("--share", type=float, default=0.3, help="link: the blocking all-reduce's share of a round")
+    p.add_argument("--modes", default="none,delayed,eager", help="link: the overlap modes to run")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE")
+    args = p.parse_args()
+    if args.part in ("quality", "all"):
+        q = argparse.Namespace(**vars(args))
+        q.rounds, q.inner_steps = args.rounds or 12, args.inner_steps or 25
+        save("quality", quality(q))
+    if args.part in ("link", "all"):
+        w = argparse.Namespace(**vars(args))
+        w.rounds, w.inner_steps = args.rounds or 6, args.inner_steps or 20
+        save("link", link(w))
+    print(f"results: {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
