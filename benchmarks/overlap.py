@@ -21,7 +21,8 @@ Exposed seconds also hold the wait for the slower node of the group, overlap or 
     sudo python benchmarks/overlap.py link [--k 2] [--rounds 6] [--inner-steps 20] [--rate MBIT] [--share 0.3]
     sudo python benchmarks/overlap.py all
 
-Results go to benchmarks/results/overlap.json (each part replaces its own section).
+Results go to benchmarks/results/overlap.json (`quality` keyed by M, rounds and H; `link` replaced),
+and the eval-loss curves to benchmarks/results/overlap_quality_<key>.png.
 """
 
 from __future__ import annotations
@@ -49,16 +50,20 @@ def quality(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diloco-overlap-") as tmp, \
             concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {mode: pool.submit(simulate_run, mode, Path(tmp), args.replicas, [*common, f"sync.overlap={mode}"])
-                   for mode in MODES}
+        jobs = {mode: [f"sync.overlap={mode}"] for mode in MODES}
+        for variant in args.variants:  # MODE:OUTER_LR:MOMENTUM, e.g. the paper's lowered lr for delayed
+            mode, lr, mom = variant.split(":")
+            jobs[variant] = [f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}"]
+        futures = {name: pool.submit(simulate_run, name.replace(":", "_"), Path(tmp), args.replicas,
+                                     [*common, *sets]) for name, sets in jobs.items()}
         runs = {mode: f.result() for mode, f in futures.items()}
     base = runs["none"]["final"]
     tokens = runs["none"]["curve"][-1][0]
     print(f"quality: {args.replicas} replicas, {args.rounds} rounds x H={args.inner_steps}, {tokens:,} tokens in all, "
           f"{' '.join(args.overrides)}; {time.perf_counter() - start:.0f} s")
-    print(f"{'overlap':>8} {'eval loss':>10} {'vs blocking':>12}")
+    print(f"{'overlap':>16} {'eval loss':>10} {'vs blocking':>12}")
     for mode, r in runs.items():
-        print(f"{mode:>8} {r['final']:>10.4f} {r['final'] / base - 1:>+12.2%}")
+        print(f"{mode:>16} {r['final']:>10.4f} {r['final'] / base - 1:>+12.2%}")
     return {"args": {k: v for k, v in vars(args).items() if k != "func"}, "tokens": tokens,
             "runs": {m: {"final": r["final"], "vs_blocking": r["final"] / base - 1, "curve": r["curve"],
                          "seconds": r["seconds"]} for m, r in runs.items()}}
@@ -132,9 +137,32 @@ def link(args: argparse.Namespace) -> dict:
     return out
 
 
-def save(section: str, result: dict) -> None:
+def plot(result: dict, key: str, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for mode, r in result["runs"].items():
+        ax.plot(*zip(*r["curve"], strict=True), "-o", ms=3, label=f"{mode} ({r['vs_blocking']:+.1%})")
+    ax.set_xlabel("total tokens")
+    ax.set_ylabel("eval loss (global θ)")
+    ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
+    ax.set_title(f"sync.overlap, {key}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"plot: {png}")
+
+
+def save(section: str, result: dict, key: str | None = None) -> None:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data[section] = result
+    if key is None:
+        data[section] = result
+    else:
+        data.setdefault(section, {})[key] = result
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(data, indent=1))
 
@@ -151,12 +179,17 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=None, help="link: Mbit/s (default: calibrated for --share)")
     p.add_argument("--share", type=float, default=0.3, help="link: the blocking all-reduce's share of a round")
     p.add_argument("--modes", default="none,delayed,eager", help="link: the overlap modes to run")
+    p.add_argument("--variants", nargs="*", default=[], metavar="MODE:LR:MOMENTUM",
+                   help="quality: extra runs with another outer lr and momentum, e.g. eager:1.0:0.5")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE")
     args = p.parse_args()
     if args.part in ("quality", "all"):
         q = argparse.Namespace(**vars(args))
         q.rounds, q.inner_steps = args.rounds or 12, args.inner_steps or 25
-        save("quality", quality(q))
+        key = f"M{q.replicas}-R{q.rounds}xH{q.inner_steps}"
+        result = quality(q)
+        save("quality", result, key)
+        plot(result, key, RESULTS.with_name(f"overlap_quality_{key}.png"))
     if args.part in ("link", "all"):
         w = argparse.Namespace(**vars(args))
         w.rounds, w.inner_steps = args.rounds or 6, args.inner_steps or 20
