@@ -40,23 +40,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.net
 
 from quality import run as simulate_run  # noqa: E402
 
-MODES = ("none", "delayed", "eager")
 RESULTS = Path("benchmarks/results/overlap.json")
 
 
-def quality(args: argparse.Namespace) -> dict:
+def quality(args: argparse.Namespace, earlier: dict | None = None) -> dict:
+    """Runs the modes of `args.modes` and the variants; runs of `earlier` (the same key) are kept."""
     common = [f"train.max_rounds={args.rounds}", f"outer.inner_steps={args.inner_steps}", "train.num_threads=1",
               f"train.eval_every={args.eval_every}", f"train.checkpoint_every={args.rounds}", *args.overrides]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diloco-overlap-") as tmp, \
             concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        jobs = {mode: [f"sync.overlap={mode}"] for mode in MODES}
+        jobs = {mode: [f"sync.overlap={mode}"] for mode in args.modes.split(",")}
         for variant in args.variants:  # MODE:OUTER_LR:MOMENTUM, e.g. the paper's lowered lr for delayed
             mode, lr, mom = variant.split(":")
             jobs[variant] = [f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}"]
         futures = {name: pool.submit(simulate_run, name.replace(":", "_"), Path(tmp), args.replicas,
                                      [*common, *sets]) for name, sets in jobs.items()}
         runs = {mode: f.result() for mode, f in futures.items()}
+    runs = {**(earlier or {}).get("runs", {}), **runs}
     base = runs["none"]["final"]
     tokens = runs["none"]["curve"][-1][0]
     print(f"quality: {args.replicas} replicas, {args.rounds} rounds x H={args.inner_steps}, {tokens:,} tokens in all, "
@@ -178,7 +179,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=2, help="link: nodes in the group")
     p.add_argument("--rate", type=float, default=None, help="link: Mbit/s (default: calibrated for --share)")
     p.add_argument("--share", type=float, default=0.3, help="link: the blocking all-reduce's share of a round")
-    p.add_argument("--modes", default="none,delayed,eager", help="link: the overlap modes to run")
+    p.add_argument("--modes", default="none,delayed,eager", help="the overlap modes to run (quality keeps the "
+                   "runs of other modes already in the results for the same M, rounds and H)")
     p.add_argument("--variants", nargs="*", default=[], metavar="MODE:LR:MOMENTUM",
                    help="quality: extra runs with another outer lr and momentum, e.g. eager:1.0:0.5")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE")
@@ -187,7 +189,8 @@ def main() -> None:
         q = argparse.Namespace(**vars(args))
         q.rounds, q.inner_steps = args.rounds or 12, args.inner_steps or 25
         key = f"M{q.replicas}-R{q.rounds}xH{q.inner_steps}"
-        result = quality(q)
+        earlier = json.loads(RESULTS.read_text()).get("quality", {}).get(key) if RESULTS.exists() else None
+        result = quality(q, earlier)
         save("quality", result, key)
         plot(result, key, RESULTS.with_name(f"overlap_quality_{key}.png"))
     if args.part in ("link", "all"):
