@@ -102,7 +102,7 @@ def open_dataset(cfg: DataConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, 
         manifest = Manifest.load(path)
         if cfg.max_bytes is not None:
             log.warning("data.max_bytes is ignored for a prepared corpus (prepare with --max-bytes instead)")
-        if is_cache(path, manifest, remote is not None):  # shards missing: the swarm has them
+        if is_cache(path, manifest, remote is not None or bool(manifest.content.get("base_url"))):  # shards missing
             return _from_swarm(cfg, model_cfg, tokenizer, seq_len, key, path, remote)
     else:
         if leader:

@@ -7,7 +7,9 @@ time by a `Remote` (`diloco_p2p.swarm.datashare` over the swarm's libp2p streams
 is written to ``shard-NNNNN.bin.part`` while its sha256 runs, then renamed to its name only
 if the hash is the manifest's, so a shard file in the cache is always whole and verified; a
 ``.part`` left by a crash or a donor that left is resumed from its length (its bytes are hashed
-again first) rather than downloaded again.
+again first) rather than downloaded again. A manifest's optional ``base_url`` (not part of the
+dataset id) is the fallback source: ``base_url/shard-NNNNN.bin`` over HTTP(S), resumed with a
+Range request, when no peer serves a shard in time or the node is not in a swarm.
 
 Such a node reads its windows in a shard-blocked order (`diloco_p2p.data.dataset.BlockedOrder`):
 every window of one shard, in a keyed order, before the next shard, so the shards it needs
@@ -209,14 +211,24 @@ class ShardCache:
         return self.manifest.path(self.manifest.shards[index])
 
     def _fetch(self, index: int) -> None:
-        if self.remote is None:
+        base_url = self.manifest.content.get("base_url")
+        if self.remote is None and not base_url:
             raise ShardUnavailable(f"shard {index} of dataset {self.manifest.id[:12]} is not in {self.directory} "
                                    "and this node has no swarm to fetch it from; join one with --initial-peers")
         shard = self.manifest.shards[index]
         start = time.perf_counter()
         part = PartFile(self.manifest.path(shard), shard["sha256"], self.size[index])
         resumed = part.offset
-        donor = self.remote.fetch_shard(self.manifest, index, part, self.fetch_timeout)
+        donor = None
+        if self.remote is not None:
+            try:
+                donor = self.remote.fetch_shard(self.manifest, index, part, self.fetch_timeout)
+            except ShardUnavailable as e:
+                if not base_url:
+                    raise
+                log.warning("data: %s; trying the manifest's base_url", e)
+        if donor is None:
+            donor = http_fetch(str(base_url), shard, part, self.fetch_timeout)
         seconds = time.perf_counter() - start
         st = self.manifest.path(shard).stat()
         with self._lock:
@@ -253,6 +265,29 @@ class ShardCache:
         with self._lock:
             kept = sum(self.size[i] for i in self.used if i in keep)
         return kept + self.size[index] <= self.cache_bytes
+
+
+def http_fetch(base_url: str, shard: dict[str, Any], part: PartFile, timeout: float) -> str:
+    """Shard `shard` from ``base_url/NAME`` into `part` (the manifest's fallback source), resumed
+    with a Range request; committed only if its sha256 is the manifest's. Returns the URL."""
+    import urllib.request
+
+    url = f"{base_url.rstrip('/')}/{shard['name']}"
+    if not url.startswith(("http://", "https://")):
+        raise ShardUnavailable(f"the manifest's base_url {base_url!r} is not an http(s) URL")
+    headers = {"Range": f"bytes={part.offset}-"} if part.offset else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as reply:
+            if part.offset and reply.status != 206:
+                part.discard()  # the server sends the whole file: start over
+            while chunk := reply.read(1 << 20):
+                part.write(chunk)
+    except (OSError, ValueError) as e:  # URLError and timeouts are OSErrors; ValueError: more than the size
+        part.pause()
+        raise ShardUnavailable(f"{url}: {e}") from None
+    if not part.commit():
+        raise ShardUnavailable(f"{url} served a copy whose sha256 is not the manifest's")
+    return url
 
 
 def _sha(path: Path) -> str:
@@ -346,9 +381,9 @@ def mark_cache(directory: Path, dataset: str) -> None:
 
 
 def is_cache(directory: Path, manifest: Manifest, in_swarm: bool) -> bool:
-    """A directory the swarm fills: marked so, or missing shards while in a swarm (then marked
-    from now on: its training order stays the blocked one). Out of a swarm a missing shard is
-    an error at start (`Manifest.check_shards`)."""
+    """A directory the swarm fills: marked so, or missing shards while in a swarm (or with a
+    ``base_url``; then marked from now on: its training order stays the blocked one). Otherwise
+    a missing shard is an error at start (`Manifest.check_shards`)."""
     if (directory / CACHE_MARKER).exists():
         return True
     missing = sum(not manifest.path(s).exists() for s in manifest.shards)

@@ -234,3 +234,35 @@ def test_the_blocked_order_resumes_exactly_from_a_saved_position(prepared, tmp_p
     b = dataset()
     b.position = saved
     assert b.next_windows(40) == expected and b.position.epoch == 1
+
+
+def test_the_manifests_base_url_is_the_fallback_source(prepared, tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(prepared.directory))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        content = json.loads((prepared.directory / MANIFEST).read_text())
+        content["base_url"] = f"http://127.0.0.1:{server.server_address[1]}/"
+        (tmp_path / "c").mkdir()
+        (tmp_path / "c" / MANIFEST).write_text(json.dumps(content))
+        manifest = Manifest.load(tmp_path / "c")
+        assert manifest.id == prepared.id  # base_url is not part of the id
+        shard = manifest.shards[1]
+        part = tmp_path / "c" / (shard["name"] + ".part")
+        part.write_bytes(prepared.path(shard).read_bytes()[:100])  # a server without Range support: starts over
+        remote = FakeRemote(prepared, cut=50)  # the swarm fails: the URL serves
+        cache = ShardCache(manifest, remote, fetch_timeout=10)
+        for i in (0, 1):
+            assert cache.ensure(i).read_bytes() == prepared.path(prepared.shards[i]).read_bytes()
+        assert ShardCache(manifest, None).ensure(2).read_bytes() == prepared.path(prepared.shards[2]).read_bytes()
+        content["base_url"] = f"http://127.0.0.1:{server.server_address[1]}/nowhere"
+        (tmp_path / "c" / MANIFEST).write_text(json.dumps(content))
+        with pytest.raises(ShardUnavailable, match="404"):
+            ShardCache(Manifest.load(tmp_path / "c"), None).ensure(3)
+    finally:
+        server.shutdown()
