@@ -10,7 +10,7 @@ part to k-1 members; topk2's all-gather of its whole contribution to k-1 members
 ~200-byte headers. Prints the table, writes benchmarks/results/compression.json and a PNG of eval
 loss against rounds.
 
-    python benchmarks/compression.py [--replicas 2] [--rounds 12] [--inner-steps 25] [--jobs 2]
+    python benchmarks/compression.py [--replicas 2] [--rounds 10] [--inner-steps 20] [--jobs 2]
                                      [--density 0.01] [--only fp32 int4 ...]
 """
 
@@ -73,8 +73,8 @@ def parameters() -> int:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--replicas", type=int, default=2, help="M = the group size k")
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--inner-steps", type=int, default=25, help="H")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--inner-steps", type=int, default=20, help="H")
     p.add_argument("--density", type=float, default=0.01, help="sync.topk_density")
     p.add_argument("--eval-every", type=int, default=2)
     p.add_argument("--jobs", type=int, default=2)
