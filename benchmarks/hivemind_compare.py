@@ -158,7 +158,10 @@ def main() -> None:
         print(f"{rate:>6g} {ours['seconds']:>8.3f} {theirs['seconds']:>10.3f} {rows[-1]['ratio']:>10.2f} "
               f"{ours['sent'] / 1e6:>8.3f} {theirs['sent'] / 1e6:>11.3f} {wire_s:>11.3f}", flush=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "hivemind_compare.json").write_text(json.dumps(rows, indent=1) + "\n")
+    path = RESULTS / "hivemind_compare.json"  # runs accumulate: the machine is shared, one run is noisy
+    old = json.loads(path.read_text()) if path.exists() else []
+    run = f"{time.strftime('%H:%M', time.gmtime())} UTC, --rates {args.rates} --rounds {args.rounds}"
+    path.write_text(json.dumps(old + [{**r, "run": run} for r in rows], indent=1) + "\n")
 
 
 if __name__ == "__main__":
