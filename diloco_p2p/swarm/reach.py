@@ -34,6 +34,7 @@ from hivemind.p2p import P2P, PeerID
 
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.swarm import streams
+from diloco_p2p.swarm.dht import validate_maddrs
 from diloco_p2p.swarm.streams import NETWORK_ERRORS
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ def resolve(cfg: P2PConfig) -> tuple[str, str]:
     before reachability existed (the DHT start then says what is wrong with the initial peers)."""
     if cfg.reachability != "auto":
         return cfg.reachability, "set by p2p.reachability"
+    validate_maddrs(cfg.initial_peers, "p2p.initial_peers", require_peer_id=True)  # a typo: one clear line
     if not cfg.initial_peers:
         return PUBLIC, "no initial peer to ask (the first node of a swarm)"
     try:

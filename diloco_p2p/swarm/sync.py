@@ -103,12 +103,12 @@ class SwarmSync:
         # Behind NAT (nobody can dial us) we join the DHT as a client and reduce no all-reduce part.
         self.reachability, why = resolve(p2p)
         self.public = self.reachability != PRIVATE
-        log.info("reachability: %s (%s)%s", self.reachability, why, "" if self.public else
-                 "; averaging through public peers over our own connections, serving no part and no state")
         self._shortage: str | None = None
         # hivemind forks the DHT process: create it before any thread of ours.
         validators = [progress_validator(run_id), state_validator(run_id)]
         self.dht = start_dht(p2p, identity, client_mode=not self.public, record_validators=validators)
+        log.info("reachability: %s (%s)%s", self.reachability, why, "" if self.public else
+                 "; averaging through public peers over our own connections, serving no part and no state")
         self.loop = BackgroundLoop()
         self.progress: ProgressPublisher | None = None
         try:
