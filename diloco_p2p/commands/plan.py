@@ -94,5 +94,6 @@ def run(args: argparse.Namespace) -> int:
           f"{'exposed s':>9}  bottleneck")
     for p in predictions:
         print(f"{p.nodes:>5} {p.scheme:>9} {p.round_seconds:>9.1f} {p.utilization:>5.2f} {p.bytes_sent / 1e6:>9.2f} "
-              f"{p.messages:>7} {p.allreduce_seconds:>12.2f} {p.exposed_seconds:>9.2f}  {p.bottleneck}")
+              f"{p.messages:>7} {p.allreduce_seconds:>12.2f} {p.exposed_seconds:>9.2f}  {p.bottleneck} "
+              f"({p.parts.get(p.bottleneck, 0.0) / p.round_seconds:.0%} of the round)")
     return 0

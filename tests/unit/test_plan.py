@@ -116,7 +116,7 @@ def test_cli_prints_a_row_per_n(capsys):
     assert [r["nodes"] for r in rows] == [4, 16] and rows[0]["bytes_sent"] > 0
     assert cli.main(["plan", "--params", "150M", "--step-seconds", "0.5", "--uplink", "10-100"]) == 0
     out = capsys.readouterr().out
-    assert "1024" in out and "bottleneck" in out
+    assert "1024" in out and "bottleneck" in out and "% of the round)" in out
 
 
 @pytest.mark.parametrize("argv,needle", [
