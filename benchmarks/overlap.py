@@ -50,7 +50,7 @@ def quality(args: argparse.Namespace, earlier: dict | None = None) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diloco-overlap-") as tmp, \
             concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        jobs = {mode: [f"sync.overlap={mode}"] for mode in args.modes.split(",")}
+        jobs = {mode: [f"sync.overlap={mode}"] for mode in args.modes.split(",") if mode}
         for variant in args.variants:  # MODE:OUTER_LR:MOMENTUM, e.g. the paper's lowered lr for delayed
             mode, lr, mom = variant.split(":")
             jobs[variant] = [f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}"]
