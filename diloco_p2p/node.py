@@ -80,7 +80,7 @@ class Node:
         self.resyncs = 0
         self._node_hash: tuple[int, str] | None = None
         self._resumed_flight: tuple[int, torch.Tensor, float] | None = None  # a checkpoint's round in flight
-        self._last_record: RoundRecord | None = None
+        self._deferred: RoundRecord | None = None  # sync.overlap: a record served once its average is known
         self._resume()
         if leader:
             save_config(config, run_dir / "config.yaml")
@@ -148,8 +148,8 @@ class Node:
                 round_tokens += stats.tokens
                 self.step += 1
                 self._observe_step(stats, len(losses))
-                if self.pipeline and self._last_record and self.pipeline.ready_to_serve():
-                    self._serve(self._last_record)  # joiners need the average in flight
+                if self.pipeline and self._deferred and self.pipeline.inflight_done():
+                    self._serve(self._deferred)  # now with the average in flight, which joiners need
             if self._stopping():
                 break  # abandon the partial round: nothing of it reaches θ or the swarm
 
@@ -183,6 +183,9 @@ class Node:
         when a stop came first (the round is dropped; a round whose average is under way is not)."""
         round, pipe = self.round + 1, self.pipeline
         if pipe is None or round >= self.config.train.max_rounds:  # blocking; the last round drains the pipeline
+            if pipe is not None and self._deferred is not None:
+                pipe.inflight_done(wait=True)
+                self._serve(self._deferred)
             flight = pipe.take() if pipe is not None else None
             saved = None
             if flight is not None:
@@ -205,6 +208,9 @@ class Node:
                 pipe.correction.reset()
             self._apply(outcome)
             return outcome, round
+        if self._deferred is not None:  # the last round's record waits for its average (`_serve`)
+            pipe.inflight_done(wait=True)
+            self._serve(self._deferred)
         flight = pipe.take()  # the exposed part: the wait for round − 1's average
         if self._stopping():
             pipe.inflight = flight  # not applied: the checkpoint keeps it to average again
@@ -304,20 +310,23 @@ class Node:
         if self.round % cfg.train.checkpoint_every == 0 or self.round >= cfg.train.max_rounds:
             self._save()
         self._append(record)
-        self._last_record = record
         if self.metrics:
             self.metrics.observe_round(record.as_dict())
             self.metrics.set_dht_peers(self.sync.dht_peers())
             self.metrics.set_reachability(self.sync.reachability)
-        self._serve(record)
+        if self.pipeline is not None and not self.pipeline.inflight_done():
+            self._deferred = record  # served once the round's average is known (`_serve`)
+        else:
+            self._serve(record)
         self._log_round(record)
         return record
 
     def _serve(self, record: RoundRecord) -> None:
+        """Publish the round and serve the state. Under sync.overlap only once the round's average
+        is known, so the state carries it: a joiner that adopts it applies it as the members do."""
+        self._deferred = None
         node = self.state()
         self.sync.after_round(node, record)
-        if self.pipeline is not None:
-            self.pipeline.served(node)
 
     def _append(self, record: RoundRecord) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as f:

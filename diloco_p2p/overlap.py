@@ -46,7 +46,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from diloco_p2p.config import OuterConfig
-from diloco_p2p.contract import NodeState, RoundOutcome
+from diloco_p2p.contract import RoundOutcome
 
 OVERLAPS = ("none", "delayed", "eager")
 
@@ -163,9 +163,10 @@ class Pipeline:
 
     The loop (`diloco_p2p.node`) calls `take` at the end of round t (the wait for round t-1's
     average), applies what it returns to the global θ, then `correct` and `begin` round t's.
-    A state served to joiners carries round t-1's average once it is known (`served_tensors`):
-    the swarm's θ of round t-1 does not hold it yet, and a joiner adopting that state applies it
-    at the end of its first round as the members do (`adopt`), so it ends that round with their θ.
+    The node publishes round t (its record and state) only once round t's average is known, and
+    the state then carries it (`served_tensors`): θ of round t does not hold it yet, and a joiner
+    adopting that state applies it at the end of its first round as the members do (`adopt`), so
+    it ends that round with their θ.
     """
 
     def __init__(self, mode: str, numel: int, cfg: OuterConfig, group: int):
@@ -174,7 +175,6 @@ class Pipeline:
         self.group = max(1, group)  # M of a_t = 1/M: our last group's size
         self.inflight: InFlight | None = None
         self._abandoned: InFlight | None = None
-        self.served_round: int | None = None  # the in-flight round whose average the served state holds
 
     def start_point(self, theta: torch.Tensor) -> torch.Tensor:
         """The θ the node trains from: the global θ, plus the correction when eager."""
@@ -203,7 +203,6 @@ class Pipeline:
     def begin(self, sync, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> None:
         self.settle()
         self.inflight = begin_average(sync, round, delta, weight, params_hash)
-        self.served_round = None
 
     def settle(self) -> None:
         """Wait out an average whose result was dropped: one averaging at a time per sync."""
@@ -219,15 +218,14 @@ class Pipeline:
         if self.inflight is not None and not self.inflight.done():
             self._abandoned = self.inflight
         self.inflight = None
-        self.served_round = None
         if self.correction is not None:
             self.correction.reset()
 
-    def ready_to_serve(self) -> bool:
-        """The average in flight has just become known: the served state should carry it."""
-        flight = self.inflight
-        return flight is not None and flight.done() and self.served_round != flight.round and \
-            flight.result().status == "committed" and flight.result().average is not None
+    def inflight_done(self, wait: bool = False) -> bool:
+        """Whether the average in flight (if any) is known; `wait` for it first."""
+        if self.inflight is not None and wait:
+            self.inflight.result()
+        return self.inflight is None or self.inflight.done()
 
     def served_tensors(self) -> dict[str, torch.Tensor]:
         """What a joiner needs beyond θ and momentum: the known average of the round in flight."""
@@ -237,12 +235,6 @@ class Pipeline:
             return {}
         return {"overlap.average": flight.result().average,
                 "overlap.average_round": torch.tensor([flight.round], dtype=torch.int64)}
-
-    def served(self, node: NodeState) -> None:
-        """The swarm now serves `node`'s state: with the average in flight, if it carried it."""
-        rnd = node.state.get("overlap.average_round")
-        if rnd is not None:
-            self.served_round = int(rnd.reshape(-1)[0])
 
     def adopt(self, tensors: dict[str, torch.Tensor], round: int, numel: int) -> None:
         """Take over a served state's in-flight average (see the class docstring), if it has one

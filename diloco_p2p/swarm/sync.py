@@ -288,10 +288,9 @@ class SwarmSync:
         except Exception as e:  # no view of the swarm: the group closes when full or at the timeout
             log.debug("round %d: could not read progress records (%r)", round, e)
             records = {}
-        # Under sync.overlap a peer publishes round `round` while that round's average is still in flight.
-        last = round if self.cfg.overlap != "none" else round - 1
         distrusted = self.guard.distrusted()  # caught reducers: not waited for, not grouped with
-        expected = [peer for peer, r in records.items() if peer != self.peer_id and r.round <= last
+        # (Under sync.overlap a node publishes round r once r's average is known: the same rule holds.)
+        expected = [peer for peer, r in records.items() if peer != self.peer_id and r.round < round
                     and peer not in distrusted]
         self._check_public(records)
         computing = time.perf_counter() - self._computing_since if self._computing_since else 0.0

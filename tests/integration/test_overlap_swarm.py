@@ -1,5 +1,6 @@
-"""Two real nodes with ``sync.overlap: eager`` on loopback: the global θ agrees every round, and
-each round's all-reduce runs in the background while the next round computes.
+"""Real nodes with ``sync.overlap: eager`` on loopback: the global θ agrees every round, each
+round's all-reduce runs in the background while the next round computes, and a node that joins
+mid-run takes the average in flight with the state and ends every round with the members' θ.
 
 Node `fast` does 1/32 of `slow`'s work per inner step, so in every round it reaches the
 all-reduce long before `slow` and its averaging (waiting for `slow` in matchmaking, then the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.harness.procs import wait_until
 from tests.harness.swarm import ProcessSwarm
 
 ROUNDS = 4
@@ -53,3 +55,38 @@ def test_the_all_reduce_runs_behind_the_next_rounds_compute(swarm):
         p = fast[r]["phases"]
         # Still averaging when the next round's inner steps began: communication behind compute.
         assert p["average_start"] < p["compute_start"] < p["average_done"], (r, p)
+
+
+JOIN_ROUNDS = 7
+
+
+@pytest.fixture(scope="module")
+def joined(tmp_path_factory):
+    """Two eager nodes, and a third that joins while the others' round-2+ averages are in flight."""
+    with ProcessSwarm(tmp_path_factory.mktemp("overlap-join")) as swarm:
+        common = [f"train.max_rounds={JOIN_ROUNDS}", "sync.overlap=eager", "sync.target_group_size=3",
+                  "sync.matchmaking_timeout=10", "outer.inner_steps=4", "inner.batch_size=4"]
+        a, b = swarm.node("a", common), swarm.node("b", common)
+        late_gate = swarm.root / "late-gate"  # the late node is built and in the DHT, then waits here
+        late = swarm.node("late", common, env={"DILOCO_P2P_START_GATE": str(late_gate)})
+        swarm.wait_joined(a, b)
+        wait_until(lambda: any(swarm.root.glob("late-gate.ready-*")), 120, "the late node to join", late)
+        swarm.release(a, b)
+        a.wait_round(2)
+        late_gate.touch()
+        for node in (a, b, late):
+            assert node.wait(timeout=240) == 0, node.tail()
+        yield a.by_round(), b.by_round(), late.records()
+
+
+def test_a_joiner_takes_the_average_in_flight_and_ends_with_the_swarms_theta(joined):
+    a, b, late = joined
+    assert all(a[r]["params_sha256"] == b[r]["params_sha256"] for r in range(JOIN_ROUNDS + 1))
+    joins = [r for r in late if r["status"] == "resynced"]
+    assert joins and joins[0]["joined_at_round"] is not None, late
+    last = {r["round"]: r for r in late}
+    assert last[JOIN_ROUNDS]["params_sha256"] == a[JOIN_ROUNDS]["params_sha256"]
+    # After its join the late node trained rounds in the members' groups with their θ.
+    trained = [r for r in late if r["status"] == "committed" and r["round"] < JOIN_ROUNDS]
+    assert trained and all(r["params_sha256"] == a[r["round"]]["params_sha256"] for r in trained)
+    assert trained[0]["applied_round"] == joins[0]["round"]  # the members' average in flight, from the state
