@@ -156,13 +156,13 @@ def main() -> None:
         for rule in RULES:
             jobs[f"{attack}/{rule}"] = ([*common, f"sync.aggregation={rule}"], attack, 4)
     start = time.perf_counter()
+    n = model_size(common)
+    cost = allreduce_cost(n, args.repeats)
     with tempfile.TemporaryDirectory(prefix="diloco-robust-") as tmp, \
             concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = {name: pool.submit(run_job, name.replace("/", "-"), Path(tmp), sets, attack, m)
                    for name, (sets, attack, m) in jobs.items()}
         results = {name: f.result() for name, f in futures.items()}
-    n = model_size(common)
-    cost = allreduce_cost(n, args.repeats)
     free = results["attacker-free"]["final"]
     print(f"\n4 replicas (3 honest + 1 attacker), tiny model, {args.rounds} rounds x H={args.inner_steps}; "
           f"attacker-free = the 3 honest replicas alone: final eval loss {free:.4f}")
