@@ -37,8 +37,12 @@ One all-reduce (`hierarchical_allreduce`):
    failed, a gather that did not arrive - is zero on every member alike; a member whose row
    failed abstains (all ones) and itself returns "failed". The same two calls OR one bit per
    member, set by its own row if its contribution entered that row's committed parts: every
-   member learns the swarm's contributors. As in the butterfly, a member that
-   dies *during* an agreement step can leave members disagreeing; the round's params hash shows it.
+   member learns the swarm's contributors. Each part of a step's vector carries a whole copy of
+   the mask: a member gone since its row's scatter still sits in both steps (the grid is fixed)
+   and its part of each step is lost, which must not drop the mask itself - a loss in the row
+   step reaches no other row, so that row alone would drop every interval and fork θ. As in
+   the butterfly, a member that dies *during* an agreement step can leave members disagreeing;
+   the round's params hash shows it.
 
 Membership (`matchmaking`, with `MAX_MEMBERS` as its target: one group per round). Per node and
 round: one DHT store to register, one read of the round's key (one key, a subkey per registered
@@ -63,7 +67,8 @@ reduce and receive everything it does not hold) and N-1 messages:
                   = 2(N-1)/N  (the bound)            agreement = 6(r+c-2); r = c = sqrt(N): 12(sqrt N - 1)
 
 plus a ~200-byte header per message and 8 bytes per chunk frame; the agreement's vectors are
-(intervals + N) fp32 values (about 16 (2c + N) bytes sent: 16 KB at N = 1,024). With unequal rows a member may
+k m + N fp32 values for a step of k members and m intervals (about 8 ((r + c) m + 2N) bytes sent;
+m = c on equal rows: 33 KB at N = 1,024). With unequal rows a member may
 own 2 intervals (2 column calls: 3(r-1) more messages, the same bytes), and int8 then gathers in
 fp32: (c-1)/c n (4 - b) more bytes. At N = 1,024, butterfly_max 32: 3,069 messages per member
 for the butterfly, 372 for the grid; the bytes are the same. Time: the row gather starts only
@@ -211,17 +216,39 @@ async def hierarchical_allreduce(
 async def _agree(service: AllreduceService, group_id: str, peers: list[PeerID], votes: torch.Tensor, m: int,
                  timeout: float) -> tuple[torch.Tensor, list[AllreduceResult]]:
     """One agreement step over `peers`: the interval mask (the first part of `votes`) ANDed, the
-    contributor bits (one per member, the rest) ORed; an element lost in this step counts as 0.
+    contributor bits (one per member, the rest) ORed. Every part of the step's vector carries a
+    whole copy of the mask (`_spread`), so a member gone since its row's scatter, which reduces
+    no part of this step, takes only its share of the contributor bits with it: were the mask in
+    one part only, losing that part would drop every interval for this step's members alone (an
+    element lost here cannot reach the other rows), and their θ would fork from the other rows'.
     Our own votes when we heard nobody (we abstain rather than veto)."""
     if len(peers) == 1:
         return votes, []
-    res = await service.allreduce(group_id, peers, votes, 1.0, compression="fp32", timeout=AGREE_FRACTION * timeout)
+    spread, copies, rest = _spread(votes, m, len(peers))
+    res = await service.allreduce(group_id, peers, spread, 1.0, compression="fp32", timeout=AGREE_FRACTION * timeout)
     if res.status == "failed":
         return votes, [res]
     mean = res.average  # of 0/1 values with weight 1 each, in fp32: exactly 1.0 iff all heard hold it
-    held = (mean[:m] == 1.0) & (votes[:m] == 1.0)
-    entered = (mean[m:] > 0) | (votes[m:] > 0)
+    held = votes[:m] == 1.0
+    for p in res.committed_parts:  # the same parts and bits on every member that agreed in this step
+        held &= mean[copies[p] : copies[p] + m] == 1.0
+    entered = (mean[rest] > 0) | (votes[m:] > 0)  # a lost contributor bit counts as 0
     return torch.cat([held, entered]).float(), [res]
+
+
+def _spread(votes: torch.Tensor, m: int, k: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """`votes` laid out for a k-member step: each of the k parts (`wire.partition`) starts with a
+    copy of the m mask values, the contributor bits fill the rest in order. Returns the vector,
+    where each copy starts, and the contributor bits' positions. A pure function of the sizes:
+    every member of the step lays it out alike."""
+    bounds = wire.partition(k * m + votes.numel() - m, k)  # every part holds at least m values
+    copies = [lo for lo, _ in bounds]
+    rest = torch.tensor([x for lo, hi in bounds for x in range(lo + m, hi)], dtype=torch.long)
+    spread = torch.empty(bounds[-1][1], dtype=torch.float32)
+    for lo in copies:
+        spread[lo : lo + m] = votes[:m]
+    spread[rest] = votes[m:]
+    return spread, copies, rest
 
 
 def _result(grid: Grid, row: AllreduceResult, levels: list[AllreduceResult], votes: torch.Tensor,

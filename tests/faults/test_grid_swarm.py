@@ -1,6 +1,9 @@
 """Six real nodes with `sync.target_group_size=3`: every round is one group of the whole swarm,
 averaged on a 2 x 3 grid (`diloco_p2p.swarm.hierarchy`), and one node SIGKILLed in the middle of
 round 2's all-reduce (right after its row scatter) changes nothing of that for the five others.
+The victim has the smallest peer id, so it is member 0 of the ordered membership: index 0 of row
+0, the reducer of part 0 of its row's agreement step (it died with a third of the runs before the
+mask was copied into every part of that step: peer ids were random).
 
 Before issue 17 these six nodes formed two groups of three every round, which forked θ into two
 lineages that resynced into each other. Now: every node holds the same `params_sha256` after
@@ -11,12 +14,15 @@ weighted mean of the six nodes' Δ (saved by `keep@average`), recomputed here.
 from __future__ import annotations
 
 import json
+import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from diloco_p2p.swarm.dht import load_or_create_identity, peer_id_of
 from tests.harness.swarm import ProcessSwarm
 
 ROUNDS = 3
@@ -26,7 +32,9 @@ OVERRIDES = [f"train.max_rounds={ROUNDS}", "sync.target_group_size=3", "sync.mat
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
-    with ProcessSwarm(tmp_path_factory.mktemp("grid")) as swarm:
+    root = tmp_path_factory.mktemp("grid")
+    _identities(root, ["victim", *(f"node-{i}" for i in range(5))])
+    with ProcessSwarm(root) as swarm:
         keep = {"DILOCO_P2P_FAULTS": "keep@average"}
         nodes = [swarm.node(f"node-{i}", OVERRIDES, env=keep) for i in range(5)]
         victim = swarm.node("victim", OVERRIDES, env={"DILOCO_P2P_FAULTS": "keep@average,kill@allreduce:2"})
@@ -35,6 +43,15 @@ def grid(tmp_path_factory):
         for node in nodes:
             assert node.wait(timeout=240) == 0, node.tail()
         yield nodes, victim
+
+
+def _identities(root: Path, names: list[str]) -> None:
+    """An identity key in each node's run directory, the first name's the smallest peer id (the
+    membership is ordered by peer id, and the grid's rows are contiguous runs of it)."""
+    keys = [load_or_create_identity(root / "keys" / f"{i}.key") for i in range(len(names))]
+    for name, key in zip(names, sorted(keys, key=lambda k: peer_id_of(k)), strict=True):
+        (root / name).mkdir()
+        os.replace(key, root / name / "identity.key")
 
 
 def test_one_theta_every_round_and_nobody_resyncs(grid):
