@@ -32,3 +32,21 @@ def test_every_small_grid_covers_each_value_once_and_aligns_with_every_row():
 def test_one_butterfly_up_to_butterfly_max_then_rows_of_about_that_size():
     assert [rows_for(k, 16) for k in (2, 16, 17, 32, 33, 1000)] == [1, 1, 2, 2, 3, 63]
     assert rows_for(3, 2) == 1  # a row of one would not be a butterfly: rows of at least two
+
+
+def test_every_part_of_an_agreement_step_carries_the_whole_interval_mask():
+    """`hierarchy._spread`: a dead reducer of one part of an agreement step loses only its share of
+    the contributor bits, never the mask (each part starts with a copy of it)."""
+    import torch
+
+    from diloco_p2p.swarm.hierarchy import _spread
+
+    for m, members, k in itertools.product((1, 3, 7), (2, 6, 23), range(2, 9)):
+        votes = torch.tensor([float(x % 2) for x in range(m)] + [float(x % 3 == 0) for x in range(members)])
+        spread, copies, rest = _spread(votes, m, k)
+        bounds = wire.partition(spread.numel(), k)
+        assert copies == [lo for lo, _ in bounds] and all(hi - lo >= m for lo, hi in bounds)
+        for lo in copies:
+            assert torch.equal(spread[lo : lo + m], votes[:m])
+        assert torch.equal(spread[rest], votes[m:])
+        assert sorted(rest.tolist() + [lo + x for lo in copies for x in range(m)]) == list(range(spread.numel()))
