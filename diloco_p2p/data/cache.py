@@ -38,7 +38,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from diloco_p2p.data.manifest import _HASH_CHUNK, MANIFEST, VERIFIED, Manifest, dataset_id, write_json_atomic
+from diloco_p2p.data.manifest import (
+    _HASH_CHUNK,
+    MANIFEST,
+    VERIFIED,
+    Manifest,
+    dataset_id,
+    file_sha256,
+    read_stamps,
+    shard_stamp,
+    write_json_atomic,
+)
 from diloco_p2p.errors import UserError
 
 log = logging.getLogger("diloco_p2p.data")
@@ -155,19 +165,15 @@ class ShardCache:
 
     def _verify_held(self) -> None:
         """Keep the shards already here whose size and (once per file version) sha256 match."""
-        stamps_path = self.directory / VERIFIED
-        try:
-            stamps = json.loads(stamps_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            stamps = {}
+        stamps = read_stamps(self.directory)
         for i, shard in enumerate(self.manifest.shards):
             path = self.manifest.path(shard)
             try:
                 st = path.stat()
             except FileNotFoundError:
                 continue
-            stamp = [st.st_size, st.st_mtime_ns, shard["sha256"]]
-            if st.st_size == self.size[i] and (stamps.get(shard["name"]) == stamp or _sha(path) == shard["sha256"]):
+            stamp = shard_stamp(st, shard)
+            if st.st_size == self.size[i] and (stamps.get(shard["name"]) == stamp or file_sha256(path) == shard["sha256"]):
                 stamps[shard["name"]] = stamp
                 self.used[i] = None
             else:
@@ -232,7 +238,7 @@ class ShardCache:
         seconds = time.perf_counter() - start
         st = self.manifest.path(shard).stat()
         with self._lock:
-            self._stamps[shard["name"]] = [st.st_size, st.st_mtime_ns, shard["sha256"]]
+            self._stamps[shard["name"]] = shard_stamp(st, shard)
             self.used[index] = None
             self.fetched += 1
             self.fetched_bytes += self.size[index] - resumed
@@ -289,13 +295,6 @@ def http_fetch(base_url: str, shard: dict[str, Any], part: PartFile, timeout: fl
         raise ShardUnavailable(f"{url} served a copy whose sha256 is not the manifest's")
     return url
 
-
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class LazyShardSource:

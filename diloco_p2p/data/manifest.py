@@ -49,6 +49,19 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def read_stamps(directory: Path) -> dict[str, Any]:
+    """The shards of `directory` already verified (`VERIFIED`: name -> `shard_stamp`); empty if none."""
+    try:
+        return json.loads((directory / VERIFIED).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def shard_stamp(st: os.stat_result, shard: dict[str, Any]) -> list[Any]:
+    """What a verified shard file is remembered by: a file of this size and mtime hashed to this sha256."""
+    return [st.st_size, st.st_mtime_ns, shard["sha256"]]
+
+
 def write_json_atomic(path: Path, content: Any) -> None:
     """Write then rename: a reader sees the old file or the new one, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -124,12 +137,7 @@ class Manifest:
 
     def check_shards(self) -> None:
         """Every shard present, of its size, and (once per file version) of its sha256."""
-        cache_path = self.directory / VERIFIED
-        try:
-            cache = json.loads(cache_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            cache = {}
-        changed = False
+        cache, changed = read_stamps(self.directory), False
         for shard in self.shards:
             path, size = self.path(shard), shard["tokens"] * self.dtype.itemsize
             try:
@@ -140,7 +148,7 @@ class Manifest:
             if st.st_size != size:
                 raise UserError(f"{path} is truncated or damaged: {st.st_size} bytes, the manifest says {size}; "
                                 "copy it again or run `diloco-p2p prepare` again")
-            stamp = [st.st_size, st.st_mtime_ns, shard["sha256"]]
+            stamp = shard_stamp(st, shard)
             if cache.get(shard["name"]) == stamp:
                 continue
             if file_sha256(path) != shard["sha256"]:
@@ -149,6 +157,6 @@ class Manifest:
             cache[shard["name"]], changed = stamp, True
         if changed:
             try:
-                write_json_atomic(cache_path, cache)
+                write_json_atomic(self.directory / VERIFIED, cache)
             except OSError:
                 pass  # a read-only corpus: hash again next start
