@@ -31,7 +31,7 @@ import numpy as np
 
 from diloco_p2p.data.documents import input_files, iter_documents
 from diloco_p2p.data.encode import Encoder, token_dtype
-from diloco_p2p.data.manifest import MANIFEST, VERIFIED, Manifest, shard_name, write_json_atomic
+from diloco_p2p.data.manifest import MANIFEST, VERIFIED, Manifest, shard_name, shard_stamp, write_json_atomic
 from diloco_p2p.errors import UserError
 from diloco_p2p.model import Tokenizer
 
@@ -184,12 +184,20 @@ def _encoded(files: list[Path], text_field: str, encoder: Encoder, cursor: _Curs
 
 
 class _ShardWriter:
-    """Fills one shard's buffer and writes each full one atomically, then the resume state."""
+    """Fills one shard's buffer while the other is written; each written shard is synced, renamed and
+    recorded in the resume state behind the encoding, in shard order.
+
+    Three stages overlap: the encoding into `buf`; the write of the previous buffer to its ``.tmp``
+    file with its sha256 computed meanwhile (`_pool`: the buffer is free again once both are done);
+    and, on `_syncer`, each written file's fsync, rename and the resume state, one shard after the
+    other. The disk's flush never holds up the encoding, and the state names a shard only once its
+    bytes are on disk, so a rerun after a crash (or a power loss) resumes from whole shards only.
+    """
 
     def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, state: dict[str, Any],
                  signature: dict[str, Any]):
         self.out, self.shard_tokens, self.signature = out, shard_tokens, signature
-        self.shards: list[dict[str, Any]] = list(state["shards"])
+        self.shards: list[dict[str, Any]] = list(state["shards"])  # synced, renamed and in the state
         self.cursor = _Cursor(**state["cursor"])
         self.documents = state["documents"]  # documents wholly written
         self.text_bytes = self.cursor.bytes_before  # their text bytes
@@ -197,8 +205,11 @@ class _ShardWriter:
         self._spare = np.empty(shard_tokens, dtype=dtype)  # filled while `buf` is being written
         self.fill = 0
         self.next_doc = self.cursor.doc
+        self._next_shard = len(self.shards)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="shard-writer")  # the write, and its sha256
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="shard-sync")  # fsync, rename, state: in order
         self._pending: Future | None = None
+        self._failed: BaseException | None = None  # a shard that could not be committed: the later ones wait
 
     def add(self, doc: int, ids: np.ndarray, n_bytes: int, skipped: int, replaced: int) -> None:
         """Document `doc`'s ids after its first `skipped` (already in earlier shards)."""
@@ -217,23 +228,39 @@ class _ShardWriter:
         self.next_doc = doc + 1
 
     def _flush(self, cursor: _Cursor, replaced: int, documents: int) -> None:
-        """Hand the full buffer to the writer thread (hash, write, sync, rename, then the resume
-        state) and go on encoding into the other buffer."""
+        """Hand the full buffer to the writer threads and go on encoding into the other buffer."""
         self._wait()
         full, self.buf, self._spare = self.buf[: self.fill], self._spare, self.buf
-        index, self.fill = len(self.shards), 0
+        index, self.fill = self._next_shard, 0
+        self._next_shard += 1
 
         def write() -> None:
-            self.shards.append(write_shard(self.out, index, full, self._pool))
-            self.cursor = cursor
-            self.save_state(done=False, replaced=replaced, documents=documents)
+            record = write_shard(self.out, index, full, self._pool)
+            self._syncer.submit(self._commit, index, record, cursor, replaced, documents)
 
         self._pending = self._pool.submit(write)
 
+    def _commit(self, index: int, record: dict[str, Any], cursor: _Cursor, replaced: int, documents: int) -> None:
+        """On `_syncer`: shard `index`'s file synced and renamed, then recorded in the resume state."""
+        if self._failed is not None:
+            _tmp(self.out, index).unlink(missing_ok=True)
+            return
+        try:
+            commit_shard(self.out, index)
+            self.shards.append(record)
+            self.cursor = cursor
+            self.save_state(done=False, replaced=replaced, documents=documents)
+        except BaseException as e:
+            self._failed = e
+            raise
+
     def _wait(self) -> None:
+        """The buffer being written is free again; a failed write or commit (disk full) surfaces here."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()  # a write's UserError (disk full) surfaces here
+            pending.result()
+        if self._failed is not None:
+            raise self._failed
 
     def finish(self, replaced: int) -> list[dict[str, Any]]:
         try:
@@ -241,17 +268,26 @@ class _ShardWriter:
                 self._flush(_Cursor(self.next_doc, 0, self.text_bytes), replaced, self.documents)
             self._wait()
         finally:
-            self._pool.shutdown(wait=True)
+            self._close()
+        if self._failed is not None:
+            raise self._failed
         return self.shards
 
     def abort(self) -> None:
-        """Let a shard being written finish (or fail) before the process goes on."""
+        """Let the shards being written finish (or fail) before the process goes on; shards written
+        but not committed are removed (a rerun writes them again)."""
         try:
             self._wait()
-        except UserError:
+        except BaseException:  # the exception being handled is the one reported
             pass
         finally:
-            self._pool.shutdown(wait=True)
+            self._close()
+            for f in self.out.glob("shard-*.bin.tmp"):
+                f.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        self._pool.shutdown(wait=True)  # its last write queues that shard's commit first
+        self._syncer.shutdown(wait=True)
 
     def save_state(self, *, done: bool, replaced: int, documents: int | None = None) -> None:
         state = {"source": self.signature, "shards": self.shards, "cursor": vars(self.cursor),
@@ -259,17 +295,18 @@ class _ShardWriter:
                  "done": done}
         _guard_disk(self.out / STATE, lambda: write_json_atomic(self.out / STATE, state), len(self.shards))
         if done:
-            stamps = {}
-            for s in self.shards:
-                st = (self.out / s["name"]).stat()
-                stamps[s["name"]] = [st.st_size, st.st_mtime_ns, s["sha256"]]
+            stamps = {s["name"]: shard_stamp((self.out / s["name"]).stat(), s) for s in self.shards}
             write_json_atomic(self.out / VERIFIED, stamps)
 
 
+def _tmp(out: Path, index: int) -> Path:
+    return out / (shard_name(index) + ".tmp")
+
+
 def write_shard(out: Path, index: int, ids: np.ndarray, pool: ThreadPoolExecutor | None = None) -> dict[str, Any]:
-    """`ids` as ``out/shard-NNNNN.bin``, whole or not at all; hashed on `pool` meanwhile."""
-    path = out / shard_name(index)
-    tmp = path.with_name(path.name + ".tmp")
+    """`ids` written to shard `index`'s ``.tmp`` file (not yet synced: `commit_shard`), hashed on `pool`
+    meanwhile; its manifest record."""
+    tmp = _tmp(out, index)
     view = memoryview(np.ascontiguousarray(ids)).cast("B")
     sha = pool.submit(lambda: hashlib.sha256(view).hexdigest()) if pool else None
 
@@ -277,16 +314,32 @@ def write_shard(out: Path, index: int, ids: np.ndarray, pool: ThreadPoolExecutor
         try:
             with open(tmp, "wb") as f:
                 f.write(view)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
 
-    _guard_disk(path, write, index)
+    _guard_disk(out / shard_name(index), write, index)
     digest = sha.result() if sha else hashlib.sha256(view).hexdigest()
-    return {"name": path.name, "tokens": int(len(ids)), "sha256": digest}
+    return {"name": shard_name(index), "tokens": int(len(ids)), "sha256": digest}
+
+
+def commit_shard(out: Path, index: int) -> None:
+    """Shard `index`'s written ``.tmp`` file synced to disk, then renamed: whole or absent."""
+    tmp = _tmp(out, index)
+
+    def sync() -> None:
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, out / shard_name(index))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    _guard_disk(out / shard_name(index), sync, index)
 
 
 def _guard_disk(path: Path, write: Any, shard: int) -> None:
