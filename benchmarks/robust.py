@@ -11,11 +11,17 @@ The attacker trains honestly and then lies about its Δ each round:
 - ``scaled``: it sends Δ × 0.99 × `sync.max_norm_ratio` (the largest norm the bound lets through
   when its honest norm is the median), weight honest.
 
+Every run is repeated for each ``--seeds`` value (``seed``: the initial θ), and each attacked run is
+compared with the attacker-free run of the same seed: the table gives the mean of those relative
+differences and their range. ``trimmed_mean (two-sided)`` is the rank-trimmed mean of Yin et al.
+2018 (b from each end) that ``trimmed_mean`` replaced (`aggregate.trimmed_mean`'s docstring says
+why), run for comparison by swapping the function in that job's process.
+
 Cost table: one all-reduce of the tiny model's parameter count among 4 in-process members on real
 p2pd daemons (loopback), per rule: median seconds and bytes sent per member, and the reducer's
 arithmetic alone (`aggregate.reduce_part` on one part).
 
-    python benchmarks/robust.py [--rounds 20] [--inner-steps 20] [--jobs 2] [--set a.b=v ...]
+    python benchmarks/robust.py [--rounds 20] [--inner-steps 20] [--seeds 0,1,2] [--jobs 2] [--set a.b=v ...]
 
 Prints both tables and writes benchmarks/results/robust.json (and robust.png: eval loss curves).
 """
@@ -42,12 +48,25 @@ from diloco_p2p.swarm import aggregate, wire  # noqa: E402
 CONFIG = "configs/tiny-cpu.yaml"
 RULES = ("mean", "trimmed_mean", "centered_clip")
 ATTACKS = ("signflip", "scaled")
+TWO_SIDED = "trimmed_mean (two-sided)"
+
+
+def two_sided_trimmed_mean(values, trim_fraction: float) -> torch.Tensor:
+    """The previous ``trimmed_mean``: drop the b = floor(trim_fraction·m) largest and smallest
+    values of each coordinate (Yin et al. 2018), for the comparison row."""
+    import math
+
+    m = len(values)
+    b = min(int(math.floor(trim_fraction * m)), (m - 1) // 2)
+    ordered = torch.stack(list(values)).sort(dim=0).values
+    return ordered[b : m - b].sum(dim=0, dtype=torch.float32) / float(m - 2 * b)
 
 
 # ----------------------------------------------------------------------------- one simulated run
 
 
-def simulate_one(name: str, root: Path, sets: list[str], attack: str | None, replicas: int) -> dict:
+def simulate_one(name: str, root: Path, sets: list[str], attack: str | None, replicas: int,
+                 two_sided: bool = False) -> dict:
     """In a child process: `replicas` replicas, the last one attacking with `attack`."""
     from diloco_p2p.config import load_config
     from diloco_p2p.contract import RoundOutcome
@@ -55,6 +74,8 @@ def simulate_one(name: str, root: Path, sets: list[str], attack: str | None, rep
 
     config = load_config(CONFIG, sets)
     keys = [f"replica-{i}" for i in range(replicas)]
+    if two_sided:
+        aggregate.trimmed_mean = two_sided_trimmed_mean
 
     class Attacker(ReplicaSync):
         def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
@@ -75,8 +96,9 @@ def simulate_one(name: str, root: Path, sets: list[str], attack: str | None, rep
             "replicas_agree": len(hashes) == 1}
 
 
-def run_job(name: str, root: Path, sets: list[str], attack: str | None, replicas: int) -> dict:
-    cmd = [sys.executable, __file__, "--one", json.dumps([name, str(root), sets, attack, replicas])]
+def run_job(name: str, root: Path, sets: list[str], attack: str | None, replicas: int, two_sided: bool) -> dict:
+    cmd = ["nice", "-n", "10", sys.executable, __file__, "--one",
+           json.dumps([name, str(root), sets, attack, replicas, two_sided])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
@@ -133,10 +155,42 @@ def allreduce_cost(n: int, repeats: int) -> dict[str, dict[str, float]]:
 # ----------------------------------------------------------------------------- main
 
 
+def jobs_of(args: argparse.Namespace) -> dict[str, tuple[list[str], str | None, int, bool]]:
+    """name -> (--set overrides, attack, replicas, two-sided trimmed mean), every seed."""
+    common = [f"train.max_rounds={args.rounds}", f"outer.inner_steps={args.inner_steps}", "train.num_threads=1",
+              "train.eval_every=2", f"train.checkpoint_every={args.rounds}", "inner.seq_len=64", *args.overrides]
+    jobs = {}
+    for seed in args.seeds:
+        sets = [*common, f"seed={seed}"]
+        jobs[f"attacker-free@{seed}"] = (sets, None, 3, False)
+        for attack in ATTACKS:
+            for rule in (*RULES, TWO_SIDED):
+                if rule == "mean" and seed != args.seeds[0]:
+                    continue  # mean fails by a wide margin: one seed shows it
+                agg = "trimmed_mean" if rule == TWO_SIDED else rule
+                jobs[f"{attack}/{rule}@{seed}"] = ([*sets, f"sync.aggregation={agg}"], attack, 4, rule == TWO_SIDED)
+    return jobs
+
+
+def summarize(results: dict[str, dict], seeds: list[int]) -> dict[str, dict]:
+    """Per attack/rule: final losses per seed and their difference to the same seed's attacker-free run."""
+    rows: dict[str, dict] = {}
+    for name, r in results.items():
+        key, _, seed = name.rpartition("@")
+        free = results[f"attacker-free@{seed}"]["final"]
+        row = rows.setdefault(key, {"finals": [], "vs_free_pct": [], "agree": True, "seconds": []})
+        row["finals"].append(r["final"])
+        row["vs_free_pct"].append(100 * (r["final"] / free - 1))
+        row["agree"] &= r["replicas_agree"]
+        row["seconds"].append(r["seconds"])
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--inner-steps", type=int, default=20, help="H")
+    p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1, 2])
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="all-reduces per rule in the cost table")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE")
@@ -144,33 +198,34 @@ def main() -> None:
     p.add_argument("--png", type=Path, default=Path("benchmarks/results/robust.png"))
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
+    torch.set_num_threads(1)
     if args.one:
-        name, root, sets, attack, replicas = json.loads(args.one)
-        torch.set_num_threads(1)
-        print(json.dumps(simulate_one(name, Path(root), sets, attack, replicas)))
+        name, root, *rest = json.loads(args.one)
+        print(json.dumps(simulate_one(name, Path(root), *rest)))
         return
-    common = [f"train.max_rounds={args.rounds}", f"outer.inner_steps={args.inner_steps}", "train.num_threads=1",
-              "train.eval_every=2", f"train.checkpoint_every={args.rounds}", "inner.seq_len=64", *args.overrides]
-    jobs = {"attacker-free": (common, None, 3)}
-    for attack in ATTACKS:
-        for rule in RULES:
-            jobs[f"{attack}/{rule}"] = ([*common, f"sync.aggregation={rule}"], attack, 4)
+    jobs = jobs_of(args)
     start = time.perf_counter()
-    n = model_size(common)
+    n = model_size(jobs[f"attacker-free@{args.seeds[0]}"][0])
     cost = allreduce_cost(n, args.repeats)
     with tempfile.TemporaryDirectory(prefix="diloco-robust-") as tmp, \
             concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {name: pool.submit(run_job, name.replace("/", "-"), Path(tmp), sets, attack, m)
-                   for name, (sets, attack, m) in jobs.items()}
+        futures = {name: pool.submit(run_job, name.replace("/", "-").replace(" ", "_"), Path(tmp), *job)
+                   for name, job in jobs.items()}
         results = {name: f.result() for name, f in futures.items()}
-    free = results["attacker-free"]["final"]
-    print(f"\n4 replicas (3 honest + 1 attacker), tiny model, {args.rounds} rounds x H={args.inner_steps}; "
-          f"attacker-free = the 3 honest replicas alone: final eval loss {free:.4f}")
-    print(f"{'attack':<10} {'aggregation':<14} {'final eval':>10} {'vs free':>9} {'θ agree':>8} {'wall s':>7}")
-    for name, r in results.items():
-        attack, _, rule = name.partition("/")
-        print(f"{attack:<10} {rule or '-':<14} {r['final']:>10.4f} {100 * (r['final'] / free - 1):>+8.1f}% "
-              f"{str(r['replicas_agree']):>8} {r['seconds']:>7.0f}")
+    rows = summarize(results, args.seeds)
+    free = rows["attacker-free"]["finals"]
+    print(f"\n4 replicas (3 honest + 1 attacker), tiny model, {args.rounds} rounds x H={args.inner_steps}, seeds "
+          f"{args.seeds}; attacker-free = the 3 honest replicas alone: final eval loss "
+          f"{statistics.mean(free):.4f} (range {min(free):.4f}-{max(free):.4f})")
+    print("vs free: the attacked run vs the attacker-free run of the same seed, mean [min, max] over seeds")
+    print(f"{'attack':<10} {'aggregation':<26} {'final eval':>10} {'vs free':>9} {'[min, max]':>17} {'θ agree':>8}")
+    for key, r in rows.items():
+        if key == "attacker-free":
+            continue
+        attack, _, rule = key.partition("/")
+        pct = r["vs_free_pct"]
+        print(f"{attack:<10} {rule or '-':<26} {statistics.mean(r['finals']):>10.4f} "
+              f"{statistics.mean(pct):>+8.2f}% [{min(pct):>+6.2f}%, {max(pct):>+6.2f}%] {str(r['agree']):>8}")
     print(f"\ncost per round, one all-reduce of {n:,} values among 4 members on loopback (fp16), median of "
           f"{args.repeats}")
     print(f"{'aggregation':<14} {'all-reduce s':>12} {'bytes sent/member':>18} {'reduce_part s':>14}")
@@ -178,8 +233,13 @@ def main() -> None:
         print(f"{rule:<14} {c['allreduce_s']:>12.3f} {c['bytes_sent']:>18,.0f} {c['reduce_part_s']:>14.4f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "parameters": n,
-                                     "results": results, "cost": cost,
+                                     "summary": rows, "results": results, "cost": cost,
                                      "seconds": time.perf_counter() - start}, indent=1))
+    plot(args, results)
+
+
+def plot(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    """Eval loss curves of the first seed, one panel per attack."""
     try:
         import matplotlib
 
@@ -187,14 +247,15 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    seed = args.seeds[0]
     fig, axes = plt.subplots(1, len(ATTACKS), figsize=(11, 4), sharey=True)
     for ax, attack in zip(axes, ATTACKS, strict=True):
-        rounds, losses = zip(*results["attacker-free"]["curve"], strict=True)
+        rounds, losses = zip(*results[f"attacker-free@{seed}"]["curve"], strict=True)
         ax.plot(rounds, losses, "k--", label="attacker-free (3 honest)")
-        for rule in RULES:
-            rounds, losses = zip(*results[f"{attack}/{rule}"]["curve"], strict=True)
-            ax.plot(rounds, losses, label=rule)
-        ax.set_title(f"attack: {attack}")
+        for rule in (*RULES, TWO_SIDED):
+            rounds, losses = zip(*results[f"{attack}/{rule}@{seed}"]["curve"], strict=True)
+            ax.plot(rounds, losses, ":" if rule == TWO_SIDED else "-", label=rule)
+        ax.set_title(f"attack: {attack} (seed {seed})")
         ax.set_xlabel("round")
         ax.set_yscale("log")
         ax.legend()

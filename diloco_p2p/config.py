@@ -233,10 +233,10 @@ class SyncConfig(_Section):
         4.0, ge=1, description="Cap each accepted weight at this multiple of the lower median of the weights offered for the same part before averaging (one peer carries at most this many members' say); null: weights as claimed."
     )
     aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = Field(
-        "mean", description="How a reducer combines the contributions to its part: `mean` (token-weighted), `trimmed_mean` (per coordinate, drop the `trim_fraction` largest and smallest) or `centered_clip` (Karimireddy et al. 2021, around the coordinatewise median); the robust rules count members, not tokens."
+        "mean", description="How a reducer combines the contributions to its part: `mean` (token-weighted), `trimmed_mean` (per coordinate, drop the `trim_fraction` of values farthest from the median: Xie et al. 2018's mean around the median) or `centered_clip` (Karimireddy et al. 2021, around the coordinatewise median); the robust rules count members, not tokens."
     )
     trim_fraction: float = Field(
-        0.25, ge=0, lt=0.5, description="`trimmed_mean`: fraction of the contributions dropped from each side, per coordinate (rounded down)."
+        0.25, ge=0, lt=0.5, description="`trimmed_mean`: fraction of the contributions dropped per coordinate (rounded down), those farthest from the coordinatewise median."
     )
     clip_radius: float = Field(
         1.0, gt=0, description="`centered_clip`: the clipping radius as a multiple of the lower median of the contributions' distances to the center."

@@ -18,10 +18,19 @@ What a reducer does with the contributions to its part (`Robust`, from `sync.*`)
   norms offered for the part ("norm"). The lower median cannot be raised by one inflated claim.
 - **Rule** (``aggregation``):
   ``mean``: the token-weighted mean (`wire.reduce_chunk`, bit for bit today's arithmetic);
-  ``trimmed_mean``: per coordinate, drop the ``floor(trim_fraction·m)`` largest and smallest of
-  the m values and average the rest (the coordinatewise trimmed mean of Yin et al. 2018,
-  "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates"); coordinatewise, so
-  it reduces chunk by chunk as the contributions stream in;
+  ``trimmed_mean``: per coordinate, drop the ``b = floor(trim_fraction·m)`` values farthest from
+  the coordinatewise median and average the ``m - b`` others (the "mean around the median" of
+  Xie, Koyejo and Gupta 2018, "Generalized Byzantine-tolerant SGD", a trimmed mean centered on the
+  median; Yin et al. 2018, "Byzantine-Robust Distributed Learning: Towards Optimal Statistical
+  Rates", trim b from *each* end instead). Trimming by distance, not by rank, is what a small
+  group needs: with m = 4 and one attacker, the two-sided trim keeps the 2 middle values, and
+  when the attacker sits on one side (a sign flip does, at every coordinate where the honest
+  values agree) those are the 2 honest values nearest it, a bias toward the attacker of one
+  order statistic at every such coordinate (the benchmark measured +2.4% final loss for it);
+  here the attacker is the one dropped and the 3 honest values are averaged, the attacker-free
+  mean. ``b < m/2`` keeps the median, hence the kept values, inside the honest range. Values are
+  counted, not weighted: a claimed token weight moves nothing. Coordinatewise, so it reduces
+  chunk by chunk as the contributions stream in;
   ``centered_clip``: one step of centered clipping (Karimireddy, He and Jaggi 2021, "Learning
   from History for Byzantine Robust Optimization", eq. 2): ``v = c + (1/m) Σ_i (x_i - c) ·
   min(1, τ / ||x_i - c||)`` with the center ``c`` the coordinatewise (lower) median of the
@@ -151,11 +160,20 @@ def capped_weights(weights: dict[int, float], cap: float | None) -> dict[int, fl
 
 
 def trimmed_mean(values: Sequence[torch.Tensor], trim_fraction: float) -> torch.Tensor:
-    """Coordinatewise mean after dropping the floor(trim_fraction·m) largest and smallest values."""
+    """Coordinatewise mean of the m - b values nearest the median, b = floor(trim_fraction·m)
+    (mean around the median, Xie et al. 2018; module docstring). The median of an even count is
+    the midpoint of the two middle values; equal distances keep the lower member index (a stable
+    sort), and the kept values are summed in distance order, so the result is a function of the
+    bytes alone."""
     m = len(values)
     b = min(int(math.floor(trim_fraction * m)), (m - 1) // 2)
-    ordered = torch.stack(list(values)).sort(dim=0).values  # ties are equal values: the order is moot
-    return ordered[b : m - b].sum(dim=0, dtype=torch.float32) / float(m - 2 * b)
+    stacked = torch.stack(list(values))
+    if b == 0:
+        return stacked.sum(dim=0, dtype=torch.float32) / float(m)
+    ordered = stacked.sort(dim=0).values
+    median = (ordered[(m - 1) // 2] + ordered[m // 2]) / 2
+    nearest = (stacked - median).abs().sort(dim=0, stable=True).indices[: m - b]
+    return stacked.gather(0, nearest).sum(dim=0, dtype=torch.float32) / float(m - b)
 
 
 def coordinate_median(values: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -21,21 +21,49 @@ def vectors(m: int, n: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=g) for _ in range(m)]
 
 
-def test_trimmed_mean_drops_the_extremes_of_each_coordinate():
-    xs = vectors(5, 40, 1)
-    got = aggregate.trimmed_mean(xs, 0.25)  # floor(0.25 * 5) = 1 from each side
+def _mean_around_median(column: list[float], b: int) -> float:
+    """Independent reference: the len - b values nearest the median (ties: lower index first)."""
+    ordered = sorted(column)
+    m = len(column)
+    median = (ordered[(m - 1) // 2] + ordered[m // 2]) / 2
+    kept = sorted(range(m), key=lambda i: (abs(column[i] - median), i))[: m - b]
+    return sum(column[i] for i in kept) / (m - b)
+
+
+@pytest.mark.parametrize("m", [4, 5, 8])
+def test_trimmed_mean_drops_the_values_farthest_from_the_median(m):
+    xs = vectors(m, 40, m)
+    got = aggregate.trimmed_mean(xs, 0.25)  # b = floor(0.25 * m): 1, 1, 2 dropped per coordinate
     for i in range(40):
-        column = sorted(float(x[i]) for x in xs)
-        assert math.isclose(float(got[i]), sum(column[1:4]) / 3, rel_tol=1e-6, abs_tol=1e-6)
-    assert torch.allclose(aggregate.trimmed_mean(xs, 0.0), torch.stack(xs).sum(0) / 5, atol=1e-6)
-    # trimming never empties the set: with 2 values and 0.49, both stay
+        column = [float(x[i]) for x in xs]
+        assert math.isclose(float(got[i]), _mean_around_median(column, m // 4), rel_tol=1e-5, abs_tol=1e-6)
+    assert torch.allclose(aggregate.trimmed_mean(xs, 0.0), torch.stack(xs).sum(0) / m, atol=1e-6)
+    # trimming never empties the set nor passes the median: with 2 values and 0.49, both stay
     two = vectors(2, 8, 2)
     assert torch.allclose(aggregate.trimmed_mean(two, 0.49), (two[0] + two[1]) / 2)
 
 
 def test_trimmed_mean_ignores_one_outlier_entirely():
     xs = [torch.full((6,), v) for v in (1.0, 2.0, 3.0)] + [torch.full((6,), 1e9)]
-    assert torch.equal(aggregate.trimmed_mean(xs, 0.25), torch.full((6,), 2.5))
+    assert torch.equal(aggregate.trimmed_mean(xs, 0.25), torch.full((6,), 2.0))
+
+
+def test_trimmed_mean_of_four_with_a_sign_flip_is_the_honest_mean():
+    """The benchmark's case: 3 honest values that agree in sign and a 4th at minus their mean.
+    The two-sided trim (Yin et al.) would keep the 2 honest values nearest the attacker; this
+    keeps all 3 honest ones."""
+    g = torch.Generator().manual_seed(9)
+    base = torch.rand(64, generator=g) + 1.0
+    honest = [base * (1 + 0.1 * k) for k in range(3)]
+    attacker = -(honest[0] + honest[1] + honest[2]) / 3
+    got = aggregate.trimmed_mean([honest[0], attacker, honest[1], honest[2]], 0.25)
+    assert torch.allclose(got, (honest[0] + honest[1] + honest[2]) / 3, rtol=1e-6)
+
+
+def test_trimmed_mean_breaks_equal_distances_by_member_index():
+    # median 0: -1 and +1 are equally far; the lower index (here -1, index 0) is kept
+    xs = [torch.tensor([-1.0]), torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([1.0])]
+    assert torch.equal(aggregate.trimmed_mean(xs, 0.25), torch.tensor([-1.0 / 3]))
 
 
 def test_centered_clip_matches_the_formula():
