@@ -99,14 +99,7 @@ async def _run(service: Any, s: Session, tensor: torch.Tensor, weight: float, de
                       finite=finite)
     sends = [service._spawn(service._send(s, j, header, own, s.d_gather)) for j in s.others]
     tasks += sends
-    reason = wire.weight_problem(weight, None, math.inf)
-    if reason is None and not (finite and wire.is_finite(codecs.decode_chunks(own, s.n, s.chunk, density))):
-        reason = "nan"
-    if reason:
-        s.rejected[s.me] = reason
-    else:
-        s.contribs[s.me] = (weight, own)
-        s.complete.add(s.me)
+    if s.accept_own(weight, own, finite, lambda: [codecs.decode_chunks(own, s.n, s.chunk, density)]):
         s.digests[s.me] = contribution_digest(weight, own)
     if on_phase is not None or on_scattered is not None:
         await asyncio.wait(sends, timeout=max(s.d_gather - asyncio.get_running_loop().time(), 0.0))

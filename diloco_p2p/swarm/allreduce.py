@@ -345,15 +345,8 @@ class AllreduceService:
         lo, hi = s.bounds[s.me]  # our own part: same encoding, same checks as anyone's
         ranges = wire.chunk_ranges(hi - lo, s.chunk)
         own = [wire.encode(tensor[lo + a : lo + b], s.compression) for a, b in ranges]
-        reason = wire.weight_problem(weight, None, math.inf)
-        decoded = (wire.decode(data, b - a, s.compression) for (a, b), data in zip(ranges, own, strict=True))
-        if reason is None and not (finite and all(wire.is_finite(values) for values in decoded)):
-            reason = "nan"
-        if reason:
-            s.rejected[s.me] = reason
-        else:
-            s.contribs[s.me] = (weight, own)
-            s.complete.add(s.me)
+        s.accept_own(weight, own, finite, lambda: (wire.decode(data, b - a, s.compression)
+                                                   for (a, b), data in zip(ranges, own, strict=True)))
         return tasks
 
     async def _pipeline(

@@ -114,6 +114,22 @@ class Session:
     def header(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"kind": kind, "group": self.group_id, "digest": self.digest, **fields}
 
+    def accept_own(self, weight: float, chunks: list[bytes], finite: bool,
+                   decoded: Callable[[], Iterable[torch.Tensor]]) -> bool:
+        """Our own contribution passes the checks anyone's does: a weight that is no positive finite
+        number, or a value that is not finite as `decoded` (our encoded `chunks`) reads back, and it
+        is refused under its reason like anyone's; else it is complete. `finite`: what our headers
+        say about the whole vector. The butterfly and the all-gather share this."""
+        reason = wire.weight_problem(weight, None, math.inf)
+        if reason is None and not (finite and all(wire.is_finite(values) for values in decoded())):
+            reason = "nan"
+        if reason:
+            self.rejected[self.me] = reason
+            return False
+        self.contribs[self.me] = (weight, chunks)
+        self.complete.add(self.me)
+        return True
+
     def pending(self, done: Iterable[int], only_heard: bool) -> list[int]:
         """Live members still expected to deliver what `done` is keyed by."""
         skip = self.gone | self.excluded | self.silent | set(done)
