@@ -11,9 +11,15 @@ pseudo-gradient), ``exit`` (raise SystemExit, for a local rank dying inside a mu
 ``keep`` (no fault: keep each round's Δ and the average applied, so a test can recompute the
 mean itself; ``keep@average`` with no round means every round, saved as safetensors under
 ``<run dir>/deltas/``).
+Lies of a hostile member (issue 12), each for one round: ``flip@delta`` (send -Δ with a token weight
+of 0.999 × ``sync.max_weight_ratio`` × its own: the largest the bound lets through),
+``scale@delta`` (send Δ × 1000: a huge norm, finite in fp16), ``scale@reduce`` (as a reducer,
+send its averaged part × 1000 to every member) and ``split@reduce`` (as a reducer, send one
+member other bytes than the rest); the reducer lies are `diloco_p2p.swarm.lying`'s.
 Points: ``delta`` (the round's pseudo-gradient is computed, before matchmaking), ``group`` (a
-group formed), ``allreduce`` (our parts are sent), and in a multi-rank node ``rankR.step``
-(local rank R is about to take inner step N, the number after the colon). Each item fires at
+group formed), ``allreduce`` (our parts are sent), ``reduce`` (we reduce our part), and in a
+multi-rank node ``rankR.step`` (local rank R is about to take inner step N, the number after
+the colon). Each item fires at
 most once. A misspelt item is an error at start, not a fault that silently never fires.
 Nothing here is active unless the variable is set.
 
@@ -36,8 +42,10 @@ import torch
 log = logging.getLogger(__name__)
 ENV = "DILOCO_P2P_FAULTS"
 GATE_ENV = "DILOCO_P2P_START_GATE"
-ACTIONS = ("kill", "stop", "hold", "nan", "exit", "keep")
-POINT = re.compile(r"delta|group|allreduce|rank\d+\.step")
+ACTIONS = ("kill", "stop", "hold", "nan", "exit", "keep", "flip", "scale", "split")
+POINT = re.compile(r"delta|group|allreduce|reduce|rank\d+\.step")
+LIE_POINTS = {"nan": ("delta",), "flip": ("delta",), "scale": ("delta", "reduce"), "split": ("reduce",)}
+SCALE = 1000.0  # scale@delta's factor
 EVERY_ROUND = -1
 
 
@@ -67,12 +75,14 @@ class Faults:
                 continue
             if action not in ACTIONS or not POINT.fullmatch(point) or not round_.isdigit():
                 raise ValueError(f"{ENV}: bad item {item!r}; expected ACTION@POINT:ROUND with ACTION one of "
-                                 f"{', '.join(ACTIONS)} and POINT delta, group, allreduce or rankR.step, "
+                                 f"{', '.join(ACTIONS)} and POINT delta, group, allreduce, reduce or rankR.step, "
                                  "e.g. kill@allreduce:2 (or keep@average)")
             if action == "keep":
                 raise ValueError(f"{ENV}: bad item {item!r}; keep takes no point or round of its own: keep@average")
-            if action == "nan" and point != "delta":
-                raise ValueError(f"{ENV}: bad item {item!r}; nan poisons the pseudo-gradient, so its point is delta")
+            if action in LIE_POINTS and point not in LIE_POINTS[action]:
+                raise ValueError(f"{ENV}: bad item {item!r}; {action} lies at {' or '.join(LIE_POINTS[action])}")
+            if action not in LIE_POINTS and point == "reduce":
+                raise ValueError(f"{ENV}: bad item {item!r}; reduce is a point of the lies scale and split")
             self.pending.add((action, point, int(round_)))
 
     def start_gate(self) -> None:
@@ -122,3 +132,25 @@ class Faults:
         poisoned = tensor.clone()
         poisoned[::7] = float("nan")
         return poisoned
+
+    @property
+    def lies_as_reducer(self) -> bool:
+        """Whether a reducer lie is planned (the node then reduces with `swarm.lying.LyingAllreduce`)."""
+        return any(point == "reduce" for _, point, _ in self.pending)
+
+    def lie(self, round_: int, delta: torch.Tensor, weight: float, max_weight_ratio: float) -> tuple[torch.Tensor, float]:
+        """The contribution a ``flip@delta`` or ``scale@delta`` planned for this round sends instead."""
+        action = self._take("delta", round_, ("flip", "scale"))
+        if action is None:
+            return delta, weight
+        log.warning("fault injection: %s pseudo-gradient in round %d", action, round_)
+        if action == "flip":
+            return -delta, 0.999 * max_weight_ratio * weight
+        return delta * SCALE, weight
+
+    def reducer_lie(self, round_: int) -> str | None:
+        """`LyingAllreduce.lie` for this round: ``scale-output`` / ``split-output`` when planned."""
+        action = self._take("reduce", round_, ("scale", "split"))
+        if action is not None:
+            log.warning("fault injection: %s at reduce of round %d", action, round_)
+        return {"scale": "scale-output", "split": "split-output"}.get(action or "")

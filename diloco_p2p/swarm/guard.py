@@ -33,6 +33,7 @@ class Guard:
         self._round: dict[str, set[str]] = {}
         self._logged: set[tuple[str, str, str]] = set()
         self._last: dict[str, tuple[str, float]] = {}
+        self._caught: dict[str, float] = {}  # peer -> when it was last caught as a reducer
         self._lock = threading.Lock()
 
     def reject(self, peer: str, reason: str, detail: str) -> None:
@@ -44,6 +45,8 @@ class Guard:
             self._logged.add((peer, reason, detail))
             self._round.setdefault(peer, set()).add(reason)
             self._last[peer] = (reason, self.clock())
+            if reason == "reducer":
+                self._caught[peer] = self._last[peer][1]
         if new:
             log.warning("refused peer %s: %s (%s)", peer, reason, detail)
 
@@ -61,6 +64,8 @@ class Guard:
             return {p: reason for p, (reason, t) in self._last.items() if now - t <= self.excluded_for}
 
     def distrusted(self) -> set[str]:
-        """Peers whose last refusal, within `excluded_for`, caught them as a reducer: matchmaking
-        keeps them out of our groups (`diloco_p2p.swarm.aggregate`)."""
-        return {peer for peer, reason in self.excluded().items() if reason == "reducer"}
+        """Peers caught as a reducer within `excluded_for`, whatever they were refused for since:
+        matchmaking keeps them out of our groups (`diloco_p2p.swarm.aggregate`)."""
+        now = self.clock()
+        with self._lock:
+            return {p for p, t in self._caught.items() if now - t <= self.excluded_for}

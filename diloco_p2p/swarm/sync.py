@@ -47,6 +47,7 @@ from diloco_p2p.swarm.allreduce_state import AllreduceResult
 from diloco_p2p.swarm.datashare import DataShare
 from diloco_p2p.swarm.dht import dht_peer_count, start_dht
 from diloco_p2p.swarm.guard import Guard
+from diloco_p2p.swarm.lying import LyingAllreduce
 from diloco_p2p.swarm.matchmaking import Matchmaker
 from diloco_p2p.swarm.reach import PRIVATE, ReachServer, resolve, shortage
 from diloco_p2p.swarm.records import (
@@ -117,7 +118,9 @@ class SwarmSync:
             self.admission = Admission(cfg.admission, run_id, self.peer_id, self.guard, refresh=self._read_records)
             self.matchmaker = Matchmaker(self.dht, self.p2p, run_id=run_id, public=self.public)
             self.reach = ReachServer(self.p2p) if self.public else None  # dial-back probes of joiners
-            self.allreduce = AllreduceService(self.p2p, prefix=run_id)
+            # A reducer that lies, only when the fault tests plan it (`diloco_p2p.faults`).
+            service = LyingAllreduce if self.faults.lies_as_reducer else AllreduceService
+            self.allreduce = service(self.p2p, prefix=run_id)
             self.state_server = StateServer(self.dht, self.p2p, run_id=run_id)
             self.datashare = DataShare(self.dht, self.p2p, self.loop)  # the corpus's shards (`datashare`)
             for service in (self.matchmaker, self.allreduce, self.state_server, self.datashare):
@@ -243,6 +246,9 @@ class SwarmSync:
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
         self.faults.fire("delta", round)
         delta = self.faults.poison("delta", round, delta)
+        delta, weight = self.faults.lie(round, delta, weight, self.cfg.max_weight_ratio)
+        if isinstance(self.allreduce, LyingAllreduce):
+            self.allreduce.lie = self.faults.reducer_lie(round)
         try:
             group = self._interruptible(self._form_group(round, params_hash, weight),
                                         timeout=self.cfg.matchmaking_timeout + 30)

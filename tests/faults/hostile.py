@@ -8,8 +8,9 @@ address, the run id, the records in the DHT) and holds no key but its own.
   signature it can make);
 - `fetch`: download the run's state; `knock`: open a matchmaking or all-reduce stream.
 
-`LyingAllreduce` is an all-reduce member (in-process, on any loopback peer) that lies as its
-`lie` says: about its contribution's norm, or, as a reducer, about its part's average.
+`LyingAllreduce` (`diloco_p2p.swarm.lying`) is an all-reduce member (in-process,
+on any loopback peer) that lies as its `lie` says: about its contribution's norm, or, as a
+reducer, about its part's average.
 
 Create it before starting processes (hivemind forks); give `maddr` to the seed as an initial
 peer so that everyone shares one DHT.
@@ -24,66 +25,12 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from diloco_p2p.swarm import aggregate, wire
-from diloco_p2p.swarm.allreduce import AllreduceService, _frames
 from diloco_p2p.swarm.records import ProgressRecord, progress_key, publish_progress, read_progress
 from diloco_p2p.swarm.signing import own_subkey
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import pack_state, theta_sha256
 from diloco_p2p.swarm.state.server import StateServer
 from tests.harness.loopback import LoopbackPeers
-
-
-class LyingAllreduce(AllreduceService):
-    """`lie`: ``understate-norm`` (states 1e-6 of its contributions' norms), ``scale-output`` (its
-    averaged part × 1000, the same bytes to every member), ``split-output`` (its averaged part
-    changed for one member only, `victim`: a member index); None: honest."""
-
-    lie: str | None = None
-    victim: int | None = None
-
-    def _scatter(self, s, tensor, weight):
-        if self.lie != "understate-norm":
-            return super()._scatter(s, tensor, weight)
-        honest = aggregate.encoded_norm
-        aggregate.encoded_norm = lambda x, chunk, comp: honest(x, chunk, comp) * 1e-6
-        try:  # _scatter has no await: the lie covers its headers only
-            return super()._scatter(s, tensor, weight)
-        finally:
-            aggregate.encoded_norm = honest
-
-    def _reduce_chunk(self, s, contribs, numel):
-        out = super()._reduce_chunk(s, contribs, numel)
-        return _scaled(out[0], numel, s.compression, 1000.0) if out and self.lie == "scale-output" else out
-
-    def _reduce_part(self, s, complete, max_ratio):
-        accepted, refused, frames, values = super()._reduce_part(s, complete, max_ratio)
-        if frames and self.lie == "scale-output":
-            pieces = [_scaled(f, b - a, s.compression, 1000.0) for f, (a, b) in
-                      zip(frames, wire.chunk_ranges(values.numel(), s.chunk), strict=True)]
-            frames, values = [p[0] for p in pieces], torch.cat([p[1] for p in pieces])
-        return accepted, refused, frames, values
-
-    async def _send(self, s, j, header, frames, deadline):
-        if self.lie == "split-output" and header["kind"] == "gather" and j == self.victim:
-            frames = _perturbed(frames, header["numel"], header["chunk"], s.compression)
-        return await super()._send(s, j, header, frames, deadline)
-
-
-def _scaled(data: bytes, numel: int, compression: str, factor: float) -> tuple[bytes, torch.Tensor]:
-    encoded = wire.encode(wire.decode(data, numel, compression) * factor, compression)
-    return encoded, wire.decode(encoded, numel, compression)
-
-
-async def _perturbed(frames, numel: int, chunk: int, compression: str):
-    """The gather's chunk frames with 0.01 added to every value (trailers pass as they are)."""
-    sizes = iter(b - a for a, b in wire.chunk_ranges(numel, chunk))
-    async for data in _frames(frames):
-        if len(data) == 1:
-            yield data
-        else:
-            size = next(sizes)
-            yield wire.encode(wire.decode(data, size, compression) + 0.01, compression)
 
 
 class HostilePeer(LoopbackPeers):

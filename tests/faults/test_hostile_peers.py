@@ -11,6 +11,10 @@ anything of the attacker's, and that each names it in a log line and in its roun
 - Closed run (`sync.admission`: one node listed, one admitted by an owner-signed token): the
   stranger's record (a later round; the quorum is 1 here, so admission alone must stop it), its
   matchmaking and all-reduce streams, and its download of θ are all refused.
+- Lying members (nodes started with ``DILOCO_P2P_FAULTS`` lies, `diloco_p2p.faults`): a sign flip
+  at the largest weight allowed, a huge norm, a reducer that scales its part, a reducer that
+  sends one member other bytes, one a round on one swarm (the in-process variants of each, per
+  aggregation rule: `tests/faults/test_robust.py`).
 """
 
 from __future__ import annotations
@@ -148,3 +152,71 @@ def test_a_closed_run_refuses_a_strangers_records_streams_and_downloads(tmp_path
         assert any(state in node.output() for node in (a, b)), (a.tail(), b.tail())
         assert _refusals(a, attacker.peer_id) == {"not-admitted"}
         assert _refusals(b, attacker.peer_id) == {"not-admitted"}
+
+
+def _kept(node, round_: int) -> dict:
+    """The Δ a node sent and the average it got in `round_` (``keep@average``)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(node.run_dir / "deltas" / f"round-{round_:06d}.safetensors"))
+
+
+def _cosine(u, v) -> float:
+    import torch
+
+    return float(torch.nn.functional.cosine_similarity(u.double(), v.double(), dim=0))
+
+
+def test_lying_members_and_reducers_in_a_real_swarm_are_bounded_or_dropped_and_named(tmp_path):
+    """Four real nodes (`sync.aggregation: trimmed_mean`), two of them planned to lie, one lie a
+    round (`diloco_p2p.faults`): x sends -Δ at the largest weight the bound lets through (round 1)
+    and Δ × 1000 (round 2), then reduces its part × 1000 (round 3); y sends one member other
+    bytes of its part (round 4, when x, caught in round 3, is out of the group). Every round ends
+    with the members' θ identical; the sign flip is bounded (inside the limits nothing tells it
+    from an honest outlier, so nobody names it); the others are named in a log line and counted
+    in the round records of everyone else."""
+    keep = "keep@average"
+    opts = _opts(4, "train.max_rounds=4", "sync.aggregation=trimmed_mean", "sync.matchmaking_timeout=6")
+    with ProcessSwarm(tmp_path) as swarm:
+        a, b = (swarm.node(name, opts, env={"DILOCO_P2P_FAULTS": keep}) for name in "ab")
+        x = swarm.node("x", opts, env={"DILOCO_P2P_FAULTS": f"{keep},flip@delta:1,scale@delta:2,scale@reduce:3"})
+        y = swarm.node("y", opts, env={"DILOCO_P2P_FAULTS": f"{keep},split@reduce:4"})
+        swarm.release(a, b, x, y)
+        for node in (a, b, x, y):
+            node.wait_round(4, timeout=240)
+        from diloco_p2p.swarm.dht import peer_id_of
+
+        nodes = {"a": a, "b": b, "x": x, "y": y}
+        ids = {n: peer_id_of(node.run_dir / "identity.key") for n, node in nodes.items()}
+        rounds = {n: node.by_round() for n, node in nodes.items()}
+
+        def members(round_: int, names: str) -> dict[str, dict]:
+            records = {n: rounds[n][round_] for n in names}
+            assert {(r["status"], r["group_size"]) for r in records.values()} == {("committed", len(names))}, records
+            assert len({r["params_sha256"] for r in records.values()}) == 1, records
+            return records
+
+        # Round 1: the flip is outvoted: the average points where the honest members' mean does
+        # (each honest Δ alone: cosine ~0.75 with it). A plain mean, x's weight capped at 4x, would
+        # have all but cancelled the update (3 of 7 parts Δ, 4 parts -Δ_x: cosine ~0).
+        members(1, "abxy")
+        kept = {n: _kept(node, 1) for n, node in nodes.items()}
+        honest = sum(kept[n]["delta"] for n in "aby") / 3
+        assert _cosine(kept["a"]["average"], honest) > 0.8
+        assert _cosine((3 * honest + 4 * kept["x"]["delta"]) / 7, honest) < 0.3
+        # Round 2: x's norm is refused by every reducer; round 3: x's part is dropped everywhere.
+        for round_, reason in ((2, "norm"), (3, "reducer")):
+            for n, record in members(round_, "abxy").items():
+                if n != "x":
+                    assert reason in (record["rejections"] or {}).get(ids["x"], []), (round_, n, record)
+        # Round 4: x, caught in round 3, is out of everyone's group (it ends the round alone); y
+        # sent a different part to one member.
+        assert rounds["x"][4]["status"] == "alone", rounds["x"][4]
+        for n, record in members(4, "aby").items():
+            if n != "y":
+                assert (record["rejections"] or {}).get(ids["y"]) == ["reducer"], (n, record)
+        for node in (a, b):
+            log = node.output()
+            assert f"refused peer {ids['x']}: norm" in log and f"refused peer {ids['x']}: reducer" in log, node.tail()
+            assert f"refused peer {ids['y']}: reducer" in log, node.tail()
+        assert f"refused peer {ids['x']}: reducer" in y.output(), y.tail()

@@ -1,6 +1,6 @@
 """Hostile all-reduce members (issue 12 items 5 and 6), in-process on real p2pd daemons.
 
-Four members on loopback, member 3 the attacker (`tests.faults.hostile.LyingAllreduce`): a huge
+Four members on loopback, member 3 the attacker (`diloco_p2p.swarm.lying.LyingAllreduce`): a huge
 norm (stated or understated), a sign flip with the largest weight the bound lets through, a
 reducer that scales its part, a reducer that sends one member other bytes. Each asserts that the
 honest members end with bit-identical θ (θ0 - average, hashed), that the attack is refused or
@@ -22,8 +22,8 @@ from diloco_p2p.swarm import aggregate, wire
 from diloco_p2p.swarm.aggregate import Robust
 from diloco_p2p.swarm.allreduce import AllreduceService
 from diloco_p2p.swarm.guard import Guard
+from diloco_p2p.swarm.lying import LyingAllreduce
 from diloco_p2p.swarm.sync import blame
-from tests.faults.hostile import LyingAllreduce
 from tests.harness.loopback import LoopbackPeers
 
 pytestmark = pytest.mark.timeout(90)

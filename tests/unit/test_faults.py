@@ -36,10 +36,27 @@ def test_empty_spec_plans_nothing(monkeypatch):
     "kill@rank.step:2",
     "kill:2",                   # no point
     "nan@allreduce:2",          # nan only poisons the pseudo-gradient
+    "flip@reduce:2",            # a flip is a contribution's lie
+    "split@delta:2",            # a split is a reducer's lie
+    "kill@reduce:2",            # reduce is a point of the lies only
 ])
 def test_bad_items_are_refused_by_name(item):
     with pytest.raises(ValueError, match=f"bad item '{item}'"):
         Faults(f"stop@group:1,{item}")
+
+
+def test_lies_happen_at_their_round_once():
+    faults = Faults("flip@delta:1,scale@delta:2,scale@reduce:3,split@reduce:4")
+    assert faults.lies_as_reducer and not Faults("flip@delta:1").lies_as_reducer
+    delta = torch.tensor([1.0, -2.0])
+    assert faults.lie(3, delta, 10.0, 16.0) == (delta, 10.0)  # nothing planned for round 3's Δ
+    flipped, weight = faults.lie(1, delta, 10.0, 16.0)
+    assert torch.equal(flipped, -delta) and weight == pytest.approx(0.999 * 16 * 10)
+    scaled, weight = faults.lie(2, delta, 10.0, 16.0)
+    assert torch.equal(scaled, delta * 1000) and weight == 10.0
+    assert faults.lie(1, delta, 10.0, 16.0)[1] == 10.0  # spent
+    assert [faults.reducer_lie(r) for r in (1, 2, 3, 4, 3)] == [None, None, "scale-output", "split-output", None]
+    assert faults.pending == set()
 
 
 def test_spec_comes_from_the_environment(monkeypatch):

@@ -172,3 +172,19 @@ def test_guard_logs_each_peer_and_reason_once_per_round_and_remembers_them(caplo
     assert guard.excluded() == {PEERS[2]: "bad-state"}  # PEERS[1]'s refusal is too old
     with pytest.raises(ValueError):
         guard.reject(PEERS[1], "rude", "")
+
+
+def test_a_caught_reducer_stays_distrusted_whatever_it_is_refused_for_next():
+    """A swarm test saw it: x caught as a reducer in round 3 was refused "unvouched-state" just
+    after, and with distrust keyed by the last reason it was back in the next group."""
+    now = [0.0]
+    guard = Guard(excluded_for=60, clock=lambda: now[0])
+    guard.reject(PEERS[1], "reducer", "round 3: scaled its part")
+    guard.reject(PEERS[2], "norm", "its contribution")
+    now[0] = 30
+    guard.reject(PEERS[1], "unvouched-state", "a record of a later round")
+    assert guard.distrusted() == {PEERS[1]}
+    assert guard.excluded()[PEERS[1]] == "unvouched-state"
+    now[0] = 61
+    assert guard.distrusted() == set()
+

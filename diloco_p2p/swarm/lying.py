@@ -1,0 +1,71 @@
+"""A lying all-reduce member, for the fault tests only (issue 12): what an attacker inside a
+group can do as a sender and as a reducer, so that the members' checks meet it on real streams.
+
+`LyingAllreduce` is an `AllreduceService` that lies as its `lie` says (None: honest):
+``understate-norm`` (its scatter headers state 1e-6 of its contributions' norms),
+``scale-output`` (its averaged part × 1000, the same bytes to every member), ``split-output``
+(its averaged part changed for one member only, `victim`: a member index, default the first
+member other than itself). A node uses it only when ``DILOCO_P2P_FAULTS`` plans a lie as a
+reducer (``scale@reduce:R``, ``split@reduce:R``, `diloco_p2p.faults`); in-process tests use it
+directly (`tests/faults/hostile.py`). What the members do about each lie is
+`diloco_p2p.swarm.aggregate`'s docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco_p2p.swarm import aggregate, wire
+from diloco_p2p.swarm.allreduce import AllreduceService, _frames
+
+SCALE = 1000.0  # scale-output's factor
+NUDGE = 0.01  # split-output: added to every value the victim gets
+
+
+class LyingAllreduce(AllreduceService):
+    lie: str | None = None
+    victim: int | None = None
+
+    def _scatter(self, s, tensor, weight):
+        if self.lie != "understate-norm":
+            return super()._scatter(s, tensor, weight)
+        honest = aggregate.encoded_norm
+        aggregate.encoded_norm = lambda x, chunk, comp: honest(x, chunk, comp) * 1e-6
+        try:  # _scatter has no await: the lie covers its headers only
+            return super()._scatter(s, tensor, weight)
+        finally:
+            aggregate.encoded_norm = honest
+
+    def _reduce_chunk(self, s, contribs, numel):
+        out = super()._reduce_chunk(s, contribs, numel)
+        return _scaled(out[0], numel, s.compression, SCALE) if out and self.lie == "scale-output" else out
+
+    def _reduce_part(self, s, complete, max_ratio):
+        accepted, refused, frames, values = super()._reduce_part(s, complete, max_ratio)
+        if frames and self.lie == "scale-output":
+            pieces = [_scaled(f, b - a, s.compression, SCALE) for f, (a, b) in
+                      zip(frames, wire.chunk_ranges(values.numel(), s.chunk), strict=True)]
+            frames, values = [p[0] for p in pieces], torch.cat([p[1] for p in pieces])
+        return accepted, refused, frames, values
+
+    async def _send(self, s, j, header, frames, deadline):
+        victim = self.victim if self.victim is not None else int(s.me == 0)
+        if self.lie == "split-output" and header["kind"] == "gather" and j == victim:
+            frames = _perturbed(frames, header["numel"], header["chunk"], s.compression)
+        return await super()._send(s, j, header, frames, deadline)
+
+
+def _scaled(data: bytes, numel: int, compression: str, factor: float) -> tuple[bytes, torch.Tensor]:
+    encoded = wire.encode(wire.decode(data, numel, compression) * factor, compression)
+    return encoded, wire.decode(encoded, numel, compression)
+
+
+async def _perturbed(frames, numel: int, chunk: int, compression: str):
+    """The gather's chunk frames with `NUDGE` added to every value (trailers pass as they are)."""
+    sizes = iter(b - a for a, b in wire.chunk_ranges(numel, chunk))
+    async for data in _frames(frames):
+        if len(data) == 1:
+            yield data
+        else:
+            size = next(sizes)
+            yield wire.encode(wire.decode(data, size, compression) + NUDGE, compression)
