@@ -97,7 +97,7 @@ def simulate_one(name: str, root: Path, sets: list[str], attack: str | None, rep
 
 
 def run_job(name: str, root: Path, sets: list[str], attack: str | None, replicas: int, two_sided: bool) -> dict:
-    cmd = ["nice", "-n", "10", sys.executable, __file__, "--one",
+    cmd = [sys.executable, __file__, "--one",
            json.dumps([name, str(root), sets, attack, replicas, two_sided])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -14,8 +14,8 @@ mean itself; ``keep@average`` with no round means every round, saved as safetens
 Lies of a hostile member (issue 12), each for one round: ``flip@delta`` (send -Δ with a token weight
 of 0.999 × ``sync.max_weight_ratio`` × its own: the largest the bound lets through),
 ``scale@delta`` (send Δ × 1000: a huge norm, finite in fp16), ``scale@reduce`` (as a reducer,
-send its averaged part × 1000 to every member) and ``split@reduce`` (as a reducer, send one
-member other bytes than the rest); the reducer lies are `diloco_p2p.swarm.lying`'s.
+send its averaged part × 1000 to every member) and ``split@reduce`` (as a reducer, send each
+member its own altered copy of its part); the reducer lies are `diloco_p2p.swarm.lying`'s.
 Points: ``delta`` (the round's pseudo-gradient is computed, before matchmaking), ``group`` (a
 group formed), ``allreduce`` (our parts are sent), ``reduce`` (we reduce our part), and in a
 multi-rank node ``rankR.step`` (local rank R is about to take inner step N, the number after

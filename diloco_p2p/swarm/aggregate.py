@@ -52,9 +52,10 @@ the norm bound; plus the wire format's quantization slack) is dropped by every m
 its reducer blamed. The bound holds for every rule: each output coordinate is at most the largest
 |value| among the contributors' (mean, trimmed mean, median), so ``||out||² <= Σ_c ||x_c||²``;
 centered clipping moves the median toward a convex combination of contributions, within the same
-bound. What it cannot catch: a reducer that shrinks or permutes its part within the bound, and
-a member that lies about its digest or norm can get a part dropped and its honest reducer blamed
-(no signature binds a reducer to the bytes it sent; issue 12 notes this).
+bound. The reducer is blamed (named, kept out of our groups) only on evidence fewer than half of
+the members could not make up by lying in their masks (`suspect_parts`): a lying member can get a
+part dropped, not an honest reducer excluded. What it cannot catch: a reducer that shrinks or
+permutes its part within the bound; no signature binds a reducer to the bytes it sent.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -291,6 +292,13 @@ def norm_bound(norms: Sequence[float], max_norm_ratio: float | None, compression
     return math.sqrt(sum(n * n for n in norms)) * (1 + NORM_SLACK.get(compression, DEFAULT_SLACK)) + 1e-12
 
 
+class Suspect(NamedTuple):
+    """A part to drop, why, and whether its reducer is proven to have lied (`suspect_parts`)."""
+
+    why: str
+    proven: bool
+
+
 def suspect_parts(
     parts: Sequence[int],
     digests: dict[int, Sequence[str | None]],
@@ -299,21 +307,42 @@ def suspect_parts(
     average_norms: dict[int, float],
     max_norm_ratio: float | None,
     compression: str,
-) -> dict[int, str]:
-    """Parts (among `parts`) whose reducer is caught, with why. `digests` and `norms`: member ->
-    its mask's per-part lists (ours included); `contributors`: part -> the members its reducer
-    announced; `average_norms`: part -> the norm of the average we hold. A part is checked against
-    norms only when every contributor's mask stated one."""
-    caught: dict[int, str] = {}
+) -> dict[int, Suspect]:
+    """Parts (among `parts`) to drop, with why. `digests` and `norms`: member -> its mask's per-part
+    lists (ours included); `contributors`: part -> the members its reducer announced;
+    `average_norms`: part -> the norm of the average we hold. Member p reduces part p. A part is
+    checked against norms only when every contributor's mask stated one.
+
+    Dropping takes any evidence (a part every member keeps must be above suspicion, and every
+    member decides from the same masks). Blaming the reducer (`Suspect.proven`: it is named and
+    kept out of our groups) takes evidence that fewer than half of the members, lying in their
+    masks, could not have made up, so a lying member cannot frame an honest reducer:
+    - digests: more than half of the other members whose masks state one state a digest other
+      than the one the reducer's own mask states for its part (a reducer that sends one victim
+      other bytes is dropped, not blamed: one lying member would look the same);
+    - norms: the average's norm exceeds the bound even with the ``(c-1)//2`` smallest of its c
+      contributors' stated norms raised to ``max_norm_ratio`` × the largest stated (what a
+      contributor that understated its norm could at most have sent; with fewer than half lying,
+      the largest honest norm is at least the lower median the reducer bounded them by)."""
+    caught: dict[int, Suspect] = {}
     for p in parts:
-        seen = {d[p] for d in digests.values() if p < len(d) and d[p] is not None}
-        if len(seen) > 1:
-            caught[p] = f"sent different bytes of part {p} to different members ({len(seen)} digests)"
+        stated_digests = {j: d[p] for j, d in digests.items() if p < len(d) and d[p] is not None}
+        if len(set(stated_digests.values())) > 1:
+            own = stated_digests.get(p)
+            others = [d for j, d in stated_digests.items() if j != p]
+            proven = own is not None and 2 * sum(d != own for d in others) > len(others)
+            caught[p] = Suspect(f"sent different bytes of part {p} to different members "
+                                f"({len(set(stated_digests.values()))} digests)", proven)
             continue
         stated = [norms[c][p] for c in contributors.get(p, []) if c in norms and p < len(norms[c])]
         if not stated or len(stated) < len(contributors.get(p, [])) or any(n is None for n in stated):
             continue
-        bound = norm_bound([float(n) for n in stated if n is not None], max_norm_ratio, compression)
+        values = sorted(float(n) for n in stated if n is not None)
+        bound = norm_bound(values, max_norm_ratio, compression)
         if average_norms[p] > bound:
-            caught[p] = f"its average of part {p} has norm {average_norms[p]:.4g} > {bound:.4g} its contributors allow"
+            raised = max_norm_ratio * values[-1] if max_norm_ratio is not None else math.inf
+            liars = (len(values) - 1) // 2
+            proof = norm_bound([raised] * liars + values[liars:], None, compression)
+            caught[p] = Suspect(f"its average of part {p} has norm {average_norms[p]:.4g} > {bound:.4g} its "
+                                f"contributors allow", average_norms[p] > proof)
     return caught

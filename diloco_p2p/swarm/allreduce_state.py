@@ -161,6 +161,7 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
     average = s.result
     caught = _check_reducers(s, committed, masks)
     committed = [p for p in committed if p not in caught]
+    blamed = {s.names[p]: why for p, (why, proven) in caught.items() if proven}
     if len(agreed) < 2 or not committed:  # nobody confirmed anything with us
         status, committed, average = "failed", [], torch.zeros(s.n, dtype=torch.float32)
     else:
@@ -188,12 +189,13 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
         part_contributors=part_contributors,
         agreed_with=[s.names[j] for j in agreed],
         phases=dict(s.phases),
-        reducers={s.names[p]: why for p, why in caught.items()},
+        reducers=blamed,
     )
 
 
-def _check_reducers(s: Session, committed: list[int], masks: dict[int, list[int]]) -> dict[int, str]:
-    """Committed parts whose reducer the masks heard catch (`aggregate.suspect_parts`), logged."""
+def _check_reducers(s: Session, committed: list[int], masks: dict[int, list[int]]) -> dict[int, aggregate.Suspect]:
+    """Committed parts the masks heard make suspect (`aggregate.suspect_parts`), logged: each is
+    dropped; its reducer is blamed only when proven."""
     assert s.result is not None
     lists = {j: s.mask_lists[j] for j in masks if j in s.mask_lists}
     if s.part_hook is not None:  # a hierarchy's row: a part is the column's average, not bounded by our row's norms
@@ -203,6 +205,7 @@ def _check_reducers(s: Session, committed: list[int], masks: dict[int, list[int]
         committed, {j: d for j, (d, _) in lists.items()}, {j: n for j, (_, n) in lists.items()},
         {p: s.gathered[p]["contributors"] for p in committed}, norms, s.robust.max_norm_ratio, s.compression,
     )
-    for p, why in caught.items():
-        log.warning("allreduce %s: dropped part %d: reducer %s %s", s.group_id, p, s.names[p], why)
+    for p, (why, proven) in caught.items():
+        log.warning("allreduce %s: dropped part %d: reducer %s %s%s", s.group_id, p, s.names[p], why,
+                    "" if proven else " (not blamed: fewer than half of the members lying in their masks could cause it)")
     return caught

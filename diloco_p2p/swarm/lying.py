@@ -4,8 +4,8 @@ group can do as a sender and as a reducer, so that the members' checks meet it o
 `LyingAllreduce` is an `AllreduceService` that lies as its `lie` says (None: honest):
 ``understate-norm`` (its scatter headers state 1e-6 of its contributions' norms),
 ``scale-output`` (its averaged part × 1000, the same bytes to every member), ``split-output``
-(its averaged part changed for one member only, `victim`: a member index, default the first
-member other than itself). A node uses it only when ``DILOCO_P2P_FAULTS`` plans a lie as a
+(its averaged part changed for one member only, `victim`: a member index; with no victim, each
+other member gets its own changed copy). A node uses it only when ``DILOCO_P2P_FAULTS`` plans a lie as a
 reducer (``scale@reduce:R``, ``split@reduce:R``, `diloco_p2p.faults`); in-process tests use it
 directly (`tests/faults/hostile.py`). What the members do about each lie is
 `diloco_p2p.swarm.aggregate`'s docstring.
@@ -19,7 +19,7 @@ from diloco_p2p.swarm import aggregate, wire
 from diloco_p2p.swarm.allreduce import AllreduceService, _frames
 
 SCALE = 1000.0  # scale-output's factor
-NUDGE = 0.01  # split-output: added to every value the victim gets
+NUDGE = 0.01  # split-output: member j gets NUDGE × (1 + j) added to every value
 
 
 class LyingAllreduce(AllreduceService):
@@ -49,9 +49,8 @@ class LyingAllreduce(AllreduceService):
         return accepted, refused, frames, values
 
     async def _send(self, s, j, header, frames, deadline):
-        victim = self.victim if self.victim is not None else int(s.me == 0)
-        if self.lie == "split-output" and header["kind"] == "gather" and j == victim:
-            frames = _perturbed(frames, header["numel"], header["chunk"], s.compression)
+        if self.lie == "split-output" and header["kind"] == "gather" and self.victim in (None, j):
+            frames = _perturbed(frames, header["numel"], header["chunk"], s.compression, NUDGE * (1 + j))
         return await super()._send(s, j, header, frames, deadline)
 
 
@@ -60,12 +59,12 @@ def _scaled(data: bytes, numel: int, compression: str, factor: float) -> tuple[b
     return encoded, wire.decode(encoded, numel, compression)
 
 
-async def _perturbed(frames, numel: int, chunk: int, compression: str):
-    """The gather's chunk frames with `NUDGE` added to every value (trailers pass as they are)."""
+async def _perturbed(frames, numel: int, chunk: int, compression: str, nudge: float):
+    """The gather's chunk frames with `nudge` added to every value (trailers pass as they are)."""
     sizes = iter(b - a for a, b in wire.chunk_ranges(numel, chunk))
     async for data in _frames(frames):
         if len(data) == 1:
             yield data
         else:
             size = next(sizes)
-            yield wire.encode(wire.decode(data, size, compression) + NUDGE, compression)
+            yield wire.encode(wire.decode(data, size, compression) + nudge, compression)

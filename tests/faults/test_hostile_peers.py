@@ -13,7 +13,7 @@ anything of the attacker's, and that each names it in a log line and in its roun
   matchmaking and all-reduce streams, and its download of θ are all refused.
 - Lying members (nodes started with ``DILOCO_P2P_FAULTS`` lies, `diloco_p2p.faults`): a sign flip
   at the largest weight allowed, a huge norm, a reducer that scales its part, a reducer that
-  sends one member other bytes, one a round on one swarm (the in-process variants of each, per
+  sends each member other bytes, one a round on one swarm (the in-process variants of each, per
   aggregation rule: `tests/faults/test_robust.py`).
 """
 
@@ -170,8 +170,8 @@ def _cosine(u, v) -> float:
 def test_lying_members_and_reducers_in_a_real_swarm_are_bounded_or_dropped_and_named(tmp_path):
     """Four real nodes (`sync.aggregation: trimmed_mean`), two of them planned to lie, one lie a
     round (`diloco_p2p.faults`): x sends -Δ at the largest weight the bound lets through (round 1)
-    and Δ × 1000 (round 2), then reduces its part × 1000 (round 3); y sends one member other
-    bytes of its part (round 4, when x, caught in round 3, is out of the group). Every round ends
+    and Δ × 1000 (round 2), then reduces its part × 1000 (round 3); y sends each member its own
+    altered copy of its part (round 4, when x, caught in round 3, is out of the group). Every round ends
     with the members' θ identical; the sign flip is bounded (inside the limits nothing tells it
     from an honest outlier, so nobody names it); the others are named in a log line and counted
     in the round records of everyone else."""
@@ -210,7 +210,7 @@ def test_lying_members_and_reducers_in_a_real_swarm_are_bounded_or_dropped_and_n
                 if n != "x":
                     assert reason in (record["rejections"] or {}).get(ids["x"], []), (round_, n, record)
         # Round 4: x, caught in round 3, is out of everyone's group (it ends the round alone); y
-        # sent a different part to one member.
+        # sent each member other bytes of its part.
         assert rounds["x"][4]["status"] == "alone", rounds["x"][4]
         for n, record in members(4, "aby").items():
             if n != "y":

@@ -162,10 +162,10 @@ def test_suspect_parts_catches_split_digests_and_oversized_averages():
     contributors = {0: [0, 1, 2], 1: [0, 1, 2]}
     ok = {0: math.sqrt(3) * 0.99, 1: 2.0}
     caught = aggregate.suspect_parts([0, 1], digests, norms, contributors, ok, None, "fp32")
-    assert list(caught) == [0] and "different bytes" in caught[0]
+    assert list(caught) == [0] and "different bytes" in caught[0].why
     big = {0: 1.0, 1: math.sqrt(12) * 1.01}  # sqrt(3 × 2²) is the most part 1's average can be
     caught = aggregate.suspect_parts([1], digests, norms, contributors, big, None, "fp32")
-    assert list(caught) == [1] and "norm" in caught[1]
+    assert list(caught) == [1] and "norm" in caught[1].why
     assert aggregate.suspect_parts([1], digests, norms, contributors, {1: math.sqrt(12) * 0.99}, None, "fp32") == {}
     # a contributor whose mask was not heard: part not checked by norm (no bound known)
     assert aggregate.suspect_parts([1], digests, {0: [1.0, 2.0]}, contributors, big, None, "fp32") == {}
@@ -173,6 +173,28 @@ def test_suspect_parts_catches_split_digests_and_oversized_averages():
     lying = {0: [1.0, 2.0], 1: [1.0, 2.0], 2: [1.0, 1e6]}
     assert aggregate.norm_bound([2.0, 2.0, 1e6], 8.0, "fp32") < 17.0
     assert list(aggregate.suspect_parts([1], digests, lying, contributors, {1: 100.0}, 8.0, "fp32")) == [1]
+
+
+def test_one_lying_mask_drops_a_part_but_cannot_frame_its_reducer():
+    """Member 3 states another digest of part 0 than its reducer (member 0) and the others: the
+    part is dropped (it might be a reducer that sent member 3 other bytes), but its reducer is not
+    blamed; two members of three stating so prove it. Likewise an understated norm."""
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    one = {0: [a], 1: [a], 2: [a], 3: [b]}
+    assert aggregate.suspect_parts([0], one, {}, {}, {0: 1.0}, 8.0, "fp16") == {0: (
+        "sent different bytes of part 0 to different members (2 digests)", False)}
+    two = {0: [a], 1: [a], 2: [c], 3: [b]}
+    assert aggregate.suspect_parts([0], two, {}, {}, {0: 1.0}, 8.0, "fp16")[0].proven
+    unheard_reducer = {1: [b], 2: [c], 3: [b]}
+    assert not aggregate.suspect_parts([0], unheard_reducer, {}, {}, {0: 1.0}, 8.0, "fp16")[0].proven
+    # norms: 4 contributors of norm 1 (average at most 2); member 3 states 1e-6 instead
+    same = {j: [a] for j in range(4)}
+    understated = {0: [1.0], 1: [1.0], 2: [1.0], 3: [1e-6]}
+    contributors = {0: [0, 1, 2, 3]}
+    framed = aggregate.suspect_parts([0], same, understated, contributors, {0: 1.9}, 8.0, "fp32")
+    assert framed[0].why.startswith("its average of part 0 has norm 1.9") and not framed[0].proven
+    # a reducer that scaled its part x1000 is proven all the same
+    assert aggregate.suspect_parts([0], same, understated, contributors, {0: 1000.0}, 8.0, "fp32")[0].proven
 
 
 def test_the_norm_check_holds_for_every_rule():
