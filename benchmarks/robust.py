@@ -24,6 +24,8 @@ arithmetic alone (`aggregate.reduce_part` on one part).
     python benchmarks/robust.py [--rounds 20] [--inner-steps 20] [--seeds 0,1,2] [--jobs 2] [--set a.b=v ...]
 
 Prints both tables and writes benchmarks/results/robust.json (and robust.png: eval loss curves).
+With ``--root DIR`` the runs stay in DIR and a run already complete there is read back instead of
+run again: an interrupted benchmark resumes, or summarizes what it finished with fewer ``--seeds``.
 """
 
 from __future__ import annotations
@@ -96,7 +98,26 @@ def simulate_one(name: str, root: Path, sets: list[str], attack: str | None, rep
             "replicas_agree": len(hashes) == 1}
 
 
-def run_job(name: str, root: Path, sets: list[str], attack: str | None, replicas: int, two_sided: bool) -> dict:
+def finished(name: str, root: Path, replicas: int, rounds: int) -> dict | None:
+    """A job's result read back from its run directories under `root` (`--root`), if every
+    replica recorded its last round; None otherwise. Its seconds are not known then (None)."""
+    records = []
+    for i in range(replicas):
+        path = root / name / f"replica-{i}" / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        records.append([json.loads(line) for line in lines if line.endswith("}")])
+    if not all(r and r[-1]["round"] == rounds for r in records):
+        return None
+    curve = [(r["round"], r["eval_loss"]) for r in records[0] if r["eval_loss"] is not None]
+    return {"name": name, "curve": curve, "final": curve[-1][1], "seconds": None,
+            "replicas_agree": len({r[-1]["params_sha256"] for r in records}) == 1}
+
+
+def run_job(name: str, root: Path, rounds: int, sets: list[str], attack: str | None, replicas: int,
+            two_sided: bool) -> dict:
+    done = finished(name, root, replicas, rounds)
+    if done is not None:
+        return done
     cmd = [sys.executable, __file__, "--one",
            json.dumps([name, str(root), sets, attack, replicas, two_sided])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -194,6 +215,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="all-reduces per rule in the cost table")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE")
+    p.add_argument("--root", type=Path, help="keep the runs here (default: a temporary directory); a run "
+                   "already complete there is read back, not run again (resume an interrupted benchmark)")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/robust.json"))
     p.add_argument("--png", type=Path, default=Path("benchmarks/results/robust.png"))
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -209,7 +232,8 @@ def main() -> None:
     cost = allreduce_cost(n, args.repeats)
     with tempfile.TemporaryDirectory(prefix="diloco-robust-") as tmp, \
             concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {name: pool.submit(run_job, name.replace("/", "-").replace(" ", "_"), Path(tmp), *job)
+        root = args.root or Path(tmp)
+        futures = {name: pool.submit(run_job, name.replace("/", "-").replace(" ", "_"), root, args.rounds, *job)
                    for name, job in jobs.items()}
         results = {name: f.result() for name, f in futures.items()}
     rows = summarize(results, args.seeds)
