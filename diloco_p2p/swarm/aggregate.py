@@ -45,7 +45,8 @@ bytes, so they stay bit-identical whatever the rule.
 
 Checks a member runs on what it gathered (`suspect_parts`, step 5 of the all-reduce): members
 exchange, in their mask messages, a sha256 per part of the gathered bytes (and the contributor
-list the reducer announced) and their own contribution's norm per part. A part whose digests
+list the reducer announced) and their own contribution's norm per part (a public member relays
+the norms of the private members it heard, who cannot hear each other: "relayed_norms"). A part whose digests
 differ among the masks heard (a reducer that sent different bytes to different members), or
 whose average's norm exceeds ``sqrt(Σ n_c²)`` over its contributors' stated norms (n_c capped by
 the norm bound; plus the wire format's quantization slack) is dropped by every member alike and

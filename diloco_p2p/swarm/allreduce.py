@@ -307,7 +307,10 @@ class AllreduceService:
         s.masks[s.me] = await self._relay_masks(s)
         s.mask_lists[s.me] = ([s.part_digests.get(p) if held else None for p, held in enumerate(s.masks[s.me])],
                               s.own_norms)
-        mask = s.header("mask", mask=s.masks[s.me], part_digests=s.mask_lists[s.me][0], norms=s.own_norms)
+        relayed = {str(j): norms for j, (_, norms) in sorted(s.mask_lists.items()) if not s.public[j]
+                   and j in s.masks and j not in s.excluded} if s.public[s.me] else {}
+        mask = s.header("mask", mask=s.masks[s.me], part_digests=s.mask_lists[s.me][0], norms=s.own_norms,
+                        **({"relayed_norms": relayed} if relayed else {}))
         tasks += [self._spawn(self._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone - s.silent]
         await self._wait(s, lambda: s.pending(s.masks, only_heard=heard), s.d_end)
 
@@ -686,6 +689,8 @@ class AllreduceService:
         if accepted:
             s.masks[j] = h["mask"]
             s.mask_lists[j] = (h.get("part_digests") or [None] * s.k, h.get("norms") or [None] * s.k)
+            if s.public[j]:  # the private members' norms, as public member j heard them
+                s.relayed[j] = {int(q): v for q, v in (h.get("relayed_norms") or {}).items() if not s.public[int(q)]}
             s.mask_digests[j] = h.get("contrib_digests", [])
         return accepted
 

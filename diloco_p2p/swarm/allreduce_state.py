@@ -106,6 +106,7 @@ class Session:
         self.own_norms: list[float | None] = []  # our contribution's norm, per part
         self.part_digests: dict[int, str] = {}  # part -> sha256 of its gathered bytes (ours included)
         self.mask_lists: dict[int, tuple[list, list]] = {}  # member -> its mask's (part_digests, norms)
+        self.relayed: dict[int, dict[int, list]] = {}  # public member -> private member -> norms it relayed
         self.started.set()
 
     def mark(self, phase: str, started: float) -> None:
@@ -201,8 +202,12 @@ def _check_reducers(s: Session, committed: list[int], masks: dict[int, list[int]
     if s.part_hook is not None:  # a hierarchy's row: a part is the column's average, not bounded by our row's norms
         lists = {j: (d, [None] * s.k) for j, (d, _) in lists.items()}
     norms = {p: math.sqrt(aggregate.sumsq(s.result[s.bounds[p][0] : s.bounds[p][1]])) for p in committed}
+    stated = {j: n for j, (_, n) in lists.items()}
+    for j in sorted(s.relayed, reverse=True):  # private members we did not hear: the lowest public relay
+        if j in masks and s.part_hook is None:
+            stated.update({q: n for q, n in s.relayed[j].items() if q not in lists})
     caught = aggregate.suspect_parts(
-        committed, {j: d for j, (d, _) in lists.items()}, {j: n for j, (_, n) in lists.items()},
+        committed, {j: d for j, (d, _) in lists.items()}, stated,
         {p: s.gathered[p]["contributors"] for p in committed}, norms, s.robust.max_norm_ratio, s.compression,
     )
     for p, (why, proven) in caught.items():

@@ -212,7 +212,15 @@ def _is_norm(v: Any) -> bool:
 def _check_part_lists(h: dict[str, Any], k: int) -> None:
     """A mask's optional per-part lists (`diloco_p2p.swarm.aggregate`): the sha256 of each part
     gathered ("part_digests", None where not held) and our contribution's norm ("norms")."""
-    digests, norms = h.get("part_digests"), h.get("norms")
+    digests, norms, relayed = h.get("part_digests"), h.get("norms"), h.get("relayed_norms")
+    # A public member relays the private members' norms it heard ("relayed_norms": member index ->
+    # its norms), so that private members, who cannot hear each other, run the same norm check.
+    if relayed is not None and not (
+        isinstance(relayed, dict) and len(relayed) <= k
+        and all(isinstance(j, str) and j.isdigit() and int(j) < k and isinstance(v, list) and len(v) == k
+                and all(n is None or _is_norm(n) for n in v) for j, v in relayed.items())
+    ):
+        raise WireError("relayed_norms must map member indexes to one norm (or null) per part")
     if digests is not None and not (
         isinstance(digests, list) and len(digests) == k
         and all(d is None or (isinstance(d, str) and len(d) == 32) for d in digests)

@@ -48,7 +48,8 @@ def honest_inputs(seed: int) -> list[torch.Tensor]:
     return [base + 0.5 * torch.randn(N, generator=g) for _ in range(3)]
 
 
-def run(peers, xs, weights, robust: Robust, lie: str | None = None, victim: int | None = None):
+def run(peers, xs, weights, robust: Robust, lie: str | None = None, victim: int | None = None,
+        public: list[bool] | None = None):
     """One all-reduce of 4 members (member 3 a `LyingAllreduce` with `lie`); their results."""
     prefix = f"robust-{uuid.uuid4().hex[:8]}"
     services = [AllreduceService(p2p, prefix=prefix, chunk_elements=CHUNK) for p2p in peers.p2ps[:3]]
@@ -62,7 +63,7 @@ def run(peers, xs, weights, robust: Robust, lie: str | None = None, victim: int 
             await svc.start()
         try:
             return await asyncio.gather(*(
-                svc.allreduce("g", members, x, w, timeout=T, max_weight_ratio=RATIO, robust=robust)
+                svc.allreduce("g", members, x, w, timeout=T, max_weight_ratio=RATIO, robust=robust, public=public)
                 for svc, x, w in zip(services, xs, weights, strict=True)
             ))
         finally:
@@ -173,6 +174,20 @@ def test_reducer_that_scales_its_part_is_dropped(peers, caplog, aggregation):
         assert r.status == "partial" and r.committed_parts == [0, 1, 2]
         assert list(r.reducers) == [names[3]] and "norm" in r.reducers[names[3]]
         assert torch.equal(r.average[lo:hi], torch.zeros(hi - lo))
+    assert_named_and_counted(caplog, results, names[3], "reducer")
+
+
+def test_private_members_check_a_scaled_part_with_the_norms_public_members_relay(peers, caplog):
+    """Members 0 and 1 behind NAT (they never talk to each other), member 3 a public reducer that
+    scales its part. Without the norms of member 1 a private member 0 could not check part 3
+    and would keep it while the others drop it (a fork); the public members relay them."""
+    xs = honest_inputs(4)
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
+    results = run(peers, xs + [xs[1].clone()], HONEST_WEIGHTS + [1000.0], Robust(max_norm_ratio=8.0),
+                  lie="scale-output", public=[False, False, True, True])
+    assert_honest_agree(results)
+    for r in results[:3]:
+        assert r.committed_parts == [0, 1, 2] and list(r.reducers) == [names[3]]
     assert_named_and_counted(caplog, results, names[3], "reducer")
 
 

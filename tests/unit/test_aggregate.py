@@ -221,6 +221,10 @@ def test_headers_carry_norms_and_part_digests():
         wire.parse_header(wire.pack_header({**mask, "part_digests": ["f" * 32]}))
     with pytest.raises(WireError, match="norms"):
         wire.parse_header(wire.pack_header({**mask, "norms": [0.5, -2]}))
+    assert wire.parse_header(wire.pack_header({**mask, "relayed_norms": {"1": [0.5, None]}}))["relayed_norms"]
+    for bad in ({"2": [0.5, None]}, {"x": [0.5, None]}, {"1": [0.5]}, {"1": [-1.0, None]}, [[0.5, None]]):
+        with pytest.raises(WireError, match="relayed_norms"):
+            wire.parse_header(wire.pack_header({**mask, "relayed_norms": bad}))
     assert "norm" in wire.REJECT_REASONS
 
 
