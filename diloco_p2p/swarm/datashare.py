@@ -52,7 +52,7 @@ from diloco_p2p.swarm.runner import BackgroundLoop
 from diloco_p2p.swarm.schema import live_values
 from diloco_p2p.swarm.signing import own_subkey
 from diloco_p2p.swarm.state.announcements import rendezvous_order
-from diloco_p2p.swarm.streams import NETWORK_ERRORS, WireError
+from diloco_p2p.swarm.streams import NETWORK_ERRORS, AnnouncedHandler, WireError
 
 log = logging.getLogger(__name__)
 
@@ -105,28 +105,18 @@ class DataShare:
         self.refused: dict[str, str] = {}  # donors whose bytes failed their hash -> why
         self.active = self.served = self.bytes_served = 0
         self.admit: Callable[[str, str], Awaitable[bool]] | None = None
-        self._refresh: asyncio.Task | None = None
-        self._started = False
+        self._served = AnnouncedHandler(p2p, HANDLER, self._handle, self._refresh, announce_ttl / 3)
 
     async def start(self) -> None:
-        if self._started or not self.serving:
-            return
-        await self.p2p.add_binary_stream_handler(HANDLER, self._handle)
-        self._refresh = asyncio.create_task(self._refresh_loop(), name="announce data")
-        self._started = True
+        if self.serving:
+            await self._served.start()
 
     async def stop(self) -> None:
-        if not self._started:
-            return
-        self._started = False
-        if self._refresh is not None:
-            self._refresh.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._refresh
+        await self._served.stop(self._withdraw)
+
+    async def _withdraw(self) -> None:
         with suppress(Exception):  # a tombstone each; else the records expire within announce_ttl
             await asyncio.wait_for(asyncio.gather(*(self._store(d, None) for d in self.datasets)), 3)
-        with suppress(*NETWORK_ERRORS):
-            await self.p2p.remove_binary_stream_handler(HANDLER)
 
     # ------------------------------------------------------------------ serving
 
@@ -153,11 +143,9 @@ class DataShare:
         future = self.dht.store(data_key(dataset), value, expiration, subkey=subkey, return_future=True)
         await asyncio.wait_for(future, 10)
 
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.announce_ttl / 3)
-            for dataset in list(self.datasets):
-                await self._announce(dataset)
+    async def _refresh(self) -> None:
+        for dataset in list(self.datasets):
+            await self._announce(dataset)
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -11,16 +11,23 @@ them: under CPU load the other side read end-of-stream with 0 bytes (a matchmaki
 ended alone while its leader counted it in; an all-reduce sender took a live member for gone).
 So the side that answers last keeps the stream open until the other side, having read the
 answer, closes it (`linger`), bounded by a timeout; a peer that listens costs nothing extra.
+
+`AnnouncedHandler`: a stream handler that is served while its DHT announcement is kept fresh
+(the state server's and data sharing's start and stop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import Any
 
 from hivemind.p2p import P2PDaemonError
+
+log = logging.getLogger(__name__)
 
 LENGTH_PREFIX = 8  # = hivemind P2P.HEADER_LEN
 # What a stream operation raises when the peer or its daemon goes away mid-way.
@@ -90,3 +97,45 @@ async def linger(reader: asyncio.StreamReader, timeout: float) -> None:
     seconds; the caller closes its end afterwards. See the module docstring for why."""
     with suppress(TimeoutError, *NETWORK_ERRORS):
         await asyncio.wait_for(reader.read(1), timeout)
+
+
+class AnnouncedHandler:
+    """A stream handler served while a DHT announcement of it is refreshed every `period` seconds:
+    the lifecycle that the state server and data sharing share. `start` registers the handler and
+    starts the refresh; `stop` cancels the refresh, awaits the caller's withdrawal (a tombstone),
+    then unregisters the handler (transfers in flight may finish)."""
+
+    def __init__(self, p2p: Any, name: str, handle: Callable[..., Awaitable[None]],
+                 refresh: Callable[[], Awaitable[Any]], period: float):
+        self.p2p, self.name, self.handle, self.refresh, self.period = p2p, name, handle, refresh, period
+        self.started = False
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> bool:
+        """False if it was already started."""
+        if self.started:
+            return False
+        await self.p2p.add_binary_stream_handler(self.name, self.handle)
+        self.started = True
+        self._task = asyncio.create_task(self._refresh_loop(), name=f"announce {self.name}")
+        return True
+
+    async def stop(self, withdraw: Callable[[], Awaitable[Any]]) -> None:
+        if not self.started:
+            return
+        self.started = False
+        if self._task is not None:
+            self._task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._task
+        await withdraw()
+        with suppress(*NETWORK_ERRORS):
+            await self.p2p.remove_binary_stream_handler(self.name)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("refreshing the announcement of %s failed", self.name)

@@ -7,7 +7,6 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
 from typing import Any
 
 import hivemind
@@ -26,7 +25,7 @@ from diloco_p2p.swarm.state.announcements import (
     handler_name,
     state_key,
 )
-from diloco_p2p.swarm.streams import NETWORK_ERRORS, WireError
+from diloco_p2p.swarm.streams import NETWORK_ERRORS, AnnouncedHandler, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +69,8 @@ class StateServer:
         self._blob: bytes | None = None
         self._announcement: StateAnnouncement | None = None
         self._expiration: float | None = None  # of the last record we stored
-        self._refresh: asyncio.Task | None = None
         self._lock = asyncio.Lock()
-        self._started = False
+        self._served = AnnouncedHandler(p2p, handler_name(run_id), self._handle, self._refresh, announce_ttl / 3)
         # Whether to serve a peer (its id proven by p2pd): a closed run serves its members only
         # (`diloco_p2p.swarm.admission.Admission.check_stream`); None serves everyone.
         self.admit: Callable[[str, str], Awaitable[bool]] | None = None
@@ -83,26 +81,12 @@ class StateServer:
 
     async def start(self) -> None:
         """Register the stream handler; announce the state if one is already set."""
-        if self._started:
-            return
-        await self.p2p.add_binary_stream_handler(handler_name(self.run_id), self._handle)
-        self._started = True
-        self._refresh = asyncio.create_task(self._refresh_loop(), name=f"announce {state_key(self.run_id)}")
-        if self._announcement is not None:
+        if await self._served.start() and self._announcement is not None:
             await self._announce()
 
     async def stop(self) -> None:
         """Withdraw the announcement and unregister the handler (transfers in flight may finish)."""
-        if not self._started:
-            return
-        self._started = False
-        if self._refresh is not None:
-            self._refresh.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._refresh
-        await self.withdraw()
-        with suppress(*NETWORK_ERRORS):
-            await self.p2p.remove_binary_stream_handler(handler_name(self.run_id))
+        await self._served.stop(self.withdraw)
 
     async def set_state(self, round: int, blob: bytes, params_hash: str | None = None) -> None:
         """Serve `blob` as the state of `round` from now on (announced at once if started).
@@ -115,7 +99,7 @@ class StateServer:
         ann = StateAnnouncement(self.peer_id, round, digest, len(blob), params_hash)
         AnnouncementValue.parse_obj(ann.value())  # a bad params_hash fails here, not on every peer
         self._blob, self._announcement = blob, ann
-        if self._started:
+        if self._served.started:
             await self._announce()
 
     async def withdraw(self, timeout: float = 10.0) -> bool:
@@ -155,14 +139,9 @@ class StateServer:
         future = self.dht.store(state_key(self.run_id), value, expiration, subkey=subkey, return_future=True)
         return bool(await asyncio.wait_for(future, timeout))
 
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.announce_ttl / 3)
-            if self._announcement is not None:
-                try:
-                    await self._announce()
-                except Exception:
-                    logger.exception("refreshing the state announcement failed")
+    async def _refresh(self) -> None:
+        if self._announcement is not None:
+            await self._announce()
 
     # ------------------------------------------------------------------------- serving
 
