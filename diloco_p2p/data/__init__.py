@@ -129,7 +129,16 @@ def _from_swarm(cfg: DataConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, s
     source.keep = lambda: set(data.upcoming_shards(cfg.prefetch_shards))
     if remote is not None and cfg.serve:
         remote.serve(manifest, cache.held)
-    data.prefetcher = Prefetcher(cache, lambda: data.upcoming_shards(cfg.prefetch_shards))  # type: ignore[attr-defined]
+    first = (data.position.epoch, data.position.offset)
+
+    def upcoming() -> list[int]:
+        # Until training reads its first window, only the shards of the block it starts in (and, on
+        # the reader's thread, the eval windows' shard): fetching further ahead at once would share
+        # the link and the CPU with the shards the first step waits for.
+        started = (data.position.epoch, data.position.offset) != first
+        return data.upcoming_shards(cfg.prefetch_shards if started else 0)
+
+    data.prefetcher = Prefetcher(cache, upcoming)  # type: ignore[attr-defined]
     log.info("data: dataset %s from the swarm into %s (%d of %d shards here, cache limit %s)", manifest.id[:12],
              directory, len(cache.held()), len(manifest.shards),
              "none" if cfg.cache_bytes is None else f"{cfg.cache_bytes / 1e6:.3g} MB")

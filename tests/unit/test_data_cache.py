@@ -182,8 +182,12 @@ def test_open_dataset_fetches_a_corpus_by_its_id_and_serves_what_it_holds(prepar
     remote = FakeRemote(prepared)
     cfg = DataConfig(path=f"swarm:{prepared.id}", prefetch_shards=1)
     data = open_dataset(cfg, ModelConfig(), BYTE, 64, "k", tmp_path / "data", remote=remote)
+    # Before the first batch the prefetcher wants only the first block's shards (nothing that
+    # would compete with them), then data.prefetch_shards blocks ahead.
+    assert data.prefetcher.upcoming() == data.upcoming_shards(0) != data.upcoming_shards(1)
     batch = data.next_batch(4)
     assert batch.shape == (4, 65)
+    assert data.prefetcher.upcoming() == data.upcoming_shards(1)
     directory = tmp_path / "data" / f"swarm-{prepared.id[:16]}"
     assert (directory / CACHE_MARKER).exists() and Manifest.load(directory).id == prepared.id
     assert remote.served[0][0] == prepared.id
