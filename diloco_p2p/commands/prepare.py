@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="local transformers tokenizer directory (as model.tokenizer_path); default: bytes")
     p.add_argument("--text-field", default="text", help="the text field of JSONL / Parquet / Arrow rows")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="threads of the fast tokenizer")
-    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 32Mi)")
+    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 8Mi: 16 MiB of uint16 ids)")
     p.add_argument("--eval-fraction", type=float, default=0.02, help="share of windows held out for evaluation")
     p.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -132,11 +132,12 @@ def _from_swarm(cfg: DataConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, s
     first = (data.position.epoch, data.position.offset)
 
     def upcoming() -> list[int]:
-        # Until training reads its first window, only the shards of the block it starts in (and, on
-        # the reader's thread, the eval windows' shard): fetching further ahead at once would share
-        # the link and the CPU with the shards the first step waits for.
-        started = (data.position.epoch, data.position.offset) != first
-        return data.upcoming_shards(cfg.prefetch_shards if started else 0)
+        # Until training reads its first window, only the shard it starts in (and, on the reader's
+        # thread, the eval windows' shard): fetching further ahead at once would share the link
+        # and the CPU with the shards the first step waits for.
+        if (data.position.epoch, data.position.offset) == first:
+            return data.upcoming_shards(0)[:1]
+        return data.upcoming_shards(cfg.prefetch_shards)
 
     data.prefetcher = Prefetcher(cache, upcoming)  # type: ignore[attr-defined]
     log.info("data: dataset %s from the swarm into %s (%d of %d shards here, cache limit %s)", manifest.id[:12],

@@ -36,7 +36,9 @@ from diloco_p2p.errors import UserError
 from diloco_p2p.model import Tokenizer
 
 STATE = "prepare-state.json"
-DEFAULT_SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 ids per shard
+# 16 MiB of uint16 ids per shard: what a node fetching from the swarm waits for before its first
+# step is about two shards (the eval windows' and the first one of its order).
+DEFAULT_SHARD_TOKENS = 1 << 23
 # Documents encoded together: a fast tokenizer spreads one batch's documents over its threads,
 # so a batch holds many documents' worth of text (and bounds the text held in memory).
 _BATCH_BYTES = 32 << 20

@@ -182,9 +182,9 @@ def test_open_dataset_fetches_a_corpus_by_its_id_and_serves_what_it_holds(prepar
     remote = FakeRemote(prepared)
     cfg = DataConfig(path=f"swarm:{prepared.id}", prefetch_shards=1)
     data = open_dataset(cfg, ModelConfig(), BYTE, 64, "k", tmp_path / "data", remote=remote)
-    # Before the first batch the prefetcher wants only the first block's shards (nothing that
-    # would compete with them), then data.prefetch_shards blocks ahead.
-    assert data.prefetcher.upcoming() == data.upcoming_shards(0) != data.upcoming_shards(1)
+    # Before the first batch the prefetcher wants only the shard training starts in (nothing that
+    # would compete with it), then data.prefetch_shards blocks ahead.
+    assert data.prefetcher.upcoming() == data.upcoming_shards(0)[:1] != data.upcoming_shards(1)
     batch = data.next_batch(4)
     assert batch.shape == (4, 65)
     assert data.prefetcher.upcoming() == data.upcoming_shards(1)
