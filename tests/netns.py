@@ -4,7 +4,7 @@
 ``10.231.0.<i+1>/24``, all plugged into a bridge in a hub namespace (so nothing touches the
 machine's own interfaces or routes). `rate_mbit` shapes every host's link with a token bucket
 in both directions (the host's egress and the hub's egress towards it), which is what a home
-uplink looks like to the swarm. `cut(i)` / `heal(i)` take a host's link down and up: a network
+uplink looks like to the swarm: its queue holds 1 MiB, within 100..500 ms of the rate (`queue_ms`). `cut(i)` / `heal(i)` take a host's link down and up: a network
 partition with the process still running, unlike SIGSTOP (the kernel keeps answering TCP for
 a stopped process; a cut link answers nothing).
 
@@ -59,12 +59,26 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
 
 
+QUEUE_BYTES = 1 << 20  # a home router's buffer (bytes), held to at least 100 ms and at most 500 ms of the rate
+
+
+def queue_ms(rate_mbit: float) -> float:
+    """How long the link's queue may hold packets: 1 MiB at the link rate, within 100..500 ms.
+
+    A home uplink's buffer is sized in bytes and is deep (hundreds of ms at 10-20 Mbit/s:
+    Kreibich et al., Netalyzr, IMC 2010). A 100 ms queue at every rate made the 20 Mbit/s links of
+    `benchmarks/plan_check.py` drop 10-30% of the segments their senders queued (this machine's TCP
+    is BBR, which overfills a shallow queue; namespaces cannot change it): with the deeper queue,
+    0.03-0.15% (all-reduces of 4 and 8 peers), at the same all-reduce times within the noise."""
+    return min(max(QUEUE_BYTES * 8 / (rate_mbit * 1e6) * 1e3, 100.0), 500.0)
+
+
 def _tc(ns: str, dev: str, rate_mbit: float) -> None:
-    # A token bucket: `rate` sustained, a burst of 10 ms at that rate, at most 100 ms queued.
+    # A token bucket: `rate` sustained, a burst of 10 ms at that rate, a queue of `queue_ms`.
     rate = f"{rate_mbit}mbit"
     burst = max(int(rate_mbit * 1e6 / 8 * 0.01), 16 * 1024)
     result = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                             "rate", rate, "burst", str(burst), "latency", "100ms"],
+                             "rate", rate, "burst", str(burst), "latency", f"{queue_ms(rate_mbit):.0f}ms"],
                             capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"tc on {ns}/{dev}: {result.stderr.strip()}")
