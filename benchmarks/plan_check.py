@@ -5,9 +5,9 @@ as in `benchmarks/allreduce_wan.py` and `benchmarks/wan.py`, whose machinery thi
 (each well under 10 minutes on two busy cores; run them in this order):
 
 - ``calibrate``: all-reduces of `--numel` values on unshaped links (CPU, per-message and fixed
-  costs) and at `--cal-rate` Mbit (the flow overhead) for k = 2, 4, 6, 8 peers; fits the
-  `Calibration` constants by least squares and prints them (paste them into `plan.Calibration`,
-  the defaults the CLI uses). Writes benchmarks/results/plan_calibration.json.
+  costs) and at each of `--cal-rates` Mbit (the flow overhead, and the per-flow cost, which
+  shows only at low rates) for k = 2, 4, 6, 8 peers; fits the `Calibration` constants by least
+  squares (`fit`) and prints them (paste them into `plan.Calibration`, the defaults the CLI uses).
 - ``allreduce``: at other rates (`--rates`, not the calibration's), k = 2, 4, 6, 8: predicted
   (shipped defaults) vs measured all-reduce seconds and bytes sent per peer, with the % error.
 - ``rounds``: real training nodes (`tiny` model, a few rounds) in one group of k = 2, 4, 6 at
@@ -16,7 +16,7 @@ as in `benchmarks/allreduce_wan.py` and `benchmarks/wan.py`, whose machinery thi
 - ``curves``: predicted curves to 1,024 nodes (PNG, matplotlib from the `bench` extra).
 - ``report``: every stored measurement again against the current constants (no network).
 
-Results accumulate in benchmarks/results/plan_check.json (one key per stage).
+Results accumulate in benchmarks/results/plan_check.json (`--json`; one key per stage).
 
     sudo python benchmarks/plan_check.py calibrate|allreduce|rounds|curves [--ks 2,4,6,8] ...
 """
@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -45,17 +46,21 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CORES = 2  # the machine these checks ran on
 
 
-def _inputs(numel: int, rate: float, comp: str, k: int, group: int | None = None, **kw) -> plan.Inputs:
+def _inputs(numel: int, rate: float, comp: str, k: int, group: int | None = None, load: float = 0.0,
+            **kw) -> plan.Inputs:
+    """The planner's inputs for a check on this machine: the k peers and the load average measured
+    with them (`load`; other work, and ours) share `CORES` cores: (k + load) / CORES processes per
+    core make CPU work that much slower (`plan.time_terms`). A volunteer's node has 1."""
     links = plan.Links(rate, rate)
     return plan.Inputs(params=numel, step_seconds=1.0, uplink=links, downlink=links, rtt_ms=0.0,
                        scheme="grid" if group else "butterfly", group=group or max(k, 2), compression=comp,
-                       oversubscribe=max(k / CORES, 1.0), **kw)
+                       oversubscribe=max((k + load) / CORES, 1.0), **kw)
 
 
 def predicted_allreduce(numel: int, rate: float, comp: str, k: int, cal: plan.Calibration,
-                        group: int | None = None) -> tuple[float, int]:
+                        group: int | None = None, load: float = 0.0) -> tuple[float, int]:
     """(seconds, bytes sent per peer) of one all-reduce: the butterfly, or the grid with rows of `group`."""
-    inp = _inputs(numel, rate, comp, k, group)
+    inp = _inputs(numel, rate, comp, k, group, load)
     steps = plan.levels(inp, inp.scheme, k)
     return sum(sum(plan.level_seconds(x, inp, k, cal).values()) for x in steps), sum(x.sent for x in steps)
 
@@ -70,7 +75,8 @@ def run_allreduces(rate: float, ks: list[int], comps: list[str], numel: int, rou
                 comp, _, scheme = key.partition("/")
                 out.append({"rate": rate, "k": k, "comp": comp, "scheme": scheme or "butterfly",
                             "grid": grid if scheme else None, "numel": numel,
-                            "seconds": r["seconds"], "sent": r["sent"], "load": os.getloadavg()[0]})
+                            "seconds": r["seconds"], "sent": r["sent"], "load": os.getloadavg()[0],
+                            "at": round(time.time())})
                 print(f"  measured {rate:g} Mbit k={k} {key}: {r['seconds']:.3f} s, {r['sent'] / 1e6:.3f} MB",
                       flush=True)
     return out
@@ -83,39 +89,54 @@ def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
     return [float(v) for v in solution]
 
 
-def fit(fast: list[dict], shaped: list[dict]) -> plan.Calibration:
-    """Unshaped runs: seconds = setup + per_message · messages · o (o = processes per core); shaped
-    runs, with those: seconds - fixed = flow_overhead · wire time (the median ratio). The CPU per byte
-    (encode, reduce, decode, p2pd) did not separate from the noise of a shared machine (int8, fewer
-    bytes, was as slow as fp16 unshaped), so it stays 0 and the flow overhead carries it."""
-    rows = [[1.0, 3 * (m["k"] - 1) * max(m["k"] / CORES, 1.0)] for m in fast]
-    setup, per_message = _lstsq(rows, [m["seconds"] for m in fast])
-    base = plan.Calibration(setup_s=max(setup, 0.0), per_message_s=max(per_message, 0.0), cpu_s_per_byte=0.0,
-                            flow_overhead=1.0, rtts=0.0)
-    ratios = []
-    for m in shaped:
-        fixed, _ = predicted_allreduce(m["numel"], 1e9, m["comp"], m["k"], base)  # no wire time at 1e9 Mbit
-        wire_s = m["sent"] * 8 / (m["rate"] * 1e6)
-        ratios.append((m["seconds"] - fixed) / wire_s)
-    return replace(base, flow_overhead=statistics.median(ratios), rtts=plan.Calibration().rtts,
-                   source="benchmarks/plan_check.py calibrate")
+FIT_TERMS = ("wire", "setup", "messages", "flows")  # CPU per byte and RTTs: not separable here (see `fit`)
 
 
-def _write(key: str, value) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "plan_check.json"
+def terms(m: dict) -> dict[str, float]:
+    """The planner's unit time terms (`plan.time_terms`) of a measured all-reduce row, summed over its levels."""
+    group = m.get("grid") if m.get("scheme") == "grid" else None
+    inp = _inputs(m["numel"], m["rate"], m["comp"], m["k"], group, m.get("load", 0.0))
+    out: dict[str, float] = {}
+    for level in plan.levels(inp, inp.scheme, m["k"]):
+        for term, x in plan.time_terms(level, inp, m["k"]).items():
+            out[term] = out.get(term, 0.0) + x
+    return out
+
+
+def fit(rows: list[dict], source: str) -> plan.Calibration:
+    """Least squares on relative error: every row's seconds = sum of `FIT_TERMS` x their constants,
+    each row divided by its measured seconds (so a 0.1 s row counts as much as a 5 s one). The CPU
+    per byte did not separate from the flow overhead on this shared machine (int8, half the bytes,
+    was as slow as fp16 unshaped), so it stays 0 and the flow overhead carries it; the test network
+    has no delay, so the RTT count keeps its default."""
+    fitted = list(FIT_TERMS)
+    while True:  # non-negative: a term whose best weight is negative is dropped and the rest refitted
+        solution = dict(zip(fitted, _lstsq([[terms(m)[t] / m["seconds"] for t in fitted] for m in rows],
+                                           [1.0] * len(rows)), strict=True))
+        negative = [t for t, v in solution.items() if v < 0]
+        if not negative:
+            break
+        fitted.remove(min(negative, key=solution.__getitem__))
+    return replace(plan.Calibration(), cpu_s_per_byte=0.0, source=source,
+                   **{plan.TERMS[t]: solution.get(t, 0.0) for t in FIT_TERMS})
+
+
+def _write(key: str, value, path: Path = RESULTS / "plan_check.json") -> None:
+    path.parent.mkdir(exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
     data[key] = value
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def stage_calibrate(args) -> None:
-    print(f"calibration: {args.numel:,} values, unshaped and {args.cal_rate:g} Mbit, k = {args.ks}")
+    rates = "+".join(f"{r:g}" for r in args.cal_rates)
+    print(f"calibration: {args.numel:,} values, unshaped and {rates} Mbit, k = {args.ks}")
     fast = run_allreduces(10_000.0, args.ks, args.comps, args.numel, args.rounds)
-    shaped = run_allreduces(args.cal_rate, args.ks, args.comps, args.numel, args.rounds)
-    cal = fit(fast, shaped)
+    shaped = [m for rate in args.cal_rates for m in run_allreduces(rate, args.ks, args.comps, args.numel, args.rounds)]
+    cal = fit(fast + shaped, f"benchmarks/plan_check.py calibrate (unshaped, {rates} Mbit, "
+                             f"k = {','.join(map(str, args.ks))}, {args.numel:,} values)")
     print("fitted:", cal)
-    _write("calibrate", {"fast": fast, "shaped": shaped, "fitted": asdict(cal)})
+    _write("calibrate", {"fast": fast, "shaped": shaped, "fitted": asdict(cal)}, args.json)
 
 
 def _row(name: str, pred: float, meas: float) -> str:
@@ -131,17 +152,17 @@ def stage_allreduce(args) -> None:
     for rate in args.rates:
         for m in run_allreduces(rate, args.ks, args.comps, args.numel, args.rounds, args.grid):
             group = args.grid if m["scheme"] == "grid" else None
-            seconds, sent = predicted_allreduce(m["numel"], rate, m["comp"], m["k"], cal, group)
+            seconds, sent = predicted_allreduce(m["numel"], rate, m["comp"], m["k"], cal, group, m["load"])
             rows.append({**m, "pred_seconds": seconds, "pred_sent": sent,
                          "err_seconds": (seconds - m["seconds"]) / m["seconds"], "err_sent": (sent - m["sent"]) / m["sent"]})
             name = m["comp"] + ("/grid" if group else "")
             print(f"{rate:>6g} {m['k']:>2} {name:>9} {_row('s', seconds, m['seconds'])} "
                   f"{_row('MB', sent / 1e6, m['sent'] / 1e6)} {m['load']:>5.1f}", flush=True)
-    path = RESULTS / "plan_check.json"
+    path = args.json
     old = json.loads(path.read_text()).get("allreduce", []) if path.exists() else []
     done = {(x["rate"], x["k"], x["comp"], x["scheme"]) for x in rows}
     keep = [r for r in old if (r["rate"], r["k"], r["comp"], r.get("scheme", "butterfly")) not in done]
-    _write("allreduce", keep + rows)
+    _write("allreduce", keep + rows, args.json)
 
 
 def main() -> None:
@@ -151,15 +172,17 @@ def main() -> None:
     parser.add_argument("--comps", default="fp16,int8")
     parser.add_argument("--numel", type=int, default=2_000_000)
     parser.add_argument("--rounds", type=int, default=2, help="all-reduces (or training rounds) per configuration")
-    parser.add_argument("--cal-rate", type=float, default=50.0)
-    parser.add_argument("--rates", default="20,100")
+    parser.add_argument("--cal-rates", default="20,50", help="calibrate: shaped rates, comma-separated")
+    parser.add_argument("--rates", default="100", help="allreduce: the check's rates (not the calibration's)")
     parser.add_argument("--round-rate", type=float, default=50.0)
     parser.add_argument("--grid", type=int, default=None, help="allreduce: also the grid all-reduce, rows of B")
+    parser.add_argument("--json", type=Path, default=RESULTS / "plan_check.json", help="where results accumulate")
     parser.add_argument("--inner-steps", type=int, default=10, help="H of the training rounds")
     args = parser.parse_args()
     args.ks = [int(k) for k in (args.ks or ("2,4,6" if args.stage == "rounds" else "2,4,6,8")).split(",")]
     args.comps = args.comps.split(",")
     args.rates = [float(r) for r in args.rates.split(",")]
+    args.cal_rates = [float(r) for r in args.cal_rates.split(",")]
     if args.stage in ("curves", "report"):
         return (stage_curves if args.stage == "curves" else stage_report)(args)
     if not netns.available():
@@ -205,7 +228,7 @@ ROUNDS_HEADER = (f"{'k':>2} {'rounds':>6} {'compute s':>9} {'pred s':>9} {'meas 
 
 def predict_round(row: dict, cal: plan.Calibration) -> dict:
     """The planner's round for a measured row (its compute, k, rate, H), with the % errors; prints it."""
-    inp = replace(_inputs(row["params"], row["rate"], row["comp"], row["k"]),
+    inp = replace(_inputs(row["params"], row["rate"], row["comp"], row["k"], load=row["load"]),
                   step_seconds=row["compute"] / row["inner_steps"], inner_steps=row["inner_steps"])
     p, meas = plan.predict_scheme(inp, row["k"], "butterfly", cal), row["measured"]
     row = {**row, "predicted": p.as_dict(), "err_seconds": (p.round_seconds - meas["seconds"]) / meas["seconds"],
@@ -234,53 +257,43 @@ def stage_rounds(args) -> None:
                "comp": comp, "rate": args.round_rate, "inner_steps": args.inner_steps, "load": os.getloadavg()[0],
                "measured": meas}
         rows.append(predict_round(row, cal))
-    _write("rounds", rows)
+    _write("rounds", rows, args.json)
 
 
-def fit_loaded(rows: list[dict], rate: float) -> plan.Calibration:
-    """Constants fitted on the butterfly rows at `rate` alone, measured under the load of the check
-    itself: seconds = flow_overhead · wire + setup + per_message · messages · o (least squares)."""
-    fit_rows = [m for m in rows if m["rate"] == rate and m.get("scheme", "butterfly") == "butterfly"]
-    x = [[m["sent"] * 8 / (m["rate"] * 1e6), 1.0, 3 * (m["k"] - 1) * max(m["k"] / CORES, 1.0)] for m in fit_rows]
-    eta, setup, per_message = _lstsq(x, [m["seconds"] for m in fit_rows])
-    return plan.Calibration(flow_overhead=eta, setup_s=max(setup, 0.0), per_message_s=max(per_message, 0.0),
-                            cpu_s_per_byte=0.0, rtts=0.0, source=f"fitted on the loaded {rate:g} Mbit rows")
-
-
-def _report_allreduce(data: dict, cal: plan.Calibration) -> list[dict]:
-    print(f"{'Mbit/s':>6} {'k':>2} {'wire':>9} {'pred s':>9} {'meas s':>9} "
-          f"{'err':>8} {'pred MB':>9} {'meas MB':>9} {'err':>8} {'load':>5}")
-    rows = []
-    for m in data.get("allreduce", []):
+def _report_allreduce(rows: list[dict], cal: plan.Calibration, role: str) -> list[dict]:
+    out = []
+    for m in rows:
         group = m.get("grid") if m.get("scheme") == "grid" else None
-        seconds, sent = predicted_allreduce(m["numel"], m["rate"], m["comp"], m["k"], cal, group)
-        rows.append({**m, "pred_seconds": seconds, "pred_sent": sent,
-                     "err_seconds": (seconds - m["seconds"]) / m["seconds"], "err_sent": (sent - m["sent"]) / m["sent"]})
+        seconds, sent = predicted_allreduce(m["numel"], m["rate"], m["comp"], m["k"], cal, group, m.get("load", 0.0))
+        out.append({**m, "pred_seconds": seconds, "pred_sent": sent,
+                    "err_seconds": (seconds - m["seconds"]) / m["seconds"], "err_sent": (sent - m["sent"]) / m["sent"]})
         name = m["comp"] + ("/grid" if group else "")
-        print(f"{m['rate']:>6g} {m['k']:>2} {name:>9} {_row('s', seconds, m['seconds'])} "
+        print(f"{role:>5} {m['rate']:>6g} {m['k']:>2} {name:>9} {_row('s', seconds, m['seconds'])} "
               f"{_row('MB', sent / 1e6, m['sent'] / 1e6)} {m.get('load', float('nan')):>5.1f}")
-    return rows
+    return out
 
 
 def stage_report(args) -> None:
-    """Re-predict every stored measurement with the current `plan.Calibration` (no network needed),
-    then with constants fitted on the check's own `--cal-rate` rows (the same machine load)."""
-    data = json.loads((RESULTS / "plan_check.json").read_text())
+    """Re-predict every stored measurement with the current `plan.Calibration` (no network needed):
+    the calibration's own rows (`cal`), then the held-out all-reduces (other rates, the grid) and
+    training rounds (`check`), with how many held-out rows are within 15%."""
+    data = json.loads(args.json.read_text())
     cal = plan.Calibration()
     print(f"constants: {cal}")
-    print("all-reduce, predicted (shipped constants, fitted on an idle machine) vs measured")
-    rows = _report_allreduce(data, cal)
-    loaded = fit_loaded(data.get("allreduce", []), args.cal_rate)
-    print(f"all-reduce, predicted with constants fitted on the loaded {args.cal_rate:g} Mbit rows "
-          f"(flow_overhead {loaded.flow_overhead:.3f}, setup {loaded.setup_s:.3f} s, "
-          f"per message {loaded.per_message_s * 1e3:.2f} ms): the other rates are the check")
-    data["allreduce_load_matched"] = {"constants": vars(loaded), "rows": _report_allreduce(data, loaded)}
+    print(f"{'role':>5} {'Mbit/s':>6} {'k':>2} {'wire':>9} {'pred s':>9} {'meas s':>9} "
+          f"{'err':>8} {'pred MB':>9} {'meas MB':>9} {'err':>8} {'load':>5}")
+    calib = data.get("calibrate", {})
+    _report_allreduce(calib.get("fast", []) + calib.get("shaped", []), cal, "cal")
+    data["allreduce"] = _report_allreduce(data.get("allreduce", []), cal, "check")
     print("training rounds, predicted (given the measured compute) vs measured")
     print(ROUNDS_HEADER)
-    data["allreduce"] = rows
     data["rounds"] = [predict_round(r, cal) for r in data.get("rounds", [])]
-    data["constants"] = {k: v for k, v in vars(cal).items()}
-    (RESULTS / "plan_check.json").write_text(json.dumps(data, indent=1) + "\n")
+    errs = [r["err_seconds"] for r in data["allreduce"] + data["rounds"]]
+    within = sum(abs(e) <= 0.15 for e in errs)
+    print(f"held out: {within} of {len(errs)} rows within 15% (worst {max(errs, key=abs, default=0):+.1%})")
+    data["constants"] = dict(vars(cal))
+    data["held_out_within_15"] = [within, len(errs)]
+    args.json.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def stage_curves(args) -> None:
@@ -320,7 +333,7 @@ def stage_curves(args) -> None:
     fig.tight_layout()
     RESULTS.mkdir(exist_ok=True)
     fig.savefig(RESULTS / "plan_curves.png", dpi=110)
-    _write("curves", {"inputs": {k: str(v) for k, v in base.items()}, "curves": curves})
+    _write("curves", {"inputs": {k: str(v) for k, v in base.items()}, "curves": curves}, args.json)
     print(f"wrote {RESULTS / 'plan_curves.png'}")
 
 

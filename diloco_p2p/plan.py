@@ -5,10 +5,11 @@ seconds over round seconds), bytes each node sends, and the bottleneck (compute,
 downlink, latency/messages (matchmaking included), CPU, stragglers, failures): the largest cause
 when utilization is below 0.9, else compute. Everything here is a pure function of the inputs
 and of a few constants measured on real swarms (`Calibration`, fitted and checked by
-`benchmarks/plan_check.py` on namespaces with tbf-shaped links). The constants describe a node
-with its cores to itself: on the shared two-core machine they were fitted on (idle), all-reduces
-measured under a load average of 15-19 took 20-60% longer than predicted; refitted under that
-load, the other rates were predicted with a median error of 14% (plan_check.json).
+`benchmarks/plan_check.py` on namespaces with tbf-shaped links). They were fitted on a shared
+two-core machine under a load average of 6-12 (other work beside the check's own k processes),
+so their CPU part (setup, per message) is that of a busy node: on an idle machine all-reduces were
+up to 41% faster than they predict (plan_check_q100.txt); the check's rows and what it held out
+are in benchmarks/results/plan_check.{json,txt}.
 
 Bytes. For the butterfly (the protocol of `diloco_p2p.swarm.allreduce`, after Patarasuk & Yuan
 2009's bandwidth-optimal all-reduce: reduce-scatter, then all-gather) the count is exact, frame
@@ -32,11 +33,16 @@ average), unlike Moshpit SGD's approximate grid (Ryabinin et al. 2021). Bytes pe
 lower bound 2(N-1)/N · n again, but a node opens about 3(s-1) + 3(R-1) streams (twice, with the
 agreement) instead of 3(N-1).
 
-Time of one butterfly over k members: ``flow_overhead · wire + cpu + setup + per_message · messages
-+ rtts · RTT``. `wire` is the slowest node's bytes at its link rate (every member waits for every
-part, so the slowest link sets the pace: the N-quantile of the link distribution); `flow_overhead`
-is the measured slack of k-1 concurrent TCP flows sharing one tbf-shaped link; `cpu` is encode,
-reduce, decode and copying the bytes through the p2p daemon. A round is the slowest node's H
+Time of one butterfly over k members: ``flow_overhead · wire + flow_bytes · (k-1) · 8 / rate + cpu
++ setup + per_message · messages · o + rtts · RTT`` (`time_terms`). `wire` is the slowest node's
+bytes at its link rate (every member waits for every part, so the slowest link sets the pace: the
+N-quantile of the link distribution); `flow_overhead` is the slack of TCP flows sharing one shaped
+link (headers, uneven shares: a reducer whose part arrives last gathers it alone while other links
+idle); `flow_bytes` is link capacity each of the k-1 concurrent flows of a member costs whatever
+the payload (a shallow queue's losses: 0 on realistic queues, see `time_terms`); `setup` and
+`messages · o` are the collective's fixed cost and stream setup through the p2p daemon, CPU work
+that takes o times longer with o processes per core (1 for a volunteer's node; (k + load)/2 for
+the checks on two shared cores); `cpu` is encode, reduce, decode per byte. A round is the slowest node's H
 inner steps (stragglers: per-node speed lognormal with the given spread, the N-th order
 statistic by Blom's approximation; with dynamic local updates nobody waits) plus matchmaking plus
 the all-reduce; with ``overlap=eager`` the all-reduce of round r runs behind round r+1's inner
@@ -69,7 +75,8 @@ class Calibration:
     """Constants measured on real swarms here (`benchmarks/plan_check.py --calibrate`, tbf links).
 
     flow_overhead: all-reduce seconds over the wire time of its bytes once CPU and fixed costs are
-    taken out (k-1 TCP flows share one shaped link unevenly). cpu_s_per_byte: one node's CPU per byte
+    taken out (k-1 TCP flows share one shaped link unevenly). flow_bytes: link bytes lost per
+    concurrent flow on a member's link per collective (`time_terms`). cpu_s_per_byte: one node's CPU per byte
     it sends or receives (encode, reduce, decode, the hop through p2pd). setup_s, per_message_s,
     rtts: fixed costs of one butterfly. matchmaking_per_member_s: forming the group, per other member
     (fitted on 2-node training rounds); the leader also streams the member list to every member,
@@ -77,15 +84,17 @@ class Calibration:
     detect_s: noticing a dead member (the probe interval). apply_s: the outer step and bookkeeping.
     """
 
-    flow_overhead: float = 1.10
+    flow_overhead: float = 1.185
+    flow_bytes: float = 0.0  # fitted < 0 on the 1 MiB queues (tests/netns.queue_ms), so dropped: see time_terms
     cpu_s_per_byte: float = 0.0
-    setup_s: float = 0.060
-    per_message_s: float = 0.0058
+    setup_s: float = 0.0983
+    per_message_s: float = 0.00457
     rtts: float = 4.0  # not measured: the test network has no delay
     matchmaking_per_member_s: float = 0.055
     detect_s: float = 1.0
     apply_s: float = 0.0
-    source: str = "fitted by benchmarks/plan_check.py calibrate (2-8 peers, 2M values, tbf links)"
+    source: str = ("fitted by benchmarks/plan_check.py calibrate (2-8 peers, 2M values, unshaped, 20 and 50 Mbit "
+                   "tbf links, load average 6-12 on 2 cores)")
 
 
 @dataclass(frozen=True)
@@ -252,12 +261,23 @@ def levels(inp: Inputs, scheme: str, nodes: int) -> list[Level]:
     if scheme == "sparse":
         return [Level("all-gather", nodes, sparse_bytes(n, nodes, chunk, d), 2 * (nodes - 1))]
     rows, size = grid_shape(nodes, inp.group)
-    part = math.ceil(n / size)  # what a row's reducer averages across its column
+    sizes = [hi - lo for lo, hi in wire.partition(nodes, rows)]  # rows differ by at most one member
+    fp32_gather = len(set(sizes)) > 1 and comp not in ("fp32", "fp16")  # unequal rows re-encode exactly only these
+
+    def row_bytes(s: int) -> int:
+        part = math.ceil(n / s)
+        out = butterfly_bytes(n, s, comp, chunk, density=d)  # the column's result is gathered in fp32 below
+        return out + ((s - 1) * (_frames(part, "fp32", chunk) - _frames(part, comp, chunk, d)) if fp32_gather else 0)
+
+    def mean(f) -> int:  # over members: a row of s members counts s times
+        return round(sum(s * f(s) for s in sizes) / nodes)
+
     mask = size + nodes  # 0/1 per interval and per member (its contribution entered), fp32
-    agree = butterfly_bytes(mask, rows, "fp32", chunk) + butterfly_bytes(mask, size, "fp32", chunk)
-    return [Level("row", size, butterfly_bytes(n, size, comp, chunk, density=d), 3 * (size - 1)),
-            Level("column", rows, butterfly_bytes(part, rows, comp, chunk, density=d), 3 * (rows - 1)),
-            Level("agreement", max(rows, size), agree, 3 * (rows - 1) + 3 * (size - 1))]
+    column = mean(lambda s: butterfly_bytes(math.ceil(n / s), rows, comp, chunk, density=d))
+    return [Level("row", size, mean(row_bytes), 3 * (size - 1)),
+            Level("column", rows, column, 3 * (rows - 1)),
+            Level("agreement across rows", rows, butterfly_bytes(mask, rows, "fp32", chunk), 3 * (rows - 1)),
+            Level("agreement in the row", size, butterfly_bytes(mask, size, "fp32", chunk), 3 * (size - 1))]
 
 
 def scheme_for(inp: Inputs, nodes: int) -> str:
@@ -276,15 +296,42 @@ def _mbit_seconds(nbytes: float, mbit: float) -> float:
     return nbytes * 8 / (mbit * 1e6)
 
 
-def level_seconds(level: Level, inp: Inputs, nodes: int, cal: Calibration) -> dict[str, float]:
-    """Seconds of one level by cause: uplink/downlink (wire time with the flow overhead), cpu, latency."""
-    up = _mbit_seconds(level.sent, inp.uplink.slowest(nodes))
-    down = _mbit_seconds(level.sent, inp.downlink.slowest(nodes))  # a member receives what it sends
-    wire_s = cal.flow_overhead * max(up, down)
+def time_terms(level: Level, inp: Inputs, nodes: int) -> dict[str, float]:
+    """The unit terms of one level's seconds; `Calibration` weighs each (`TERMS` names its field):
+
+    - wire: the slowest link's seconds for the level's bytes (uplink or downlink, whichever is
+      slower: a member receives what it sends);
+    - setup: 1 (a fixed cost per collective; a grid runs four, its agreement two of them);
+    - messages: streams opened x processes per core (opening a stream through p2pd is CPU work,
+      which takes o times longer when o processes share a core);
+    - flows: (k-1) x 8 / link rate: each of the k-1 concurrent flows on a member's link costs a
+      fixed volume of that link (`flow_bytes`). With 100 ms tbf queues the 20 Mbit/s checks showed
+      it (seconds over the wire time grew with k, 0.25-0.64 s at k=2 to 2.1 s at k=8, alike for
+      fp16 and int8; 10-30% of segments dropped at the senders' queues); with 1 MiB queues
+      (`tests/netns.queue_ms`) its fitted weight is below zero, so the shipped constant is 0;
+    - cpu: bytes sent and received x processes per core;
+    - rtt: round-trip seconds.
+    """
+    rate = min(inp.uplink.slowest(nodes), inp.downlink.slowest(nodes))
     busy = max(inp.oversubscribe, 1.0)  # CPU work of processes sharing a core takes that much longer
-    cpu = cal.cpu_s_per_byte * 2 * level.sent * busy
-    latency = cal.setup_s + cal.per_message_s * level.messages * busy + cal.rtts * inp.rtt_ms / 1e3
-    return {"uplink" if up >= down else "downlink": wire_s, "cpu": cpu, "latency/messages": latency}
+    return {"wire": _mbit_seconds(level.sent, rate), "setup": 1.0, "messages": level.messages * busy,
+            "flows": _mbit_seconds(level.k - 1, rate), "cpu": 2 * level.sent * busy, "rtt": inp.rtt_ms / 1e3}
+
+
+TERMS = {"wire": "flow_overhead", "setup": "setup_s", "messages": "per_message_s", "flows": "flow_bytes",
+         "cpu": "cpu_s_per_byte", "rtt": "rtts"}
+CAUSES = {"wire": "link", "flows": "link", "setup": "latency/messages", "messages": "latency/messages",
+          "rtt": "latency/messages", "cpu": "cpu"}
+
+
+def level_seconds(level: Level, inp: Inputs, nodes: int, cal: Calibration) -> dict[str, float]:
+    """Seconds of one level by cause: uplink/downlink (wire time and flows), cpu, latency/messages."""
+    link = "uplink" if inp.uplink.slowest(nodes) <= inp.downlink.slowest(nodes) else "downlink"
+    out: dict[str, float] = {}
+    for term, x in time_terms(level, inp, nodes).items():
+        cause = link if CAUSES[term] == "link" else CAUSES[term]
+        out[cause] = out.get(cause, 0.0) + getattr(cal, TERMS[term]) * x
+    return out
 
 
 def matchmaking_seconds(inp: Inputs, nodes: int, cal: Calibration) -> float:

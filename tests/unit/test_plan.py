@@ -153,3 +153,81 @@ def test_sparse_and_4bit_sizes_are_the_codecs(numel):
     assert plan.payload_size(numel, "int4") == codecs.int4_size(numel)
     for density in (0.01, 0.02, 0.3, 1.0):
         assert plan.payload_size(numel, "topk2", density) == codecs.topk_size(numel, density)
+
+
+def test_flows_cost_a_fixed_volume_of_the_link_per_concurrent_flow():
+    """`flow_bytes`: every one of a member's k-1 concurrent flows costs that many bytes of its link,
+    so the term grows with k, falls as 1/rate, and vanishes on a fast link; seconds are the sum of
+    the constants times `time_terms`."""
+    cal = plan.Calibration(flow_bytes=300_000.0)  # shipped: 0 (fitted below zero on realistic queues)
+
+    def seconds(k, rate, c=cal):
+        inp = plan.Inputs(params=2_000_000, step_seconds=1.0, uplink=plan.Links(rate, rate),
+                          downlink=plan.Links(rate, rate), rtt_ms=0.0, scheme="butterfly", group=k)
+        (level,) = plan.levels(inp, "butterfly", k)
+        terms = plan.time_terms(level, inp, k)
+        total = sum(plan.level_seconds(level, inp, k, c).values())
+        assert total == pytest.approx(sum(getattr(c, plan.TERMS[t]) * x for t, x in terms.items()))
+        return total
+
+    no_flows = plan.Calibration(flow_bytes=0.0)
+    extra = {(k, r): seconds(k, r) - seconds(k, r, no_flows) for k in (2, 4, 8) for r in (20, 100, 10_000)}
+    for rate in (20, 100):
+        assert extra[2, rate] < extra[4, rate] < extra[8, rate]
+        assert extra[8, rate] == pytest.approx(7 * cal.flow_bytes * 8 / (rate * 1e6))
+    assert extra[8, 20] == pytest.approx(5 * extra[8, 100])
+    assert extra[8, 10_000] < 0.01 * seconds(8, 10_000)
+    assert [seconds(k, 20) for k in (2, 4, 8)] == sorted(seconds(k, 20) for k in (2, 4, 8))
+
+
+def _check_module():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        return importlib.import_module("plan_check")
+    finally:
+        sys.path.remove(str(bench))
+
+
+def test_shipped_constants_are_the_fit_of_the_stored_calibration_and_predict_its_bytes():
+    """`plan.Calibration` is what `plan_check.fit` makes of the stored calibration rows (unshaped,
+    20 and 50 Mbit/s; benchmarks/results/plan_check.json), its terms have physical signs, and the
+    planner's bytes are the measured bytes of every stored all-reduce (calibration and held out)."""
+    check = _check_module()
+    data = json.loads((check.RESULTS / "plan_check.json").read_text())
+    rows = data["calibrate"]["fast"] + data["calibrate"]["shaped"]
+    fitted, shipped = check.fit(rows, "test"), plan.Calibration()
+    for term in check.FIT_TERMS:
+        name = plan.TERMS[term]
+        assert getattr(fitted, name) == pytest.approx(getattr(shipped, name), rel=0.01, abs=1.0), name
+    assert shipped.flow_overhead > 1.0 and shipped.setup_s > 0 and shipped.per_message_s > 0
+    for m in rows + data["allreduce"]:
+        group = m.get("grid") if m.get("scheme") == "grid" else None
+        seconds, sent = check.predicted_allreduce(m["numel"], m["rate"], m["comp"], m["k"], shipped, group, m["load"])
+        assert sent == pytest.approx(m["sent"], rel=1e-3)
+        assert seconds > m["sent"] * 8 / (m["rate"] * 1e6)  # never faster than the wire
+
+
+def test_the_check_predicts_most_held_out_rows_within_15_percent():
+    """The held-out rows (100 Mbit/s butterflies and grids, training rounds): the stored check's
+    count within 15% is what the shipped constants give now (a changed model must update it)."""
+    check = _check_module()
+    data = json.loads((check.RESULTS / "plan_check.json").read_text())
+    errs = []
+    for m in data["allreduce"]:
+        group = m.get("grid") if m.get("scheme") == "grid" else None
+        seconds, _ = check.predicted_allreduce(m["numel"], m["rate"], m["comp"], m["k"], plan.Calibration(), group,
+                                               m["load"])
+        errs.append((seconds - m["seconds"]) / m["seconds"])
+    for r in data["rounds"]:
+        inp = check._inputs(r["params"], r["rate"], r["comp"], r["k"], load=r["load"])
+        inp = plan.Inputs(**{**vars(inp), "step_seconds": r["compute"] / r["inner_steps"], "inner_steps": r["inner_steps"]})
+        p = plan.predict_scheme(inp, r["k"], "butterfly", plan.Calibration())
+        errs.append((p.round_seconds - r["measured"]["seconds"]) / r["measured"]["seconds"])
+    within = sum(abs(e) <= 0.15 for e in errs)
+    assert [within, len(errs)] == data["held_out_within_15"]
+    assert within >= len(errs) // 2
