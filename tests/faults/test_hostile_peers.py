@@ -198,12 +198,13 @@ def test_lying_members_and_reducers_in_a_real_swarm_are_bounded_or_dropped_and_n
 
         # Round 1: the flip is outvoted: the average points where the honest members' mean does
         # (each honest Δ alone: cosine ~0.75 with it). A plain mean, x's weight capped at 4x, would
-        # have all but cancelled the update (3 of 7 parts Δ, 4 parts -Δ_x: cosine ~0).
+        # have all but cancelled the update (3 of 7 parts Δ, 4 parts -Δ_x: cosine 0.04 and 0.18
+        # in two runs, against 0.90 and 0.93 for the average the swarm took).
         members(1, "abxy")
         kept = {n: _kept(node, 1) for n, node in nodes.items()}
         honest = sum(kept[n]["delta"] for n in "aby") / 3
-        assert _cosine(kept["a"]["average"], honest) > 0.8
-        assert _cosine((3 * honest + 4 * kept["x"]["delta"]) / 7, honest) < 0.3
+        robust = _cosine(kept["a"]["average"], honest)
+        assert robust > 0.8 and _cosine((3 * honest + 4 * kept["x"]["delta"]) / 7, honest) < robust - 0.4
         # Round 2: x's norm is refused by every reducer; round 3: x's part is dropped everywhere.
         for round_, reason in ((2, "norm"), (3, "reducer")):
             for n, record in members(round_, "abxy").items():
