@@ -1,25 +1,33 @@
 """Quality at equal total tokens: tuned data-parallel AdamW vs DiLoCo with M = 1, 2, 4 replicas.
 
 Every run is `diloco-p2p simulate` (the swarm's arithmetic in one process) on the embedded corpus
-with `configs/tiny-cpu.yaml`, the same schedule (rounds x H inner steps) and the same held-out
-eval set:
+with `configs/tiny-cpu.yaml`, the same number of inner steps per replica (`--steps`, a cosine
+schedule over them) and the same held-out eval set:
 
-- data-parallel AdamW with global batch M x b: one replica with batch M x b whose outer step is
-  the identity (outer.lr=1, outer.momentum=0: θ ← θ_local), inner lr from a small sweep;
-- DiLoCo with M replicas of batch b (same total tokens), outer lr / momentum from a small sweep;
-- a lone node given 1/M of the tokens: AdamW with batch b (the same for every M).
+- data-parallel AdamW with global batch M x b: one replica with batch M x b whose outer step is the
+  identity (outer.lr=1, outer.momentum=0: θ ← θ_local, fp32 wire), inner lr γ from a small sweep;
+  at M = 1 over `--adamw-lr`, at M > 1 over γ* · √M · `--adamw-scales` (γ* the best at M = 1;
+  default {1/√2, 1}: the square-root batch rule and one √2 step below it, the DiLoCo scaling-laws
+  paper's lr grid);
+- DiLoCo with M replicas of batch b (same total tokens, inner lr γ*), one run per `--diloco`
+  setting M:outer_lr:momentum:H;
+- a lone node given 1/M of the tokens: the best AdamW run at batch b (M = 1) has, after the same
+  steps, exactly 1/M of the tokens of an M-replica run, so it is read from that run, not rerun.
 
-Prints the table and writes a PNG of eval loss against total tokens (best run of each kind).
+Runs go one after another on one core (torch threads 1), the cheap and most telling first; each
+result is written to `--json` as it finishes, so an interrupted run keeps what it has and
+`--resume` runs only the missing ones. `--report` prints the table and writes the PNG (eval loss
+against total tokens, best run of each kind) from the json alone.
 
-    python benchmarks/quality.py [--rounds 16] [--inner-steps 25] [--jobs 2] [--set a.b=v ...]
-                                 [--png benchmarks/results/quality.png]
+    python benchmarks/quality.py [--steps 1500] [--batch 8] [--diloco 2:0.7:0.3:25 ...] [--set a.b=v ...]
+                                 [--resume] [--report]
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -27,6 +35,7 @@ import time
 from pathlib import Path
 
 CONFIG = "configs/tiny-cpu.yaml"
+DILOCO = ["1:0.7:0.3:25", "2:0.7:0.3:25", "2:0.7:0.5:25", "4:1.0:0.3:25", "4:0.7:0.3:25"]
 
 
 def run(name: str, root: Path, replicas: int, sets: list[str]) -> dict:
@@ -42,78 +51,120 @@ def run(name: str, root: Path, replicas: int, sets: list[str]) -> dict:
     return {"name": name, "curve": curve, "final": curve[-1][1], "seconds": time.perf_counter() - start}
 
 
+def schedule(steps: int, h: int, eval_steps: int) -> list[str]:
+    if steps % h or eval_steps % h:
+        raise SystemExit(f"--steps {steps} and --eval-steps {eval_steps} must be multiples of H={h}")
+    return [f"train.max_rounds={steps // h}", f"outer.inner_steps={h}", f"train.eval_every={eval_steps // h}",
+            f"train.checkpoint_every={steps // h}"]
+
+
+def best(results: dict, prefix: str) -> dict | None:
+    runs = [r for n, r in results.items() if n.startswith(prefix)]
+    return min(runs, key=lambda r: r["final"]) if runs else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=16)
-    p.add_argument("--inner-steps", type=int, default=25, help="H")
+    p.add_argument("--steps", type=int, default=1500, help="inner steps per replica (every run)")
+    p.add_argument("--eval-steps", type=int, default=150, help="evaluate every this many inner steps")
     p.add_argument("--batch", type=int, default=8, help="b, one replica's batch")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--adamw-lr", type=float, nargs="+", default=[0.0015, 0.003])
-    p.add_argument("--outer", nargs="+", default=["0.7:0.5", "1.0:0.5"], help="outer lr:momentum pairs to sweep")
-    p.add_argument("--eval-every", type=int, default=2)
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--resume", action="store_true",
-                   help="keep the runs already in --json (same scale) and run only the missing ones, e.g. a wider sweep")
+    p.add_argument("--adamw-lr", type=float, nargs="+", default=[0.0015, 0.003], help="γ swept at batch b")
+    p.add_argument("--adamw-scales", type=float, nargs="+", default=[1 / math.sqrt(2), 1.0],
+                   help="at M > 1 the AdamW lrs are γ* · √M · each of these")
+    p.add_argument("--adamw-h", type=int, default=50, help="round length of the AdamW runs (no effect on θ)")
+    p.add_argument("--diloco", nargs="*", default=DILOCO, help="M:outer_lr:momentum:H settings, run in this order")
+    p.add_argument("--inner-lr", type=float, help="DiLoCo's inner lr (default: the best AdamW lr at batch b)")
+    p.add_argument("--resume", action="store_true", help="keep the runs already in --json and run the missing ones")
+    p.add_argument("--report", action="store_true", help="only print the table and write the PNG from --json")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                    help="extra config override for every run (e.g. inner.seq_len=64)")
     p.add_argument("--png", type=Path, default=Path("benchmarks/results/quality.png"))
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/quality.json"))
     args = p.parse_args()
-    common = [f"train.max_rounds={args.rounds}", f"outer.inner_steps={args.inner_steps}", "train.num_threads=1",
-              f"train.eval_every={args.eval_every}", f"train.checkpoint_every={args.rounds}", *args.overrides]
-    jobs: dict[str, tuple[int, list[str]]] = {
-        "lone": (1, [*common, f"inner.batch_size={args.batch}", "outer.lr=1.0", "outer.momentum=0.0"])}
-    for m in args.replicas:
-        for lr in args.adamw_lr:
-            jobs[f"adamw-M{m}-lr{lr:g}"] = (1, [*common, f"inner.batch_size={args.batch * m}", f"inner.lr={lr}",
-                                                "outer.lr=1.0", "outer.momentum=0.0"])
-        for pair in args.outer:
-            lr, mom = pair.split(":")
-            jobs[f"diloco-M{m}-{lr}:{mom}"] = (m, [*common, f"inner.batch_size={args.batch}", f"outer.lr={lr}",
-                                                   f"outer.momentum={mom}"])
-    done = json.loads(args.json.read_text())["results"] if args.resume and args.json.exists() else {}
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="diloco-quality-") as tmp, \
-            concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {name: pool.submit(run, name, Path(tmp), m, sets) for name, (m, sets) in jobs.items()
-                   if name not in done}
-        results = {**done, **{name: f.result() for name, f in futures.items()}}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
-    steps = args.rounds * args.inner_steps
-    tokens = results["lone"]["curve"][-1][0]
-    print(f"tiny model, {CONFIG} {' '.join(args.overrides)}; {args.rounds} rounds x H={args.inner_steps} = {steps} inner steps per replica, "
-          f"b={args.batch}; {tokens:,} tokens per replica; {time.perf_counter() - start:.0f} s in all")
-    print(f"lone node (AdamW, batch {args.batch}, 1/M of the tokens): eval {results['lone']['final']:.4f}")
-    print(f"{'M':>2} {'tokens':>10} {'AdamW dp (lr)':>22} {'DiLoCo (outer lr:mom)':>24} {'gap':>7} {'vs lone':>8}")
-    best = {}
-    for m in args.replicas:
-        dp = min((r for n, r in results.items() if n.startswith(f"adamw-M{m}-")), key=lambda r: r["final"])
-        dl = min((r for n, r in results.items() if n.startswith(f"diloco-M{m}-")), key=lambda r: r["final"])
-        best[m] = (dp, dl)
-        gap = dl["final"] / dp["final"] - 1
-        lone = dl["final"] / results["lone"]["final"] - 1
-        print(f"{m:>2} {tokens * m:>10,} {dp['final']:>8.4f} ({dp['name'].split('-lr')[1]:>9}) "
-              f"{dl['final']:>8.4f} ({dl['name'].split('-', 2)[2]:>13}) {gap:>+7.1%} {lone:>+8.1%}")
-    plot(results, best, args.png)
-    print(f"plot: {args.png}; all runs: {args.json}")
+    state = json.loads(args.json.read_text()) if (args.resume or args.report) and args.json.exists() else {}
+    results: dict = state.get("results", {})
+    if not args.report:
+        train(args, results)
+    report(json.loads(args.json.read_text()), args.png)
 
 
-def plot(results: dict, best: dict, png: Path) -> None:
+def train(args: argparse.Namespace, results: dict) -> None:
+    common = ["train.num_threads=1", *args.overrides]
+    adamw = schedule(args.steps, args.adamw_h, args.eval_steps)
+
+    def step(name: str, replicas: int, sets: list[str], meta: dict) -> None:
+        if name in results:
+            return
+        with tempfile.TemporaryDirectory(prefix="diloco-quality-") as tmp:
+            results[name] = {**run(name, Path(tmp), replicas, [*common, *sets]), **meta}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+        print(f"{name}: eval {results[name]['final']:.4f} ({results[name]['seconds']:.0f} s)", flush=True)
+
+    def adamw_run(m: int, lr: float) -> None:
+        step(f"adamw-M{m}-lr{lr:.3g}", 1, [*adamw, f"inner.batch_size={args.batch * m}", f"inner.lr={lr}",
+                                            "outer.lr=1.0", "outer.momentum=0.0", "sync.compression=fp32"],
+             {"kind": "adamw", "M": m, "lr": lr, "batch": args.batch * m})
+
+    for lr in args.adamw_lr:
+        adamw_run(1, lr)
+    gamma = args.inner_lr or best(results, "adamw-M1-")["lr"]
+    settings = [tuple(s.split(":")) for s in args.diloco]
+    for m in args.replicas:
+        if m > 1:
+            for scale in args.adamw_scales:
+                adamw_run(m, gamma * math.sqrt(m) * scale)
+        for sm, lr, mom, h in settings:
+            if int(sm) == m:
+                step(f"diloco-M{m}-{lr}:{mom}:H{h}", m,
+                     [*schedule(args.steps, int(h), args.eval_steps), f"inner.batch_size={args.batch}",
+                      f"inner.lr={gamma}", f"outer.lr={lr}", f"outer.momentum={mom}"],
+                     {"kind": "diloco", "M": m, "outer_lr": float(lr), "momentum": float(mom), "H": int(h),
+                      "inner_lr": gamma})
+
+
+def report(state: dict, png: Path) -> None:
+    args, results = state["args"], state["results"]
+    lone = best(results, "adamw-M1-")
+    ms = sorted({r["M"] for r in results.values() if "M" in r})
+    total = sum(r["seconds"] for r in results.values())
+    print(f"tiny model, {CONFIG} {args['overrides']}; {args['steps']} inner steps per replica, b={args['batch']}; "
+          f"{len(results)} runs, {total / 60:.0f} min")
+    print(f"lone node (AdamW, batch b, lr {lone['lr']:g}, 1/M of the tokens): eval {lone['final']:.4f}")
+    print(f"{'M':>2} {'tokens':>10} {'AdamW dp (lr)':>20} {'DiLoCo (η:β:H)':>26} {'gap':>7} {'vs lone':>8}")
+    best_runs = {}
+    for m in ms:
+        dp, dl = best(results, f"adamw-M{m}-"), best(results, f"diloco-M{m}-")
+        if dp is None or dl is None:
+            continue
+        best_runs[m] = (dp, dl)
+        print(f"{m:>2} {dl['curve'][-1][0]:>10,} {dp['final']:>8.4f} ({dp['lr']:>9.3g}) "
+              f"{dl['final']:>8.4f} ({dl['name'].split('-', 2)[2]:>15}) {dl['final'] / dp['final'] - 1:>+7.1%} "
+              f"{dl['final'] / lone['final'] - 1:>+8.1%}")
+    print("every run:")
+    for name, r in results.items():
+        print(f"  {name:<28} {r['final']:.4f}  {r['seconds']:>5.0f} s")
+    plot(lone, best_runs, png)
+    print(f"plot: {png}")
+
+
+def plot(lone: dict, best_runs: dict, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(*zip(*results["lone"]["curve"], strict=True), "k:", label="lone node, AdamW (1/M of the tokens)")
-    for i, (m, (dp, dl)) in enumerate(sorted(best.items())):
+    ax.plot(*zip(*lone["curve"], strict=True), "k:", label="lone node, AdamW batch b (1/M of the tokens at M)")
+    for i, (m, (dp, dl)) in enumerate(sorted(best_runs.items())):
         color = f"C{i}"
-        ax.plot(*zip(*dp["curve"], strict=True), "--", color=color, label=f"AdamW data-parallel, batch x{m}")
+        if m > 1:
+            ax.plot(*zip(*dp["curve"], strict=True), "--", color=color, label=f"AdamW data-parallel, batch {m}b")
         ax.plot(*zip(*dl["curve"], strict=True), "-", color=color, label=f"DiLoCo M={m} ({dl['name'].split('-', 2)[2]})")
     ax.set_xlabel("total tokens")
     ax.set_ylabel("eval loss")
-    ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
+    ax.set_ylim(top=min(ax.get_ylim()[1], lone["final"] * 1.5))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
