@@ -71,23 +71,13 @@ def quality(args: argparse.Namespace, earlier: dict | None = None) -> dict:
 
 
 def swarm_run(hosts, k: int, mode: str, rounds: int, extra: list[str], rate: float) -> list[list[dict]]:
-    from tests.harness.procs import wait_until
-    from tests.harness.swarm import ProcessSwarm
+    from wan import run_nodes
 
     overrides = [f"sync.overlap={mode}", f"train.max_rounds={rounds}", f"sync.target_group_size={k}",
                  "sync.matchmaking_timeout=30", "sync.allreduce_timeout=120", f"sync.link_mbit={rate}",
                  "train.eval_every=100000", "train.eval_batches=1", "train.checkpoint_every=100000", *extra]
     with tempfile.TemporaryDirectory(prefix="overlap-wan-") as tmp:
-        swarm = ProcessSwarm(Path(tmp), seed_host=hosts[0])
-        try:
-            nodes = [swarm.node(f"n{i}", overrides, host=hosts[i + 1]) for i in range(k)]
-            swarm.release(*nodes)
-            for n in nodes:
-                wait_until(lambda n=n: n.popen.poll() is not None, 900, f"{n.run_dir.name} to finish", n)
-                assert n.popen.returncode == 0, n.tail()
-            return [n.records() for n in nodes]
-        finally:
-            swarm.close()
+        return run_nodes(hosts, k, overrides, Path(tmp))
 
 
 def steady(per_node: list[list[dict]], mode: str, rounds: int, k: int) -> dict:

@@ -59,6 +59,17 @@ def measure(hosts: netns.Hosts, k: int, compression: str, overlap: str, rounds: 
     overrides = [f"sync.compression={compression}", f"train.max_rounds={rounds}", f"sync.target_group_size={k}",
                  f"sync.overlap={overlap}", "sync.matchmaking_timeout=20", "sync.allreduce_timeout=120",
                  f"sync.link_mbit={rate}", *extra]
+    committed = [r for records in run_nodes(hosts, k, overrides, root) for r in records
+                 if r["status"] == "committed" and r["group_size"] == k]
+    assert committed, f"no round averaged all {k} nodes"
+    med = {key: statistics.median(r[key] for r in committed)
+           for key in ("bytes_sent", "allreduce_seconds", "seconds", "exposed_seconds", "utilization")}
+    return {"rounds": len(committed) // k, **med}
+
+
+def run_nodes(hosts: netns.Hosts, k: int, overrides: list[str], root: Path) -> list[list[dict]]:
+    """A seed on hosts[0] and k nodes on hosts[1..k], released together and run to their end:
+    each node's round records."""
     swarm = ProcessSwarm(root, seed_host=hosts[0])
     try:
         nodes = [swarm.node(f"n{i}", overrides, host=hosts[i + 1]) for i in range(k)]
@@ -66,11 +77,7 @@ def measure(hosts: netns.Hosts, k: int, compression: str, overlap: str, rounds: 
         for n in nodes:
             wait_until(lambda n=n: n.popen.poll() is not None, 900, f"{n.run_dir.name} to finish", n)
             assert n.popen.returncode == 0, n.tail()
-        committed = [r for n in nodes for r in n.records() if r["status"] == "committed" and r["group_size"] == k]
-        assert committed, f"no round averaged all {k} nodes"
-        med = {key: statistics.median(r[key] for r in committed)
-               for key in ("bytes_sent", "allreduce_seconds", "seconds", "exposed_seconds", "utilization")}
-        return {"rounds": len(committed) // k, **med}
+        return [n.records() for n in nodes]
     finally:
         swarm.close()
 
