@@ -78,7 +78,14 @@ def test_partitioned_node_rejoins_without_pulling_the_swarm_back(tmp_path):
     for node in (a, b):
         adopted = [r for r in node.records() if r["params_sha256"] in lone_hashes]
         assert not adopted, f"{node.run_dir.name} adopted the cut-off node's state: {adopted[:1]}"
-    back = next(r for r in c.records()[healed_at:] if r["status"] == "resynced")
-    # c was ahead in round number and went back to the averaged state, dropping its own rounds
-    assert back["dropped_round"] > back["round"]
+    records = c.records()
+    at = next(i for i in range(healed_at, len(records)) if records[i]["status"] == "resynced")
+    back, left = records[at], records[at - 1]
+    # c gave up its own lone lineage for a and b's averaged θ. (It is usually still ahead in round
+    # number when it reads their records, but how soon it does after the heal is up to its DHT, and
+    # a and b may have reached its round by then: the rule that moves it is then "a minority at our
+    # round", so the round numbers are not asserted.)
+    assert left["params_sha256"] in lone_hashes, left
+    assert back["dropped_round"] == left["round"]
+    assert back["params_sha256"] == a.by_round()[back["round"]]["params_sha256"], (back, statuses(a, cut_at))
     assert back["donor"] != ""
