@@ -9,8 +9,8 @@ schedule over them) and the same held-out eval set:
   at M = 1 over `--adamw-lr`, at M > 1 over γ* · √M · `--adamw-scales` (γ* the best at M = 1;
   default {1/√2, 1}: the square-root batch rule and one √2 step below it, the DiLoCo scaling-laws
   paper's lr grid);
-- DiLoCo with M replicas of batch b (same total tokens, inner lr γ*), one run per `--diloco`
-  setting M:outer_lr:momentum:H;
+- DiLoCo with M replicas of batch b (same total tokens), one run per `--diloco` setting
+  M:outer_lr:momentum:H[:inner_lr] (inner lr default `--inner-lr`, else γ*);
 - a lone node given 1/M of the tokens: the best AdamW run at batch b (M = 1) has, after the same
   steps, exactly 1/M of the tokens of an M-replica run, so it is read from that run, not rerun.
 
@@ -19,8 +19,12 @@ result is written to `--json` as it finishes, so an interrupted run keeps what i
 `--resume` runs only the missing ones. `--report` prints the table and writes the PNG (eval loss
 against total tokens, best run of each kind) from the json alone.
 
-    python benchmarks/quality.py [--steps 1500] [--batch 8] [--diloco 2:0.7:0.3:25 ...] [--set a.b=v ...]
-                                 [--resume] [--report]
+`--seed N` repeats runs with another initial θ (`seed`) and other data orders (order keys
+sN-replica-i); their names end in @sN. The table's bests are seed 0's; runs measured at both
+seeds are listed with their gap over the AdamW run of the same M and seed.
+
+    python benchmarks/quality.py [--steps 1500] [--batch 8] [--diloco 2:0.7:0.3:25[:0.0015] ...]
+                                 [--seed 0] [--set a.b=v ...] [--resume] [--report]
 """
 
 from __future__ import annotations
@@ -38,15 +42,15 @@ CONFIG = "configs/tiny-cpu.yaml"
 DILOCO = ["1:0.7:0.3:25", "2:0.7:0.3:25", "2:0.7:0.5:25", "4:1.0:0.3:25", "4:0.7:0.3:25"]
 
 
-def run(name: str, root: Path, replicas: int, sets: list[str]) -> dict:
-    out = root / name
-    cmd = [sys.executable, "-m", "diloco_p2p", "simulate", "--replicas", str(replicas), "--config", CONFIG,
+def run(name: str, root: Path, keys: list[str], sets: list[str]) -> dict:
+    out, replicas = root / name, len(keys)
+    cmd = [sys.executable, "-m", "diloco_p2p", "simulate", "--order-keys", *keys, "--config", CONFIG,
            "--dir", str(out), *[a for s in sets for a in ("--set", s)]]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    lines = (out / "replica-0" / "metrics.jsonl").read_text().splitlines()
+    lines = (out / keys[0] / "metrics.jsonl").read_text().splitlines()
     curve = [(r["tokens"] * replicas, r["eval_loss"]) for r in map(json.loads, lines) if r["eval_loss"] is not None]
     return {"name": name, "curve": curve, "final": curve[-1][1], "seconds": time.perf_counter() - start}
 
@@ -58,8 +62,8 @@ def schedule(steps: int, h: int, eval_steps: int) -> list[str]:
             f"train.checkpoint_every={steps // h}"]
 
 
-def best(results: dict, prefix: str) -> dict | None:
-    runs = [r for n, r in results.items() if n.startswith(prefix)]
+def best(results: dict, prefix: str, seed: int = 0) -> dict | None:
+    runs = [r for n, r in results.items() if n.startswith(prefix) and r.get("seed", 0) == seed]
     return min(runs, key=lambda r: r["final"]) if runs else None
 
 
@@ -74,7 +78,9 @@ def main() -> None:
                    help="at M > 1 the AdamW lrs are γ* · √M · each of these")
     p.add_argument("--adamw-h", type=int, default=50, help="round length of the AdamW runs (no effect on θ)")
     p.add_argument("--diloco", nargs="*", default=DILOCO, help="M:outer_lr:momentum:H settings, run in this order")
-    p.add_argument("--inner-lr", type=float, help="DiLoCo's inner lr (default: the best AdamW lr at batch b)")
+    p.add_argument("--inner-lr", type=float, help="DiLoCo's inner lr where a setting names none, and the γ* of "
+                   "--adamw-scales (default: the best AdamW lr at batch b)")
+    p.add_argument("--seed", type=int, default=0, help="initial θ and data orders of every run (names end @sN)")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --json and run the missing ones")
     p.add_argument("--report", action="store_true", help="only print the table and write the PNG from --json")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
@@ -90,14 +96,17 @@ def main() -> None:
 
 
 def train(args: argparse.Namespace, results: dict) -> None:
-    common = ["train.num_threads=1", *args.overrides]
+    common = ["train.num_threads=1", f"seed={args.seed}", *args.overrides]
     adamw = schedule(args.steps, args.adamw_h, args.eval_steps)
+    tag, prefix = (f"@s{args.seed}", f"s{args.seed}-") if args.seed else ("", "")
 
     def step(name: str, replicas: int, sets: list[str], meta: dict) -> None:
+        name += tag
         if name in results:
             return
+        keys = [f"{prefix}replica-{i}" for i in range(replicas)]
         with tempfile.TemporaryDirectory(prefix="diloco-quality-") as tmp:
-            results[name] = {**run(name, Path(tmp), replicas, [*common, *sets]), **meta}
+            results[name] = {**run(name, Path(tmp), keys, [*common, *sets]), **meta, "seed": args.seed}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
         print(f"{name}: eval {results[name]['final']:.4f} ({results[name]['seconds']:.0f} s)", flush=True)
@@ -110,18 +119,21 @@ def train(args: argparse.Namespace, results: dict) -> None:
     for lr in args.adamw_lr:
         adamw_run(1, lr)
     gamma = args.inner_lr or best(results, "adamw-M1-")["lr"]
-    settings = [tuple(s.split(":")) for s in args.diloco]
+    settings = [s.split(":") for s in args.diloco]
+    if any(len(s) not in (4, 5) for s in settings):
+        raise SystemExit(f"--diloco settings are M:outer_lr:momentum:H[:inner_lr], got {args.diloco}")
     for m in args.replicas:
         if m > 1:
             for scale in args.adamw_scales:
                 adamw_run(m, gamma * math.sqrt(m) * scale)
-        for sm, lr, mom, h in settings:
+        for sm, lr, mom, h, *inner in settings:
             if int(sm) == m:
-                step(f"diloco-M{m}-{lr}:{mom}:H{h}", m,
+                g = float(inner[0]) if inner else gamma
+                step(f"diloco-M{m}-{lr}:{mom}:H{h}:lr{g:.3g}", m,
                      [*schedule(args.steps, int(h), args.eval_steps), f"inner.batch_size={args.batch}",
-                      f"inner.lr={gamma}", f"outer.lr={lr}", f"outer.momentum={mom}"],
+                      f"inner.lr={g}", f"outer.lr={lr}", f"outer.momentum={mom}"],
                      {"kind": "diloco", "M": m, "outer_lr": float(lr), "momentum": float(mom), "H": int(h),
-                      "inner_lr": gamma})
+                      "inner_lr": g})
 
 
 def report(state: dict, png: Path) -> None:
@@ -132,7 +144,7 @@ def report(state: dict, png: Path) -> None:
     print(f"tiny model, {CONFIG} {args['overrides']}; {args['steps']} inner steps per replica, b={args['batch']}; "
           f"{len(results)} runs, {total / 60:.0f} min")
     print(f"lone node (AdamW, batch b, lr {lone['lr']:g}, 1/M of the tokens): eval {lone['final']:.4f}")
-    print(f"{'M':>2} {'tokens':>10} {'AdamW dp (lr)':>20} {'DiLoCo (η:β:H)':>26} {'gap':>7} {'vs lone':>8}")
+    print(f"{'M':>2} {'tokens':>10} {'AdamW dp (lr)':>20} {'DiLoCo (η:β:H:inner lr)':>37} {'gap':>7} {'vs lone':>8}")
     best_runs = {}
     for m in ms:
         dp, dl = best(results, f"adamw-M{m}-"), best(results, f"diloco-M{m}-")
@@ -140,13 +152,31 @@ def report(state: dict, png: Path) -> None:
             continue
         best_runs[m] = (dp, dl)
         print(f"{m:>2} {dl['curve'][-1][0]:>10,} {dp['final']:>8.4f} ({dp['lr']:>9.3g}) "
-              f"{dl['final']:>8.4f} ({dl['name'].split('-', 2)[2]:>15}) {dl['final'] / dp['final'] - 1:>+7.1%} "
+              f"{dl['final']:>8.4f} ({dl['name'].split('-', 2)[2]:>26}) {dl['final'] / dp['final'] - 1:>+7.1%} "
               f"{dl['final'] / lone['final'] - 1:>+8.1%}")
     print("every run:")
     for name, r in results.items():
-        print(f"  {name:<28} {r['final']:.4f}  {r['seconds']:>5.0f} s")
+        print(f"  {name:<34} {r['final']:.4f}  {r['seconds']:>5.0f} s")
+    seed_gaps(results)
     plot(lone, best_runs, png)
     print(f"plot: {png}")
+
+
+def seed_gaps(results: dict) -> None:
+    """DiLoCo runs measured at more than one seed: each seed's gap over the best AdamW run of that M and seed."""
+    seeds = sorted({r.get("seed", 0) for r in results.values()} - {0})
+    pairs = {n: [results.get(n if s == 0 else f"{n}@s{s}") for s in [0, *seeds]]
+             for n, r in results.items() if r.get("kind") == "diloco" and r.get("seed", 0) == 0}
+    rows = {n: runs for n, runs in pairs.items() if sum(r is not None for r in runs) > 1}
+    if not rows:
+        return
+    print(f"gap over AdamW (its best lr at that seed) per seed {[0, *seeds]}:")
+    for n, runs in rows.items():
+        gaps = []
+        for s, r in zip([0, *seeds], runs, strict=True):
+            dp = best(results, f"adamw-M{results[n]['M']}-", s)
+            gaps.append(f"{r['final'] / dp['final'] - 1:+.1%} (AdamW lr {dp['lr']:.3g})" if r and dp else "-")
+        print(f"  {n:<34} " + "  ".join(gaps))
 
 
 def plot(lone: dict, best_runs: dict, png: Path) -> None:
