@@ -21,6 +21,8 @@ hashes that such members hold, the one held by the member with the smallest
 ``sha256(peer id, round)`` wins (`tie_winner`). A hash cannot be ground to win it (the θ hash
 plays no part), nor a peer id chosen afterwards (only our own group's members take part, and the
 round changes the order every round); it is a deterministic draw among peers we averaged with.
+A node that has not averaged since it adopted a peer's state follows that peer (its donor) in a
+tie: it chose that lineage already (`resync_target`).
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def _reject(on_reject: Callable[[str, str, str], None] | None, peer: str, reason
 def resync_target(
     others: Mapping[str, ProgressRecord], our_round: int, our_hash: str, averaged_round: int | None = None,
     *, quorum: int = 1, max_round: int | None = None, on_reject: Callable[[str, str, str], None] | None = None,
-    group: tuple[str, Collection[str]] | None = None,
+    group: tuple[str, Collection[str]] | None = None, donor: str | None = None,
 ) -> Resync | None:
     """Whether a node at (`our_round`, `our_hash`), whose θ was last averaged at round
     `averaged_round` (None: not since it started), must adopt the swarm's state, and which.
@@ -143,8 +145,15 @@ def resync_target(
     - behind (`top` > ours): download the state of round `top` with its most reported θ hash
       (any of them if several tie: each has `quorum` backers);
     - same round, another hash reported strictly more than any other, ours included: download
-      it; a tie moves nobody, unless `group` = (our peer id, the members of the group we last
-      committed with) breaks it (`tie_winner`, module docstring);
+      it; a tie moves nobody, unless we follow a `donor` (below) or `group` = (our peer id, the
+      members of the group we last committed with) breaks it (`tie_winner`, module docstring);
+    - `donor`: the peer whose state we adopted, while we have not averaged since. If the tie is
+      between exactly our hash and the one it holds at our round, we take its: our θ is its θ plus
+      rounds we ended alone, so its lineage is the one we chose. Without this, a node that adopted
+      a state just as its donor ended a round alone (the two then end a round alone each) is in a
+      1-1 tie with it for good: their matchmaking keys hold different θ hashes, so they never meet
+      again, and no group of theirs breaks the tie. The donor keeps its θ (unless it took a state
+      from us since, without averaging either: then both move); a third tied hash moves nobody;
     - cut off: the reference nodes averaged after our θ last did, we ended
       `MAX_UNBACKED_ROUNDS` or more rounds since without a group, and we are ahead of them in
       round number: our rounds since hold our own data only, so go back to their state.
@@ -165,8 +174,10 @@ def resync_target(
         counts = at_top + Counter([our_hash])
         theirs = _unique_top(counts)
         why = "differ from the swarm's"
+        holders = {p: r.params_sha256 for p, r in reference.items() if r.round == top}
+        if theirs is None and donor in holders and _tied(counts) == {our_hash, holders[donor]}:
+            theirs, why = holders[donor], f"tie with the peer we took our state from ({donor[:12]}): follow"
         if theirs is None and group is not None:
-            holders = {p: r.params_sha256 for p, r in reference.items() if r.round == top}
             theirs, why = tie_winner(counts, {**holders, group[0]: our_hash}, group[1], top), "lost a tie of our group to"
         if theirs is None or theirs == our_hash:
             return None  # ours is the most reported, or a tie: never move to an arbitrary hash
@@ -186,12 +197,17 @@ def resync_target(
 def tie_winner(counts: Counter[str], holders: Mapping[str, str], group: Collection[str], round: int) -> str | None:
     """Among the hashes tied for the most reports (`counts`), the one whose holder (peer -> hash)
     in `group` has the smallest sha256(peer id, round); None if no member of `group` holds one."""
-    best = max(counts.values(), default=0)
-    tied = {h for h, c in counts.items() if c == best}
+    tied = _tied(counts)
     eligible = [p for p, h in holders.items() if h in tied and p in group]
     if not eligible:
         return None
     return holders[min(eligible, key=lambda p: hashlib.sha256(f"{p}:{round}".encode()).hexdigest())]
+
+
+def _tied(counts: Counter[str]) -> set[str]:
+    """The values reported most often (several: a tie)."""
+    best = max(counts.values(), default=0)
+    return {h for h, c in counts.items() if c == best}
 
 
 def _unique_top(counts: Counter[str]) -> str | None:

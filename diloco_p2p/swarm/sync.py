@@ -99,6 +99,7 @@ class SwarmSync:
         self._adopted_averaged_round: int | None = None
         self.resync_exclude: frozenset[str] = frozenset()  # peers whose state is not the swarm's
         self.last_group: frozenset[str] | None = None  # the members we last committed a round with
+        self.donor: str | None = None  # whose state we adopted, until we next commit a round (a tie: follow it)
         run_dir.mkdir(parents=True, exist_ok=True)
         identity = Path(p2p.identity_path) if p2p.identity_path else run_dir / "identity.key"
         # Behind NAT (nobody can dial us) we join the DHT as a client and reduce no all-reduce part.
@@ -180,7 +181,8 @@ class SwarmSync:
                           "config_agree": all(r.config_hash == self.config_hash for r in others.values())}
         group = (self.peer_id, self.last_group) if self.last_group else None  # breaks a tie within it
         target = resync_target(others, node.round, ours, self.averaged_round, quorum=self.cfg.resync_quorum,
-                               max_round=self.max_round, on_reject=self.guard.reject, group=group)
+                               max_round=self.max_round, on_reject=self.guard.reject, group=group,
+                               donor=self.donor)
         if target is None:
             self._computing_since = time.perf_counter()  # the node trains now: its speed for DyLU
             return None
@@ -339,9 +341,9 @@ class SwarmSync:
     def after_round(self, node: NodeState, record: RoundRecord) -> None:
         """Publish our progress record and serve the new state to joiners."""
         if record.status == "committed":
-            self.averaged_round = node.round
+            self.averaged_round, self.donor = node.round, None
         elif record.status == "resynced":
-            self.averaged_round = self._adopted_averaged_round
+            self.averaged_round, self.donor = self._adopted_averaged_round, record.donor or None
         self._publish(node, record)
         meta = {"round": node.round, "params_sha256": node.shard_sha256, "config_hash": self.config_hash,
                 "averaged_round": self.averaged_round}

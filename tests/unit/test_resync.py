@@ -328,3 +328,25 @@ def test_tie_winner_ignores_the_hashes_and_peers_outside_the_group():
     assert tie_winner(counts, holders, {PEERS[1]}, 4) == H["b"]
     both = tie_winner(counts, holders, set(holders), 4)
     assert both == tie_winner(counts, dict(reversed(list(holders.items()))), set(holders), 4)
+
+
+def test_a_node_that_took_its_donors_state_follows_it_in_a_tie_and_the_donor_stays():
+    """The 1-1 lock of a swarm of two: d adopted a's round-3 state just as a ended round 4 alone;
+    d then ended round 4 alone too. Each sees the other at round 4 with another θ hash, and no
+    group of theirs breaks the tie. d, which has not averaged since it took a's state, follows a;
+    a (d is not its donor) keeps its θ; a stranger's tied hash moves d nowhere."""
+    a, d, stranger = PEERS[0], PEERS[1], PEERS[5]
+    rec_a = make(a, round=4, params_sha256=H["a"], averaged_round=2, status="alone")
+    rec_d = make(d, round=4, params_sha256=H["d"], averaged_round=2, status="alone")
+    seen_by_d = resync_target({a: rec_a}, 4, H["d"], 2, quorum=2, donor=a)
+    assert seen_by_d is not None and seen_by_d.params_hash == H["a"] and seen_by_d.min_round == 4
+    assert "took our state from" in seen_by_d.reason
+    assert resync_target({d: rec_d}, 4, H["a"], 2, quorum=2) is None  # a has no donor
+    assert resync_target({d: rec_d}, 4, H["a"], 2, quorum=2, donor=stranger) is None
+    # only a tie of exactly our hash and the donor's moves us (a third hash tied: nobody moves), and a
+    # majority elsewhere beats the donor as it beats anyone
+    claim = {stranger: make(stranger, round=4, params_sha256=H["c"], averaged_round=2)}
+    assert resync_target({a: rec_a, **claim}, 4, H["d"], 2, quorum=2, donor=stranger) is None
+    assert resync_target({a: rec_a, **claim}, 4, H["d"], 2, quorum=2, donor=a) is None
+    pair = {p: make(p, round=4, params_sha256=H["c"], averaged_round=2) for p in PEERS[2:4]}
+    assert resync_target({a: rec_a, **pair}, 4, H["d"], 2, quorum=2, donor=a).params_hash == H["c"]
