@@ -15,6 +15,7 @@ as in `benchmarks/allreduce_wan.py` and `benchmarks/wan.py`, whose machinery thi
   (the slowest member's inner steps; a planner's user states theirs), and bytes per node.
 - ``curves``: predicted curves to 1,024 nodes (PNG, matplotlib from the `bench` extra).
 - ``report``: every stored measurement again against the current constants (no network).
+- ``holdout``: leave-one-rate-out and leave-one-k-out refits of the stored rows (no network).
 
 Results accumulate in benchmarks/results/plan_check.json (`--json`; one key per stage).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -44,23 +46,28 @@ from tests import netns  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CORES = 2  # the machine these checks ran on
+LOAD_SHARE = 0.25  # of a core, per unit of load average beyond the k nodes: `fit_load` of plan_check.json's calibration
 
 
 def _inputs(numel: int, rate: float, comp: str, k: int, group: int | None = None, load: float = 0.0,
-            **kw) -> plan.Inputs:
+            load_share: float | None = None, **kw) -> plan.Inputs:
     """The planner's inputs for a check on this machine: the k peers and the load average measured
-    with them (`load`; other work, and ours) share `CORES` cores: (k + load) / CORES processes per
-    core make CPU work that much slower (`plan.time_terms`). A volunteer's node has 1."""
-    links = plan.Links(rate, rate)
+    with them (`load`; other work, and ours) share `CORES` cores. CPU work takes 1 + `LOAD_SHARE` x
+    max(0, load - k) times longer (`plan.Inputs.oversubscribe`): the k nodes themselves mostly wait
+    for each other (on the quiet machine stream setup grew as k, not k^2), and a unit of load
+    average is less than a busy core (it counts waiting processes; a 1-minute average). A
+    volunteer's node has 1."""
+    links, load_share = plan.Links(rate, rate), LOAD_SHARE if load_share is None else load_share
     return plan.Inputs(params=numel, step_seconds=1.0, uplink=links, downlink=links, rtt_ms=0.0,
                        scheme="grid" if group else "butterfly", group=group or max(k, 2), compression=comp,
-                       oversubscribe=max((k + load) / CORES, 1.0), **kw)
+                       oversubscribe=1 + load_share * max(load - k, 0.0), **kw)
 
 
 def predicted_allreduce(numel: int, rate: float, comp: str, k: int, cal: plan.Calibration,
-                        group: int | None = None, load: float = 0.0) -> tuple[float, int]:
+                        group: int | None = None, load: float = 0.0,
+                        load_share: float | None = None) -> tuple[float, int]:
     """(seconds, bytes sent per peer) of one all-reduce: the butterfly, or the grid with rows of `group`."""
-    inp = _inputs(numel, rate, comp, k, group, load)
+    inp = _inputs(numel, rate, comp, k, group, load, load_share)
     steps = plan.levels(inp, inp.scheme, k)
     return sum(sum(plan.level_seconds(x, inp, k, cal).values()) for x in steps), sum(x.sent for x in steps)
 
@@ -89,7 +96,7 @@ def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
     return [float(v) for v in solution]
 
 
-FIT_TERMS = ("wire", "setup", "messages", "flows")  # CPU per byte and RTTs: not separable here (see `fit`)
+FIT_TERMS = ("wire", "tail", "setup", "messages")  # CPU per byte and RTTs: not separable here (see `fit`)
 
 
 def terms(m: dict) -> dict[str, float]:
@@ -106,9 +113,9 @@ def terms(m: dict) -> dict[str, float]:
 def fit(rows: list[dict], source: str) -> plan.Calibration:
     """Least squares on relative error: every row's seconds = sum of `FIT_TERMS` x their constants,
     each row divided by its measured seconds (so a 0.1 s row counts as much as a 5 s one). The CPU
-    per byte did not separate from the flow overhead on this shared machine (int8, half the bytes,
-    was as slow as fp16 unshaped), so it stays 0 and the flow overhead carries it; the test network
-    has no delay, so the RTT count keeps its default."""
+    per byte did not separate from the wire (int8, half the bytes, was as slow as fp16 unshaped),
+    so it stays 0 and the flow overhead carries it; the test network has no delay, so the RTT
+    count keeps its default."""
     fitted = list(FIT_TERMS)
     while True:  # non-negative: a term whose best weight is negative is dropped and the rest refitted
         solution = dict(zip(fitted, _lstsq([[terms(m)[t] / m["seconds"] for t in fitted] for m in rows],
@@ -119,6 +126,45 @@ def fit(rows: list[dict], source: str) -> plan.Calibration:
         fitted.remove(min(negative, key=solution.__getitem__))
     return replace(plan.Calibration(), cpu_s_per_byte=0.0, source=source,
                    **{plan.TERMS[t]: solution.get(t, 0.0) for t in FIT_TERMS})
+
+
+MATCHMAKING_K = 2  # training rounds of this many nodes calibrate the matchmaking; larger ones are held out
+
+
+def fit_matchmaking(rounds: list[dict], cal: plan.Calibration) -> plan.Calibration:
+    """`cal` with the matchmaking constant of the `MATCHMAKING_K`-node training rounds: the measured
+    round seconds less its compute and the predicted all-reduce, per other member (mean over rows,
+    at least 0); `cal` unchanged when there are none."""
+    rows = [r for r in rounds if r["k"] == MATCHMAKING_K]
+    if not rows:
+        return cal
+    bare = replace(cal, matchmaking_per_member_s=0.0)
+    rest = [(r["measured"]["seconds"] - _round(r, bare).round_seconds) / (r["k"] - 1) for r in rows]
+    return replace(cal, matchmaking_per_member_s=max(0.0, statistics.mean(rest)))
+
+
+def fit_file(data: dict) -> plan.Calibration:
+    """The constants a results file's calibration makes: `fit` of its calibrate rows (unshaped and
+    shaped all-reduces), then `fit_matchmaking` of its 2-node training rounds."""
+    calib = data["calibrate"]
+    rows = calib["fast"] + calib["shaped"]
+    rates = "+".join(sorted({f"{m['rate']:g}" for m in calib["shaped"]}, key=float))
+    loads = [m["load"] for m in rows if "load" in m]
+    source = (f"fitted by benchmarks/plan_check.py calibrate (2-8 peers, {rows[0]['numel']:,} values, unshaped and "
+              f"{rates} Mbit tbf links, load average {min(loads):.1f}-{max(loads):.1f} on {CORES} cores; "
+              f"matchmaking: {MATCHMAKING_K}-node training rounds)")
+    return fit_matchmaking(data.get("rounds", []), fit(rows, source))
+
+
+def fit_load(rows: list[dict], cal: plan.Calibration) -> float:
+    """`LOAD_SHARE`: the share of a core per unit of load beyond the k nodes that makes `cal` (fitted
+    on a quiet machine) best predict `rows` measured on a busy one (least squares on relative
+    error, 0 to 1 in steps of 0.01)."""
+    def loss(share: float) -> float:
+        return sum(((predicted_allreduce(m["numel"], m["rate"], m["comp"], m["k"], cal, None, m["load"], share)[0]
+                     - m["seconds"]) / m["seconds"]) ** 2 for m in rows)
+
+    return min((i / 100 for i in range(101)), key=loss)
 
 
 def _write(key: str, value, path: Path = RESULTS / "plan_check.json") -> None:
@@ -167,7 +213,7 @@ def stage_allreduce(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["calibrate", "allreduce", "rounds", "curves", "report"])
+    parser.add_argument("stage", choices=["calibrate", "allreduce", "rounds", "curves", "report", "holdout"])
     parser.add_argument("--ks", default=None, help="group sizes, comma-separated (default 2,4,6,8; rounds 2,4,6)")
     parser.add_argument("--comps", default="fp16,int8")
     parser.add_argument("--numel", type=int, default=2_000_000)
@@ -183,8 +229,8 @@ def main() -> None:
     args.comps = args.comps.split(",")
     args.rates = [float(r) for r in args.rates.split(",")]
     args.cal_rates = [float(r) for r in args.cal_rates.split(",")]
-    if args.stage in ("curves", "report"):
-        return (stage_curves if args.stage == "curves" else stage_report)(args)
+    if args.stage in ("curves", "report", "holdout"):
+        return {"curves": stage_curves, "report": stage_report, "holdout": stage_holdout}[args.stage](args)
     if not netns.available():
         raise SystemExit("benchmarks/plan_check.py needs root and iproute2 (ip, tc) to make network namespaces")
     {"calibrate": stage_calibrate, "allreduce": stage_allreduce, "rounds": stage_rounds}[args.stage](args)
@@ -226,13 +272,18 @@ ROUNDS_HEADER = (f"{'k':>2} {'rounds':>6} {'compute s':>9} {'pred s':>9} {'meas 
                  f"{'meas AR':>8} {'pred MB':>8} {'meas MB':>8} {'err':>7} {'load':>5}")
 
 
-def predict_round(row: dict, cal: plan.Calibration) -> dict:
-    """The planner's round for a measured row (its compute, k, rate, H), with the % errors; prints it."""
-    # No load term here: a training check's load average is mostly its own nodes' inner steps, which
-    # stop while they all-reduce (counted as in the all-reduce check, the rounds came out 14-27% long).
+def _round(row: dict, cal: plan.Calibration) -> plan.Prediction:
+    """The planner's round for a measured training row: its compute, k, rate, H. No load term: a
+    training check's load average is mostly its own nodes' inner steps, which stop while they
+    all-reduce."""
     inp = replace(_inputs(row["params"], row["rate"], row["comp"], row["k"]),
                   step_seconds=row["compute"] / row["inner_steps"], inner_steps=row["inner_steps"])
-    p, meas = plan.predict_scheme(inp, row["k"], "butterfly", cal), row["measured"]
+    return plan.predict_scheme(inp, row["k"], "butterfly", cal)
+
+
+def predict_round(row: dict, cal: plan.Calibration) -> dict:
+    """The planner's round for a measured row (`_round`), with the % errors; prints it."""
+    p, meas = _round(row, cal), row["measured"]
     row = {**row, "predicted": p.as_dict(), "err_seconds": (p.round_seconds - meas["seconds"]) / meas["seconds"],
            "err_sent": (p.bytes_sent - meas["sent"]) / meas["sent"]}
     print(f"{row['k']:>2} {row['rounds']:>6} {row['compute']:>9.2f} {_row('s', p.round_seconds, meas['seconds'])} "
@@ -275,27 +326,115 @@ def _report_allreduce(rows: list[dict], cal: plan.Calibration, role: str) -> lis
     return out
 
 
+def is_source(data: dict, cal: plan.Calibration) -> bool:
+    """Whether `cal`'s fitted constants are what this results file's calibration makes (`fit_file`)."""
+    if not data.get("calibrate"):
+        return False
+    fitted = fit_file(data)
+    names = [plan.TERMS[t] for t in FIT_TERMS] + ["matchmaking_per_member_s"]
+    return all(math.isclose(getattr(fitted, x), getattr(cal, x), rel_tol=0.01, abs_tol=1e-6) for x in names)
+
+
+def held_out(data: dict, cal: plan.Calibration) -> list[float]:
+    """% errors of the rows no constant was fitted on: the all-reduces at other rates than the
+    calibration's, and the training rounds (but the `MATCHMAKING_K`-node ones in the file the
+    constants came from, `is_source`). Calibrate rows are never held out: the source file's make
+    `cal`, the busy file's (plan_check.json) make `LOAD_SHARE`."""
+    source = is_source(data, cal)
+    errs = []
+    for m in data.get("allreduce", []):
+        group = m.get("grid") if m.get("scheme") == "grid" else None
+        seconds, _ = predicted_allreduce(m["numel"], m["rate"], m["comp"], m["k"], cal, group, m.get("load", 0.0))
+        errs.append((seconds - m["seconds"]) / m["seconds"])
+    for r in data.get("rounds", []):
+        if not (source and r["k"] == MATCHMAKING_K):
+            errs.append((_round(r, cal).round_seconds - r["measured"]["seconds"]) / r["measured"]["seconds"])
+    return errs
+
+
 def stage_report(args) -> None:
     """Re-predict every stored measurement with the current `plan.Calibration` (no network needed):
     the calibration's own rows (`cal`), then the held-out all-reduces (other rates, the grid) and
-    training rounds (`check`), with how many held-out rows are within 15%."""
+    training rounds (`check`), with how many held-out rows (`held_out`) are within 15%."""
     data = json.loads(args.json.read_text())
     cal = plan.Calibration()
+    source = is_source(data, cal)
     print(f"constants: {cal}")
+    print(f"this file's calibration {'made' if source else 'did not make'} them; calibrate rows (cal) are fitted "
+          + ("(they and the 2-node rounds make the constants)" if source else "(the load share of a busy file's)")
+          + f"; the rest is held out (check). Load: CPU work x (1 + {LOAD_SHARE} x max(0, load - k))")
     print(f"{'role':>5} {'Mbit/s':>6} {'k':>2} {'wire':>9} {'pred s':>9} {'meas s':>9} "
           f"{'err':>8} {'pred MB':>9} {'meas MB':>9} {'err':>8} {'load':>5}")
     calib = data.get("calibrate", {})
     _report_allreduce(calib.get("fast", []) + calib.get("shaped", []), cal, "cal")
     data["allreduce"] = _report_allreduce(data.get("allreduce", []), cal, "check")
-    print("training rounds, predicted (given the measured compute) vs measured")
+    print("training rounds, predicted (given the measured compute) vs measured"
+          + (f" (the {MATCHMAKING_K}-node rounds calibrate the matchmaking)" if source else ""))
     print(ROUNDS_HEADER)
     data["rounds"] = [predict_round(r, cal) for r in data.get("rounds", [])]
-    errs = [r["err_seconds"] for r in data["allreduce"] + data["rounds"]]
+    errs = held_out(data, cal)
     within = sum(abs(e) <= 0.15 for e in errs)
     print(f"held out: {within} of {len(errs)} rows within 15% (worst {max(errs, key=abs, default=0):+.1%})")
     data["constants"] = dict(vars(cal))
     data["held_out_within_15"] = [within, len(errs)]
     args.json.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _err(m: dict, cal: plan.Calibration) -> float:
+    """% error of the planner's all-reduce (`m` measured) or training round (`m["measured"]`)."""
+    if "measured" in m:
+        return (_round(m, cal).round_seconds - m["measured"]["seconds"]) / m["measured"]["seconds"]
+    group = m.get("grid") if m.get("scheme") == "grid" else None
+    seconds, _ = predicted_allreduce(m["numel"], m["rate"], m["comp"], m["k"], cal, group, m.get("load", 0.0))
+    return (seconds - m["seconds"]) / m["seconds"]
+
+
+def holdout(data: dict) -> dict:
+    """Leave-one-out over a results file: for each shaped rate, `fit` on every all-reduce at the
+    other rates (the unshaped ones always: they are the CPU calibration) and predict that rate's
+    rows; for each k, fit on the other k and predict its rows. The matchmaking constant comes from
+    the 2-node rounds each time (`fit_matchmaking`); larger rounds are predicted by the fold that
+    leaves out their rate, and their k. Returns, per row, the two held-out % errors."""
+    calib = data["calibrate"]
+    rows = calib["fast"] + calib["shaped"] + data.get("allreduce", [])
+    rounds = data.get("rounds", [])
+    shaped = sorted({m["rate"] for m in rows if m["rate"] < 10_000})
+    out = {"by_rate": {}, "by_k": {}}
+    for key, values, axis in (("by_rate", shaped, "rate"), ("by_k", sorted({m["k"] for m in rows}), "k")):
+        for v in values:
+            cal = fit_matchmaking(rounds, fit([m for m in rows if m[axis] != v], f"without {axis} {v:g}"))
+            for i, m in enumerate(rows + rounds):
+                if m[axis] == v and not ("measured" in m and m["k"] == MATCHMAKING_K):
+                    out[key][i] = _err(m, cal)
+    table = []
+    for i, m in enumerate(rows + rounds):
+        kind = "round" if "measured" in m else m["comp"] + ("/grid" if m.get("scheme") == "grid" else "")
+        meas = m["measured"]["seconds"] if "measured" in m else m["seconds"]
+        table.append({"rate": m["rate"], "k": m["k"], "what": kind, "seconds": meas, "load": m.get("load"),
+                      "err_rate_out": out["by_rate"].get(i), "err_k_out": out["by_k"].get(i)})
+    return {"rows": table}
+
+
+def stage_holdout(args) -> None:
+    """Print `holdout`'s table and how many held-out rows are within 15% (stored under "holdout")."""
+    data = json.loads(args.json.read_text())
+    got = holdout(data)
+
+    def pct(e: float | None) -> str:
+        return f"{100 * e:>+8.1f}%" if e is not None else f"{'(fitted)':>9}"
+
+    print(f"leave-one-out on {args.json.name}: the planner's time model ({', '.join(FIT_TERMS)}) refitted without "
+          "the row's rate (unshaped rows always fitted) or without its k")
+    print(f"{'Mbit/s':>6} {'k':>2} {'what':>9} {'meas s':>8} {'rate out':>9} {'k out':>9} {'load':>5}")
+    for r in got["rows"]:
+        print(f"{r['rate']:>6g} {r['k']:>2} {r['what']:>9} {r['seconds']:>8.3f} {pct(r['err_rate_out'])} "
+              f"{pct(r['err_k_out'])} {r['load'] or float('nan'):>5.1f}")
+    for key in ("err_rate_out", "err_k_out"):
+        errs = [r[key] for r in got["rows"] if r[key] is not None]
+        got[key + "_within_15"] = [sum(abs(e) <= 0.15 for e in errs), len(errs)]
+        print(f"{key}: {got[key + '_within_15'][0]} of {len(errs)} held-out rows within 15% "
+              f"(worst {max(errs, key=abs):+.1%})")
+    _write("holdout", got, args.json)
 
 
 def stage_curves(args) -> None:

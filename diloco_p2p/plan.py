@@ -5,11 +5,12 @@ seconds over round seconds), bytes each node sends, and the bottleneck (compute,
 downlink, latency/messages (matchmaking included), CPU, stragglers, failures): the largest cause
 when utilization is below 0.9, else compute. Everything here is a pure function of the inputs
 and of a few constants measured on real swarms (`Calibration`, fitted and checked by
-`benchmarks/plan_check.py` on namespaces with tbf-shaped links). They were fitted on a shared
-two-core machine under a load average of 6-12 (other work beside the check's own k processes),
-so their CPU part (setup, per message) is that of a busy node: on an idle machine all-reduces were
-up to 41% faster than they predict (plan_check_q100.txt); the check's rows and what it held out
-are in benchmarks/results/plan_check.{json,txt}.
+`benchmarks/plan_check.py` on namespaces with tbf-shaped links). They were fitted on a quiet
+two-core machine (load average 0.2-3: what CI and a dedicated box look like) on unshaped, 20 and
+50 Mbit/s links and checked on held-out 100 Mbit/s all-reduces and training rounds; rows, held-out
+errors (also leave-one-rate-out and leave-one-k-out) and the same constants against a busy
+machine's rows are in benchmarks/results/plan_check_quiet.{json,txt}, plan_holdout.txt and
+plan_check.{json,txt}.
 
 Bytes. For the butterfly (the protocol of `diloco_p2p.swarm.allreduce`, after Patarasuk & Yuan
 2009's bandwidth-optimal all-reduce: reduce-scatter, then all-gather) the count is exact, frame
@@ -33,16 +34,22 @@ average), unlike Moshpit SGD's approximate grid (Ryabinin et al. 2021). Bytes pe
 lower bound 2(N-1)/N · n again, but a node opens about 3(s-1) + 3(R-1) streams (twice, with the
 agreement) instead of 3(N-1).
 
-Time of one butterfly over k members: ``flow_overhead · wire + flow_bytes · (k-1) · 8 / rate + cpu
-+ setup + per_message · messages · o + rtts · RTT`` (`time_terms`). `wire` is the slowest node's
+Time of one butterfly over k members: ``flow_overhead · wire + flow_tail · wire · H(k-1) · 100/rate
++ setup + per_message · messages · o + cpu + rtts · RTT`` (`time_terms`). `wire` is the slowest node's
 bytes at its link rate (every member waits for every part, so the slowest link sets the pace: the
-N-quantile of the link distribution); `flow_overhead` is the slack of TCP flows sharing one shaped
-link (headers, uneven shares: a reducer whose part arrives last gathers it alone while other links
-idle); `flow_bytes` is link capacity each of the k-1 concurrent flows of a member costs whatever
-the payload (a shallow queue's losses: 0 on realistic queues, see `time_terms`); `setup` and
-`messages · o` are the collective's fixed cost and stream setup through the p2p daemon, CPU work
-that takes o times longer with o processes per core (1 for a volunteer's node; (k + load)/2 for
-the checks on two shared cores); `cpu` is encode, reduce, decode per byte. A round is the slowest node's H
+N-quantile of the link distribution). The tail is the reducer whose part arrives last: k-1 TCP
+flows share each link unevenly, and a reducer can gather only what its slowest flow has delivered,
+so it finishes alone while the other links idle (seen in a trace: 0.6-0.9 s of one reducer
+gathering alone at 20 Mbit/s, k=8). If each flow's lateness is a random share of the wire time, the
+slowest of k-1 is H(k-1) = 1 + 1/2 + ... + 1/(k-1) times the mean (the maximum of k-1 exponentials);
+the lateness measured here also grew as the link got slower (relative to the wire time: ~0 at
+100 Mbit/s, ~12% at 50, 20-50% at 20), as 1/rate, which the term takes as given (100 Mbit/s is
+only its unit). `setup` and `messages · o` are the collective's fixed cost and stream setup
+through the p2p daemon (about 20 ms a stream here: per peer, a member opens three), CPU work that
+takes o times longer when other work shares the cores (1 on a dedicated box; on the checks' shared
+two cores, 1 + the load beyond the swarm's own k nodes per core: the k nodes mostly wait for each
+other, and their setup grew as k, not k², on the quiet machine); `cpu` is encode, reduce, decode
+per byte (not separable here: 0). A round is the slowest node's H
 inner steps (stragglers: per-node speed lognormal with the given spread, the N-th order
 statistic by Blom's approximation; with dynamic local updates nobody waits) plus matchmaking plus
 the all-reduce; with ``overlap=eager`` the all-reduce of round r runs behind round r+1's inner
@@ -74,28 +81,29 @@ MEMBER_LIST_BYTES = 190  # per member in the list the matchmaking leader sends t
 class Calibration:
     """Constants measured on real swarms here (`benchmarks/plan_check.py --calibrate`, tbf links).
 
-    flow_overhead: all-reduce seconds over the wire time of its bytes once CPU and fixed costs are
-    taken out (k-1 TCP flows share one shaped link unevenly). flow_bytes: link bytes lost per
-    concurrent flow on a member's link per collective (`time_terms`). cpu_s_per_byte: one node's CPU per byte
-    it sends or receives (encode, reduce, decode, the hop through p2pd). setup_s, per_message_s,
-    rtts: fixed costs of one butterfly. matchmaking_per_member_s: forming the group, per other member
-    (fitted on 2-node training rounds); the leader also streams the member list to every member,
-    `MEMBER_LIST_BYTES` per member each (O(N^2) bytes at its uplink, `swarm/hierarchy.py`).
+    flow_overhead: all-reduce seconds over the wire time of its bytes once the tail and fixed costs
+    are taken out (below 1.046, the Ethernet/IP/TCP framing of a 1448-byte segment, because the
+    fixed costs overlap the transfer in part). flow_tail: the slowest flow's lateness per unit of
+    `time_terms`' tail. cpu_s_per_byte: one node's CPU per byte it sends or receives (encode,
+    reduce, decode, the hop through p2pd). setup_s, per_message_s, rtts: fixed costs of one
+    butterfly. matchmaking_per_member_s: forming the group, per other member (fitted on 2-node
+    training rounds: the round's seconds less its compute and the predicted all-reduce); the leader
+    also streams the member list to every member, `MEMBER_LIST_BYTES` per member each (O(N^2) bytes
+    at its uplink, `swarm/hierarchy.py`).
     detect_s: noticing a dead member (the probe interval). apply_s: the outer step and bookkeeping.
     """
 
-    flow_overhead: float = 1.185
-    flow_bytes: float = 0.0  # fitted < 0 on the 1 MiB queues (tests/netns.queue_ms), so dropped: see time_terms
+    flow_overhead: float = 1.022
+    flow_tail: float = 0.0314
     cpu_s_per_byte: float = 0.0
-    setup_s: float = 0.0983
-    per_message_s: float = 0.00457
+    setup_s: float = 0.00895
+    per_message_s: float = 0.02234
     rtts: float = 4.0  # not measured: the test network has no delay
-    matchmaking_per_member_s: float = 0.055
+    matchmaking_per_member_s: float = 0.0245
     detect_s: float = 1.0
     apply_s: float = 0.0
-    source: str = ("fitted by benchmarks/plan_check.py calibrate (2-8 peers, 2M values, unshaped, 20 and 50 Mbit "
-                   "tbf links, load average 6-12 on 2 cores)")
-
+    source: str = ("fitted by benchmarks/plan_check.py calibrate (2-8 peers, 2,000,000 values, unshaped and 20+50 Mbit "
+                   "tbf links, load average 0.2-2.9 on 2 cores; matchmaking: 2-node training rounds)")
 
 @dataclass(frozen=True)
 class Links:
@@ -129,7 +137,7 @@ class Inputs:
     density: float = 0.02  # top-k
     overlap: str = "none"
     chunk: int = wire.DEFAULT_CHUNK_ELEMENTS
-    oversubscribe: float = 1.0  # processes per core (a check on one machine; 1 on real volunteers)
+    oversubscribe: float = 1.0  # CPU contention: how many times longer CPU work takes than on a dedicated box (1)
 
     def __post_init__(self):
         problems = [
@@ -296,36 +304,43 @@ def _mbit_seconds(nbytes: float, mbit: float) -> float:
     return nbytes * 8 / (mbit * 1e6)
 
 
+def harmonic(n: int) -> float:
+    """H(n) = 1 + 1/2 + ... + 1/n: the expected maximum of n unit exponentials (0 for n = 0)."""
+    return sum(1 / i for i in range(1, n + 1))
+
+
+TAIL_MBIT = 100.0  # the tail term's unit rate (it grows as 1/rate: see the module docstring)
+
+
 def time_terms(level: Level, inp: Inputs, nodes: int) -> dict[str, float]:
     """The unit terms of one level's seconds; `Calibration` weighs each (`TERMS` names its field):
 
     - wire: the slowest link's seconds for the level's bytes (uplink or downlink, whichever is
       slower: a member receives what it sends);
+    - tail: wire x H(k-1) x 100 Mbit/s / rate: the reducer whose part arrives last, gathering alone
+      (the slowest of its k-1 flows; relatively longer on slower links). It replaced a per-flow
+      volume of the link (seconds (k-1) x 8 / rate x bytes), which fitted below zero on 1 MiB
+      queues (`tests/netns.queue_ms`) and could not make int8 as late as fp16 at 20 Mbit/s;
     - setup: 1 (a fixed cost per collective; a grid runs four, its agreement two of them);
-    - messages: streams opened x processes per core (opening a stream through p2pd is CPU work,
-      which takes o times longer when o processes share a core);
-    - flows: (k-1) x 8 / link rate: each of the k-1 concurrent flows on a member's link costs a
-      fixed volume of that link (`flow_bytes`). With 100 ms tbf queues the 20 Mbit/s checks showed
-      it (seconds over the wire time grew with k, 0.25-0.64 s at k=2 to 2.1 s at k=8, alike for
-      fp16 and int8; 10-30% of segments dropped at the senders' queues); with 1 MiB queues
-      (`tests/netns.queue_ms`) its fitted weight is below zero, so the shipped constant is 0;
-    - cpu: bytes sent and received x processes per core;
+    - messages: streams opened x o (opening a stream through p2pd is CPU work: `Inputs.oversubscribe`);
+    - cpu: bytes sent and received x o;
     - rtt: round-trip seconds.
     """
     rate = min(inp.uplink.slowest(nodes), inp.downlink.slowest(nodes))
-    busy = max(inp.oversubscribe, 1.0)  # CPU work of processes sharing a core takes that much longer
-    return {"wire": _mbit_seconds(level.sent, rate), "setup": 1.0, "messages": level.messages * busy,
-            "flows": _mbit_seconds(level.k - 1, rate), "cpu": 2 * level.sent * busy, "rtt": inp.rtt_ms / 1e3}
+    busy = max(inp.oversubscribe, 1.0)  # CPU work takes that much longer beside other work
+    wire_s = _mbit_seconds(level.sent, rate)
+    return {"wire": wire_s, "tail": wire_s * harmonic(level.k - 1) * TAIL_MBIT / rate, "setup": 1.0,
+            "messages": level.messages * busy, "cpu": 2 * level.sent * busy, "rtt": inp.rtt_ms / 1e3}
 
 
-TERMS = {"wire": "flow_overhead", "setup": "setup_s", "messages": "per_message_s", "flows": "flow_bytes",
+TERMS = {"wire": "flow_overhead", "tail": "flow_tail", "setup": "setup_s", "messages": "per_message_s",
          "cpu": "cpu_s_per_byte", "rtt": "rtts"}
-CAUSES = {"wire": "link", "flows": "link", "setup": "latency/messages", "messages": "latency/messages",
+CAUSES = {"wire": "link", "tail": "link", "setup": "latency/messages", "messages": "latency/messages",
           "rtt": "latency/messages", "cpu": "cpu"}
 
 
 def level_seconds(level: Level, inp: Inputs, nodes: int, cal: Calibration) -> dict[str, float]:
-    """Seconds of one level by cause: uplink/downlink (wire time and flows), cpu, latency/messages."""
+    """Seconds of one level by cause: uplink/downlink (wire time and tail), cpu, latency/messages."""
     link = "uplink" if inp.uplink.slowest(nodes) <= inp.downlink.slowest(nodes) else "downlink"
     out: dict[str, float] = {}
     for term, x in time_terms(level, inp, nodes).items():
