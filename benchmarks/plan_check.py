@@ -4,10 +4,13 @@ Hosts are network namespaces on a bridge with tbf-shaped links (`tests/netns.py`
 as in `benchmarks/allreduce_wan.py` and `benchmarks/wan.py`, whose machinery this reuses. Stages
 (each well under 10 minutes on two busy cores; run them in this order):
 
-- ``calibrate``: all-reduces of `--numel` values on unshaped links (CPU, per-message and fixed
-  costs) and at each of `--cal-rates` Mbit (the flow overhead, and the per-flow cost, which
-  shows only at low rates) for k = 2, 4, 6, 8 peers; fits the `Calibration` constants by least
-  squares (`fit`) and prints them (paste them into `plan.Calibration`, the defaults the CLI uses).
+- ``calibrate``: all-reduces of `--numel` values on unshaped links (per-stream and fixed costs)
+  and at each of `--cal-rates` Mbit (the wire and the slowest flow's tail, which grows as the
+  rate falls) for k = 2, 4, 6, 8 peers; fits the `Calibration` constants by least squares
+  (`fit`) and prints them. The shipped ones (`plan.Calibration`, the defaults the CLI uses) are
+  `fit_file` of a quiet machine's results: these rows, and the matchmaking constant from the
+  2-node ``rounds`` (run calibrate, allreduce, rounds, then report: `report` says whether a
+  file's calibration made the shipped constants, and counts only the rows none was fitted on).
 - ``allreduce``: at other rates (`--rates`, not the calibration's), k = 2, 4, 6, 8: predicted
   (shipped defaults) vs measured all-reduce seconds and bytes sent per peer, with the % error.
 - ``rounds``: real training nodes (`tiny` model, a few rounds) in one group of k = 2, 4, 6 at
@@ -17,9 +20,12 @@ as in `benchmarks/allreduce_wan.py` and `benchmarks/wan.py`, whose machinery thi
 - ``report``: every stored measurement again against the current constants (no network).
 - ``holdout``: leave-one-rate-out and leave-one-k-out refits of the stored rows (no network).
 
-Results accumulate in benchmarks/results/plan_check.json (`--json`; one key per stage).
+Results accumulate in benchmarks/results/plan_check.json (`--json`; one key per stage). The
+shipped constants' file is plan_check_quiet.json (load 0.2-4.9); plan_check.json holds a busy
+machine's rows (load 6-14), whose calibrate rows fit `LOAD_SHARE`.
 
-    sudo python benchmarks/plan_check.py calibrate|allreduce|rounds|curves [--ks 2,4,6,8] ...
+    sudo python benchmarks/plan_check.py calibrate|allreduce|rounds [--ks 2,4,6,8] [--json ...]
+    python benchmarks/plan_check.py report|holdout|curves [--json ...]
 """
 
 from __future__ import annotations

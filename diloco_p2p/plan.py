@@ -44,12 +44,13 @@ gathering alone at 20 Mbit/s, k=8). If each flow's lateness is a random share of
 slowest of k-1 is H(k-1) = 1 + 1/2 + ... + 1/(k-1) times the mean (the maximum of k-1 exponentials);
 the lateness measured here also grew as the link got slower (relative to the wire time: ~0 at
 100 Mbit/s, ~12% at 50, 20-50% at 20), as 1/rate, which the term takes as given (100 Mbit/s is
-only its unit). `setup` and `messages · o` are the collective's fixed cost and stream setup
+only its unit; the checks span k = 2..8 and 20..100 Mbit/s, so more members or slower links
+extrapolate it). `setup` and `messages · o` are the collective's fixed cost and stream setup
 through the p2p daemon (about 20 ms a stream here: per peer, a member opens three), CPU work that
 takes o times longer when other work shares the cores (1 on a dedicated box; on the checks' shared
-two cores, 1 + the load beyond the swarm's own k nodes per core: the k nodes mostly wait for each
-other, and their setup grew as k, not k², on the quiet machine); `cpu` is encode, reduce, decode
-per byte (not separable here: 0). A round is the slowest node's H
+two cores, 1 + 0.25 x the load average beyond the swarm's own k nodes, `plan_check.LOAD_SHARE`:
+the k nodes mostly wait for each other, and their setup grew as k, not k², on the quiet machine);
+`cpu` is encode, reduce, decode per byte (not separable here: 0). A round is the slowest node's H
 inner steps (stragglers: per-node speed lognormal with the given spread, the N-th order
 statistic by Blom's approximation; with dynamic local updates nobody waits) plus matchmaking plus
 the all-reduce; with ``overlap=eager`` the all-reduce of round r runs behind round r+1's inner
