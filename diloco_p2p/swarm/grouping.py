@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import json
 import math
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,7 @@ class Session:
     # The live swarm at this round and θ besides us (from progress records, given by the caller):
     # once all of them are members there is no one left to wait for.
     expected: frozenset[str] = frozenset()
+    refresh: Callable[[], Awaitable[Collection[str]]] | None = None  # reads `expected` again (the leader)
     speed: float = 0.0  # our tokens per second of compute this round (0: not measured)
     public: bool = True  # whether others can dial us (`diloco_p2p.swarm.reach`)
 

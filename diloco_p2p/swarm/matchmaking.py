@@ -39,7 +39,9 @@ Protocol
    up by a resync is waited for too). So a round of three nodes closes when the third joins, not
    at the timeout; only a peer that went quiet (or catches up too slowly) makes the group wait
    for it. With nothing expected (no records) it waits as before: registrations alone do not
-   say who is still computing its inner steps. Every member gets the *same* answer object:
+   say who is still computing its inner steps. The leader reads the expected set again at each
+   poll (the caller's `refresh_expected`): a node that started after the first read closes the
+   group when it joins instead of at the timeout; one whose record left the round is dropped. Every member gets the *same* answer object:
    members sorted by peer id, ``group_id = sha256(run, round, hash, leader, close time,
    members)``. While open, the leader re-reads the key every ``request_timeout / 2``; a better
    candidate makes it forfeit: its followers are redirected and it joins that leader itself.
@@ -48,6 +50,9 @@ Protocol
 5. **Withdraw.** When `form_group` ends, the node overwrites its registration with a ``done``
    marker (same subkey, later expiration, hivemind's newest-wins rule), so later arrivals stop
    contacting it.
+
+This module is long (about 540 lines, a fifth of it this description) because the leader's and
+the follower's sides of one protocol read best side by side; the pure rules live in `grouping`.
 
 Failures are data. A leader that does not acknowledge within ``request_timeout`` (dead,
 unreachable, or SIGSTOPped with its socket still open) or whose heartbeats stop is excluded for
@@ -211,6 +216,7 @@ class Matchmaker:
         timeout: float,
         request_timeout: float | None = None,
         expected: Collection[str] = (),
+        refresh_expected: Callable[[], Awaitable[Collection[str]]] | None = None,
         speed: float = 0.0,
     ) -> Group | None:
         """Find the peers at `round` with `params_hash`; return our group, or None if we end alone.
@@ -219,7 +225,10 @@ class Matchmaker:
         tokens we processed) is passed on to every member in `Group.weights`. A group of one is
         no group: the result is then None with `last_outcome` ``"alone"``. `expected` names the
         peers known to be at this round with this θ (base58 ids): a group we lead closes as soon
-        as all of them have joined. `speed` (tokens per second of compute) reaches every member
+        as all of them have joined. `refresh_expected`, if given, reads that set again: a leader
+        calls it at every poll while its group is open (a peer that appeared since, e.g. a node
+        that started after our first read, is then waited for and closes the group when it joins;
+        one that left the round is no longer waited for). `speed` (tokens per second of compute) reaches every member
         in `Group.speeds`, for dynamic local updates.
         """
         if not self._started:
@@ -235,7 +244,7 @@ class Matchmaker:
         session = Session(
             key=key, round=int(round), params_hash=params_hash, me=self.me, t=get_dht_time(),
             weight=float(weight), min_size=min_group_size, target=target_group_size, timeout=timeout,
-            request_timeout=request_timeout, expected=frozenset(expected) - {self.me},
+            request_timeout=request_timeout, expected=frozenset(expected) - {self.me}, refresh=refresh_expected,
             speed=float(speed) if valid_weight(speed) else 0.0, public=self.public)
         session.lead()  # serve join requests from the start: they may arrive before our first read
         self._sessions[key] = session
@@ -328,6 +337,7 @@ class Matchmaker:
             # Bounded by the time left, so a slow DHT cannot push our close past `close_at`.
             remaining = session.close_at - get_dht_time()
             view = await self._read_view(session, timeout=min(session.request_timeout, max(remaining, 0.01)))
+            await self._refresh_expected(session)
             self._close_if_due(session, epoch)
             best = session.best_candidate(view or {}, excluded)
             if best is not None and not epoch.answer.done():
@@ -454,6 +464,19 @@ class Matchmaker:
             gone.cancel()
             if not epoch.answer.done():
                 self._drop(epoch, follower, token)
+
+    async def _refresh_expected(self, session: Session) -> None:
+        """Read the live swarm again (`form_group`'s `refresh_expected`), within the time left
+        before we close; a failed or slow read keeps what we expected."""
+        remaining = session.close_at - get_dht_time()
+        if session.refresh is None or remaining <= 0:
+            return
+        try:
+            expected = await asyncio.wait_for(session.refresh(), min(session.request_timeout, remaining))
+        except Exception as e:  # no fresh view of the swarm: keep the one we have
+            logger.debug("%s: could not refresh the expected peers (%r)", session.key, e)
+            return
+        session.expected = frozenset(expected) - {self.me}
 
     def _close_if_due(self, session: Session, epoch: Epoch) -> None:
         """Close the group we lead if it is full or everyone we expect is in (`Session.closing_reason`)."""

@@ -289,17 +289,25 @@ class SwarmSync:
 
     async def _form_group(self, round: int, params_hash: str, weight: float):
         """Matchmaking for `round`, expecting the live swarm: every peer whose progress record is
-        not past this round (at it, or catching up to it by a resync); a group closes once they are
-        all in, or at the timeout for one that does not come (it went quiet, or caught up too late)."""
+        not past this round (at it, or catching up to it by a resync), read again while we lead; a
+        group closes once they are all in, or at the timeout for one that does not come (it went
+        quiet, or caught up too late)."""
         try:
             records = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
         except Exception as e:  # no view of the swarm: the group closes when full or at the timeout
             log.debug("round %d: could not read progress records (%r)", round, e)
             records = {}
         distrusted = self.guard.distrusted()  # caught reducers: not waited for, not grouped with
-        # (Under sync.overlap a node publishes round r once r's average is known: the same rule holds.)
-        expected = [peer for peer, r in records.items() if peer != self.peer_id and r.round < round
+
+        def live(records: dict[str, ProgressRecord]) -> list[str]:
+            # (Under sync.overlap a node publishes round r once r's average is known: the same rule holds.)
+            return [peer for peer, r in records.items() if peer != self.peer_id and r.round < round
                     and peer not in distrusted]
+
+        async def refresh() -> list[str]:  # while we lead: who started or left the round since
+            return live(await self._read_records())
+
+        expected = live(records)
         self._check_public(records)
         computing = time.perf_counter() - self._computing_since if self._computing_since else 0.0
         self._computing_since = None
@@ -308,6 +316,7 @@ class SwarmSync:
         return await self.matchmaker.form_group(round, params_hash, weight, min_group_size=self.cfg.min_group_size,
                                                 target_group_size=hierarchy.MAX_MEMBERS,
                                                 timeout=self.cfg.matchmaking_timeout, expected=expected,
+                                                refresh_expected=refresh,
                                                 speed=weight / computing if computing > 0 else 0.0)
 
     def _check_public(self, records: dict[str, ProgressRecord]) -> None:

@@ -464,3 +464,36 @@ def test_group_closes_once_the_expected_swarm_is_in_and_waits_for_a_quiet_peer(s
     assert quick_s < timeout / 2, f"everyone expected was in, yet formation took {quick_s:.2f}s"
     assert slow_s >= timeout * 0.9, f"a quiet expected peer was not waited for ({slow_s:.2f}s)"
     print(f"\n3 expected peers: {quick_s * 1000:.0f} ms; with a quiet 4th: {slow_s:.2f} s")
+
+
+def test_a_leader_rereads_who_it_expects_while_its_group_is_open(swarm: MatchmakingPeers) -> None:
+    """The leader's first read saw nobody (its partner started later) or a peer that then left
+    the round: with `refresh_expected` it closes when the live swarm is in, not at the timeout."""
+    timeout = 4.0
+
+    async def scenario():
+        async with swarm.matchmakers(3) as mms:
+            leader, partner, gone = mms
+            live = {leader.me, partner.me}
+
+            async def refresh():
+                return live
+
+            async def pair(round: int, expected: list[str], refresh_expected):
+                t0 = time.perf_counter()
+                first = _form(leader, round=round, target_group_size=8, timeout=timeout, expected=expected,
+                              refresh_expected=refresh_expected)
+                await _until(lambda: _members(leader, mm.matchmaking_key(leader.run_id, round, HASH_A)) >= 1)
+                second = _form(partner, round=round, target_group_size=8, timeout=timeout, expected=[leader.me])
+                return await asyncio.gather(first, second), time.perf_counter() - t0
+
+            unseen = await pair(1, [], refresh)  # the first read was empty
+            left = await pair(2, [partner.me, gone.me], refresh)  # `gone` left the round since
+            blind = await pair(3, [], None)  # no refresh: nothing expected, the group waits out the timeout
+            return unseen, left, blind, mms
+
+    unseen, left, blind, mms = swarm.loop.run(scenario(), timeout=40)
+    for groups, seconds in (unseen, left, blind):
+        _assert_same_group(groups, mms[:2])
+    assert unseen[1] < timeout / 2 and left[1] < timeout / 2, (unseen[1], left[1])
+    assert blind[1] >= timeout * 0.9, blind[1]
