@@ -493,7 +493,7 @@ def test_a_leader_rereads_who_it_expects_while_its_group_is_open(swarm: Matchmak
             return unseen, left, blind, mms
 
     unseen, left, blind, mms = swarm.loop.run(scenario(), timeout=40)
-    for groups, seconds in (unseen, left, blind):
+    for groups, _ in (unseen, left, blind):
         _assert_same_group(groups, mms[:2])
     assert unseen[1] < timeout / 2 and left[1] < timeout / 2, (unseen[1], left[1])
     assert blind[1] >= timeout * 0.9, blind[1]
