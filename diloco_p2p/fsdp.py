@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from diloco_p2p.ranks import Ranks
@@ -71,6 +71,16 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, precision: str = "auto") -
         fully_shard(block, mesh=ranks.mesh, mp_policy=mp)
     fully_shard(model, mesh=ranks.mesh, mp_policy=mp)
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free what a forward without backward (an evaluation) leaves unsharded: FSDP2 keeps the root
+    module's parameters gathered after forward, for the backward it expects, and the next forward
+    would use them as they are. θ written into the shards since (a round that starts from θ + c
+    under sync.overlap=eager, a state adopted from the swarm) must reach that forward too."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def local_view(p: torch.Tensor) -> torch.Tensor:

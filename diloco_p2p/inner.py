@@ -20,6 +20,7 @@ import torch
 
 from diloco_p2p.config import InnerConfig
 from diloco_p2p.faults import Faults
+from diloco_p2p.fsdp import reshard
 from diloco_p2p.ranks import Ranks
 
 
@@ -94,6 +95,7 @@ class InnerTrainer:
             return None
         self.model.eval()
         losses = [float(self._loss(b)) for b in batches]
+        reshard(self.model)  # on N ranks: the next forward reads θ from the shards again (`fsdp.reshard`)
         return sum(losses) / len(losses)
 
     @property

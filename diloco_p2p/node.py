@@ -35,7 +35,6 @@ from diloco_p2p.contract import (
     Sync,
 )
 from diloco_p2p.data import DataPosition, open_dataset
-from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
 from diloco_p2p.feedback import ErrorFeedback
 from diloco_p2p.fsdp import (
@@ -107,10 +106,9 @@ class Node:
         self.outer = OuterOptimizer(self.layout.local_views(), cfg.outer)
         self.feedback = ErrorFeedback(self.outer.numel, cfg.sync)  # what the lossy wire has not sent yet
         # sync.overlap: the average in flight behind the next round's compute (diloco_p2p.overlap)
+        # (on N local ranks, one per rank on its shard, as the outer state)
         self.pipeline = None if cfg.sync.overlap == "none" else Pipeline(
             cfg.sync.overlap, self.outer.numel, cfg.outer, cfg.sync.min_group_size)
-        if self.pipeline is not None and ranks.sharded:
-            raise UserError("sync.overlap runs on a node of one local rank; set sync.overlap=none or use one rank")
         sharding = (f" sharded over {ranks.world_size} local ranks ({self.outer.numel:,} outer-state values on "
                     "this rank)" if ranks.sharded else "")
         log.info("model: %s parameters%s on %s; data: %s; run dir %s",
@@ -126,7 +124,7 @@ class Node:
             records.append(self._initial_record())
         if self._resumed_flight is not None and self.pipeline is not None:  # average it again, with the swarm
             round, delta, weight = self._resumed_flight
-            self.pipeline.begin(self.sync, round, delta, weight, self.params_sha256())
+            self.pipeline.begin(self.sync, round, delta, weight, self.outer.params_sha256())
             self._resumed_flight = None
         while self.round < cfg.train.max_rounds and not self._stopping():
             set_log_context(round=self.round + 1, step=self.step)
@@ -197,7 +195,7 @@ class Node:
                 self._apply(flight.result())
                 self.feedback.settle(flight.delta, flight.result())
             delta = self.feedback.offer(delta)  # + what earlier rounds' lossy wire did not send (`feedback`)
-            outcome = self.sync.average(round, delta, weight, self.params_sha256())
+            outcome = self.sync.average(round, delta, weight, self.outer.params_sha256())
             if self._stopping():
                 if saved is not None:  # back to the round before: its average in flight, not applied
                     self.outer.load_state_tensors(saved)
@@ -224,7 +222,7 @@ class Node:
             pipe.learn(outcome)
             self.feedback.settle(flight.delta, outcome)
         pipe.correct(delta)  # eager: a_t·Δ_m^(t) replaces a_{t-1}·Δ_m^(t-1) in the local correction
-        pipe.begin(self.sync, round, self.feedback.offer(delta), weight, self.params_sha256())
+        pipe.begin(self.sync, round, self.feedback.offer(delta), weight, self.outer.params_sha256())
         return outcome, None if flight is None else flight.round
 
     def _apply(self, outcome: RoundOutcome) -> None:
@@ -370,13 +368,13 @@ class Node:
         trainer_state = self.trainer.state_dict()
         optimizer = gather_optimizer_state(trainer_state["optimizer"], keep=leader)
         params_sha256 = self.params_sha256()
+        overlap: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        if self.pipeline is not None:  # the pending local Δ (the round in flight) and the eager correction
+            extra, overlap = self.pipeline.state_tensors(self.layout.to_full)
         if not leader:
             return None
-        tensors = {"outer.theta": theta, "outer.momentum": momentum}
-        overlap: dict[str, Any] = {}
-        if self.pipeline is not None:  # the pending local Δ (the round in flight) and the eager correction
-            extra, overlap = self.pipeline.state_tensors()
-            tensors.update(extra)
+        tensors = {"outer.theta": theta, "outer.momentum": momentum, **extra}
         if error is not None:
             tensors["feedback.error"] = error
         inner = split_tensors({"optimizer": optimizer, "scheduler": trainer_state["scheduler"]}, tensors, "inner")
@@ -412,7 +410,7 @@ class Node:
         self.joined_at_round = ckpt.meta.get("joined_at_round")
         self.resyncs = ckpt.meta.get("resyncs", 0)
         if self.pipeline is not None:
-            self._resumed_flight = self.pipeline.load(ckpt.tensors, ckpt.meta.get("overlap") or {})
+            self._resumed_flight = self.pipeline.load(ckpt.tensors, ckpt.meta.get("overlap") or {}, self.layout.to_local)
         self.outer.copy_into(self.layout.local_views())
         log.info("resumed from checkpoint at round %d (step %d; written by %s local rank(s))",
                  self.round, self.step, ckpt.meta.get("local_world_size", 1))

@@ -34,6 +34,16 @@ telescope: Σ_s d^(s) = a_t·Δ_m^(t), the "pending" local term kept for the nex
 The last round of a run (train.max_rounds) drains the pipeline: it waits for round t-1's average,
 applies it, then averages its own Δ blocking and applies that too, so the run ends on a θ that
 holds every round's Δ and no local correction.
+
+On a node of N local ranks (`diloco_p2p.fsdp`) every rank runs this pipeline on its own shard:
+Δ, the average, the outer step and (c_m, μ_m) are elementwise, so the shards together are the
+1-rank pipeline. Each rank averages its shard through its own swarm endpoint
+(`diloco_p2p.swarm.shards`) as in the blocking path; only the outcome is made node-wide, with
+small collectives among the ranks, and those must not run in the background thread, where they
+would interleave with FSDP's collectives on the loop's thread. So a flight may carry a
+node-wide step (`InFlight.node_result`) that `Pipeline.take` runs on the loop's thread, at the
+same point on every rank. Checkpoints hold the pipeline's tensors in the 1-rank layout
+(`Pipeline.state_tensors` and `Pipeline.load` take the layout's converters).
 """
 
 from __future__ import annotations
@@ -55,8 +65,10 @@ class InFlight:
     """One round's averaging, under way in the background. `result()` waits for it (the
     exposed part); `started`/`done_at` are wall-clock (time.time) for the round's record."""
 
-    def __init__(self, round: int, delta: torch.Tensor, weight: float, params_hash: str):
+    def __init__(self, round: int, delta: torch.Tensor, weight: float, params_hash: str,
+                 node_wide: Callable[[RoundOutcome], RoundOutcome] | None = None):
         self.round, self.delta, self.weight, self.params_hash = round, delta, weight, params_hash
+        self._node_wide = node_wide  # run once on the loop's thread (`node_result`)
         self.started = time.time()
         self.done_at: float | None = None
         self._outcome: RoundOutcome | None = None
@@ -77,13 +89,23 @@ class InFlight:
         assert self._outcome is not None
         return self._outcome
 
+    def node_result(self) -> RoundOutcome:
+        """`result()`, made node-wide the first time (on N local ranks a collective: every rank
+        calls it at the same point of the loop, on the loop's thread); `result()` then returns it."""
+        outcome = self.result()
+        if self._node_wide is not None:
+            node_wide, self._node_wide = self._node_wide, None
+            self._outcome = outcome = node_wide(outcome)
+        return outcome
 
-class _Thread(InFlight):
-    """`sync.average` in a daemon thread (a swarm's call never raises for a network fault)."""
+
+class Background(InFlight):
+    """`average` in a daemon thread (a swarm's call never raises for a network fault); the
+    optional `node_wide` step runs later, on the loop's thread (`InFlight.node_result`)."""
 
     def __init__(self, average: Callable[..., RoundOutcome], round: int, delta: torch.Tensor, weight: float,
-                 params_hash: str):
-        super().__init__(round, delta, weight, params_hash)
+                 params_hash: str, node_wide: Callable[[RoundOutcome], RoundOutcome] | None = None):
+        super().__init__(round, delta, weight, params_hash, node_wide)
         threading.Thread(target=self._run, args=(average,), name=f"average-round-{round}", daemon=True).start()
 
     def _run(self, average: Callable[..., RoundOutcome]) -> None:
@@ -107,7 +129,7 @@ def begin_average(sync, round: int, delta: torch.Tensor, weight: float, params_h
     the sync starts it itself."""
     if isinstance(sync, BeginsAverage):
         return sync.begin_average(round, delta, weight, params_hash)
-    return _Thread(sync.average, round, delta.clone(), weight, params_hash)
+    return Background(sync.average, round, delta.clone(), weight, params_hash)
 
 
 def resolved(round: int, delta: torch.Tensor, weight: float, params_hash: str, outcome: RoundOutcome) -> InFlight:
@@ -185,10 +207,11 @@ class Pipeline:
         return None if self.correction is None else self.correction.theta
 
     def take(self) -> InFlight | None:
-        """The average in flight, once done (None when none is: the first round of a run)."""
+        """The average in flight, once done and made node-wide (None when none is: the first
+        round of a run). On N local ranks every rank calls it at the same point of the loop."""
         flight, self.inflight = self.inflight, None
         if flight is not None:
-            flight.result()
+            flight.node_result()
         return flight
 
     def learn(self, outcome: RoundOutcome) -> None:
@@ -249,21 +272,31 @@ class Pipeline:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, float | int]]:
-        """The pending local Δ (the round in flight, to average again on resume) and the correction."""
+    def state_tensors(self, to_full: Callable[[torch.Tensor], torch.Tensor | None] = lambda t: t
+                      ) -> tuple[dict[str, torch.Tensor | None], dict[str, float | int]]:
+        """The pending local Δ (the round in flight, to average again on resume) and the correction,
+        each through `to_full` (on N local ranks `ShardLayout.to_full`: a collective, in the same
+        order on every rank, whose result only rank 0 gets)."""
         tensors = dict(self.correction.state_tensors()) if self.correction is not None else {}
         meta: dict[str, float | int] = {"group": self.group}
         if self.inflight is not None and self.inflight.delta.numel():
             tensors["overlap.inflight_delta"] = self.inflight.delta
             meta.update(inflight_round=self.inflight.round, inflight_weight=self.inflight.weight)
-        return tensors, meta
+        return {name: to_full(t) for name, t in tensors.items()}, meta
 
-    def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[int, torch.Tensor, float] | None:
-        """Restore from a checkpoint; the round in flight to start again, if any."""
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict,
+             to_local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> tuple[int, torch.Tensor, float] | None:
+        """Restore from a checkpoint (the 1-rank layout, sliced by `to_local` on N local ranks);
+        the round in flight to start again, if any."""
         self.group = int(meta.get("group", self.group))
+        ours = {name: to_local(t.reshape(-1)) for name, t in tensors.items() if name in _PER_PARAMETER}
         if self.correction is not None:
-            self.correction.load_state_tensors(tensors)
-        delta = tensors.get("overlap.inflight_delta")
+            self.correction.load_state_tensors(ours)
+        delta = ours.get("overlap.inflight_delta")
         if delta is None or "inflight_round" not in meta:
             return None
         return int(meta["inflight_round"]), delta.to(torch.float32).reshape(-1).clone(), float(meta["inflight_weight"])
+
+
+# The pipeline's checkpoint tensors with one value per parameter (full in the 1-rank layout).
+_PER_PARAMETER = ("overlap.theta", "overlap.momentum", "overlap.pending", "overlap.inflight_delta")

@@ -21,6 +21,9 @@ What must be node-wide is agreed on with small collectives among the local ranks
   the resync rule above heals it at the next round, as it would for a 1-rank node.
 - **Stop.** Each `SwarmSync` polls its own rank's signal flag to cut a network wait short; the
   training loop's stop check is node-wide (`Node._stopping`).
+- **sync.overlap.** `begin_average` runs the shard's average in a background thread and leaves
+  the node-wide outcome (`_node_outcome`, collectives) to the loop's thread when it takes the
+  result (`diloco_p2p.overlap`): collectives in that thread would interleave with FSDP's.
 
 Nodes with another local world size train in other namespaces and would never meet ours, so
 rank 0 also keeps one node-level progress record under the plain ``run_id`` (the node's hash of
@@ -43,6 +46,7 @@ from diloco_p2p.config import Config, P2PConfig
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState, view_hash
 from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
+from diloco_p2p.overlap import Background, InFlight
 from diloco_p2p.ranks import Ranks
 from diloco_p2p.swarm.records import read_progress_async, withdraw_progress_async
 from diloco_p2p.swarm.resync import check_config, majority
@@ -100,7 +104,6 @@ class ShardSync:
         self.speeds: dict[str, float] | None = None  # shards may measure differently: no DyLU on N ranks
         self.reachability = self.inner.reachability
         self.ranks: Ranks | None = None
-        self._shard_sha256 = ""
         self.node_progress: ProgressPublisher | None = None
         if rank == 0:
             try:
@@ -140,7 +143,6 @@ class ShardSync:
 
     def before_round(self, node: NodeState) -> SwarmState | None:
         assert self.ranks is not None, "attach() the local ranks first"
-        self._shard_sha256 = node.shard_sha256
         mine = self.inner.before_round(node)  # looks at our shard's namespace; may download our shard
         target = int(self.ranks.all_reduce([mine.round if mine else -1], "max")[0])
         if target < 0:
@@ -156,9 +158,19 @@ class ShardSync:
         return mine  # every rank its own shard, of the same round
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
-        """Average our Δ shard with the same shard of the other nodes; report the node's outcome."""
+        """Average our Δ shard with the same shard of the other nodes; report the node's outcome.
+        `params_hash` is our shard's hash of θ (the node passes `NodeState.shard_sha256`)."""
+        return self._node_outcome(self.inner.average(round, delta, weight, params_hash))
+
+    def begin_average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> InFlight:
+        """sync.overlap: `average` with the shard's part in a background thread and the node-wide
+        part on the loop's thread, when it takes the result (`InFlight.node_result`)."""
+        return Background(self.inner.average, round, delta.clone(), weight, params_hash, self._node_outcome)
+
+    def _node_outcome(self, out: RoundOutcome) -> RoundOutcome:
+        """The node's outcome from our shard's: worst status, smallest group, all shards' bytes
+        (collectives: every rank calls it at the same point of the loop, on the loop's thread)."""
         assert self.ranks is not None
-        out = self.inner.average(round, delta, weight, self._shard_sha256)
         severity = _SEVERITY.index(out.status) if out.status in _SEVERITY else len(_SEVERITY) - 1
         worst, neg_group, seconds = self.ranks.all_reduce([severity, -out.group_size, out.allreduce_seconds], "max")
         sent, received, committed = self.ranks.all_reduce(

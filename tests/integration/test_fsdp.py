@@ -144,6 +144,40 @@ def test_one_rank_checkpoint_resumes_in_a_two_rank_node(runs, tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_two_ranks_under_eager_overlap_train_like_one_rank(tmp_path):
+    """sync.overlap=eager on 2 ranks, each pipelining its shard: it resumes a 1-rank eager node's round 1
+    (a round in flight and a local correction, sliced per rank), averages that round again behind round
+    2, and drains in round 3. Every checkpoint (with the correction and the Δ in flight, gathered into
+    the 1-rank layout) matches the 1-rank node with twice the batch, and a 1-rank node resumes its
+    round 2 and ends round 3 as that node did."""
+    eager = ["sync.overlap=eager"]
+    ref, two, back = tmp_path / "ref", tmp_path / "two", tmp_path / "back"
+    node = Node(load_config(None, _overrides(2 * PER_RANK_BATCH, 3) + eager), ref, progress=False)
+    save = node._save
+
+    def save_and_copy_round_1() -> None:
+        save()
+        if node.round == 1:
+            shutil.copytree(ref, two)
+
+    node._save = save_and_copy_round_1
+    node.run()
+    with Procs() as procs:
+        proc = _launch(procs, two, _overrides(PER_RANK_BATCH, 3) + eager)
+        assert proc.wait(timeout=150) == 0, proc.output()
+    assert "sharded over 2 local ranks" in proc.output()
+    assert {"overlap.theta", "overlap.inflight_delta"} <= set(_ckpt(two, 2))  # round 2 in flight at its end
+    for round_ in (2, 3):
+        _assert_same_state(_ckpt(two, round_), _ckpt(ref, round_))
+    records = read_records(two)[-2:]
+    assert [(r["round"], r["applied_round"], r["overlap"]) for r in records] == [(2, 1, "eager"), (3, 3, "eager")]
+    shutil.copytree(two, back)
+    Node(load_config(None, _overrides(2 * PER_RANK_BATCH, 3) + eager + ["train.resume_round=2"]), back,
+         progress=False).run()
+    _assert_same_state(_ckpt(back, 3), _ckpt(ref, 3))
+
+
+@pytest.mark.timeout(180)
 def test_a_dead_local_rank_stops_the_node_within_a_bound(tmp_path, procs):
     """SIGKILL rank 1 at its second inner step: the launcher must name it, stop rank 0 (blocked
     in an FSDP all-gather), and exit within a bound, leaving no rank behind."""

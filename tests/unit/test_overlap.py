@@ -15,7 +15,7 @@ from diloco_p2p.contract import RoundOutcome, StopRequested, SwarmState
 from diloco_p2p.errors import UserError
 from diloco_p2p.node import Node
 from diloco_p2p.outer import flatten, tensor_sha256
-from diloco_p2p.overlap import EagerCorrection, outer_update
+from diloco_p2p.overlap import Background, EagerCorrection, Pipeline, outer_update
 from diloco_p2p.simulate import simulate
 from tests.unit.test_node import SMALL
 
@@ -270,3 +270,51 @@ def test_replicas_agree_on_theta_every_round(tmp_path, mode):
     assert hashes[0] == hashes[1]
     assert hashes[0][0] == hashes[0][1] and len(set(hashes[0])) == 3  # round 1 applies no average yet
     assert [r.applied_round for r in records["a"][1:]] == [None, 1, 3]
+
+
+# -- a node of N local ranks: each rank's shard in the background, the node-wide outcome on the loop's thread
+
+
+class _Ranks:
+    """Two local ranks, both with our values, whose collectives record the thread they ran on."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.on_main = []
+
+    def all_reduce(self, values, op="sum"):
+        self.on_main.append(threading.current_thread() is threading.main_thread())
+        return [float(v) * (self.world_size if op == "sum" else 1) for v in values]
+
+
+class _ShardSwarm:
+    """The shard's own `SwarmSync`: its average of Δ waits for the test's go."""
+
+    def __init__(self):
+        self.go, self.hashes = threading.Event(), []
+
+    def average(self, round, delta, weight, params_hash):
+        assert self.go.wait(10)
+        self.hashes.append(params_hash)
+        return RoundOutcome(status="committed", average=delta / 2, group_size=2, contributors=2, bytes_sent=10)
+
+
+def test_a_shard_averages_behind_compute_and_its_outcome_is_made_node_wide_on_the_loops_thread():
+    """Collectives among local ranks in the background thread would interleave with FSDP's on the
+    loop's thread: the shard's average runs there, the node-wide part only when the loop takes it."""
+    from diloco_p2p.swarm.shards import ShardSync
+
+    sync = ShardSync.__new__(ShardSync)  # its swarm endpoint and ranks replaced by the two above
+    sync.world_size, sync.inner, sync.ranks = 2, _ShardSwarm(), _Ranks()
+    pipe = Pipeline("eager", 4, OUTER, 2)
+    pipe.begin(sync, 1, torch.ones(4), 8.0, "shard-hash")
+    assert isinstance(pipe.inflight, Background) and not pipe.inflight_done()  # averaging behind compute
+    sync.inner.go.set()
+    assert pipe.inflight_done(wait=True) and sync.ranks.on_main == []  # the shard's part: no collective
+    flight = pipe.take()
+    assert sync.ranks.on_main == [True, True]  # the node-wide part, on the loop's thread
+    outcome = flight.result()
+    assert (outcome.shards, outcome.shards_committed, outcome.bytes_sent) == (2, 2, 20)
+    assert torch.equal(outcome.average, torch.full((4,), 0.5)) and sync.inner.hashes == ["shard-hash"]
+    assert flight.node_result() is outcome and sync.ranks.on_main == [True, True]  # once
