@@ -208,6 +208,11 @@ class SyncConfig(_Section):
         None, description="Keep what the lossy wire did not send (int8, int4, topk2) and add it to the next "
         "round's pseudo-gradient (checkpointed); unset = on for topk2 only."
     )
+    feedback_decay: float = Field(
+        1.0, ge=0, le=1, description="β of the error feedback: a node offers Δ + β·e (SparseLoCo's decaying "
+        "buffer, meant with outer.momentum 0); 1 = everything unsent is owed in full. Only what a node offers "
+        "changes, so nodes of a run may differ."
+    )
     min_group_size: int = Field(2, ge=1, description="Fewest peers that make a group; fewer = the round ends alone.")
     target_group_size: int = Field(
         16, ge=1,

@@ -11,15 +11,22 @@ chunk by chunk from each part's start (a block never straddles a part boundary, 
 on the group size k, which the round's outcome reports); for ``topk2`` the whole vector,
 chunked (`codecs.encode_chunks`). fp32 and fp16 have nothing worth feeding back.
 
+With ``sync.feedback_decay`` β < 1 the buffer decays before it is offered: the node offers
+Δ + β·e and keeps Δ + β·e − C(Δ + β·e), SparseLoCo's e ← β·e + Δ, send C(e), e ← e − C(e)
+(Sarfi et al. 2025, arXiv:2508.15706; β = 0.95 there). SparseLoCo runs it *instead of* outer
+momentum (outer momentum 0, outer lr about 1): the buffer then holds, decayed, the directions
+a node has not sent yet, as a momentum buffer holds, decayed, the ones already applied.
+β = 1 is the plain rule above, bit for bit.
+
 Bit-identical θ is untouched: e only changes what this node *offers*; θ moves by the agreed
 average, which every member computes from the same bytes.
 
 After a round: committed, e as above (even if a reducer dropped a part or our contribution:
 a simplification, the error of a dropped contribution is then lost, as without feedback);
 alone or failed with our own Δ + e applied whole (``alone_policy: apply``), e = 0; with nothing
-applied, e keeps its value. Under ``sync.overlap`` the offer of round t is settled when its
-average arrives, before round t+1's offer: e lives in the offer in between, so it is never
-offered twice. In a grid all-reduce (`swarm.hierarchy`) a member's parts are those of its row,
+applied, e keeps its value (undecayed: for e that round did not happen). Under ``sync.overlap``
+the offer of round t is settled when its average arrives, before round t+1's offer: e lives in
+the offer in between, so it is never offered twice. In a grid all-reduce (`swarm.hierarchy`) a member's parts are those of its row,
 not of the whole membership, so for int8/int4 the residual is computed with slightly different
 block boundaries than were sent (topk2 always runs as one all-gather: exact). e is per process: on N local ranks each rank keeps its shard's e,
 which checkpoints store in the 1-rank layout like the outer momentum. A node that adopts the
@@ -56,6 +63,7 @@ class ErrorFeedback:
 
     def __init__(self, numel: int, cfg: SyncConfig, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS):
         self.compression, self.density, self.chunk = cfg.compression, cfg.topk_density, chunk
+        self.decay = cfg.feedback_decay
         on = cfg.compression in wire.SPARSE if cfg.error_feedback is None else cfg.error_feedback
         self.error: torch.Tensor | None = torch.zeros(numel) if on and cfg.compression in LOSSY else None
         self._owed: torch.Tensor | None = None  # the e inside the offer not settled yet
@@ -65,11 +73,12 @@ class ErrorFeedback:
         return self.error is not None
 
     def offer(self, delta: torch.Tensor) -> torch.Tensor:
-        """Δ + e: what this node hands to the all-reduce. e moves into the offer until `settle`
+        """Δ + β·e: what this node hands to the all-reduce. e moves into the offer until `settle`
         (under ``sync.overlap`` the next round's Δ is taken before this one's average is known)."""
         if self.error is None:
             return delta
-        offered, self._owed = delta + self.error, self.error
+        decayed = self.error if self.decay == 1.0 else self.error * self.decay
+        offered, self._owed = delta + decayed, self.error
         self.error = torch.zeros_like(offered)
         return offered
 

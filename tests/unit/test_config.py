@@ -111,7 +111,13 @@ def test_compression_options_are_checked_and_topk_density_joins_the_swarm_view_u
     assert "sync.topk_density" not in dense.swarm_view()  # no other wire reads it; older hashes unchanged
     assert dense.swarm_hash() == load_config(None, ["sync.compression=int4"]).swarm_hash()
     assert load_config(None, []).sync.error_feedback is None  # unset: on for topk2 only (`feedback`)
-    for bad in ("sync.topk_density=0", "sync.topk_density=1.5", "sync.compression=int2"):
+    assert load_config(None, []).sync.feedback_decay == 1.0  # the plain rule
+    decayed = load_config(None, ["sync.compression=topk2", "sync.feedback_decay=0.95"])
+    assert decayed.sync.feedback_decay == 0.95
+    # only what a node offers changes (`feedback`): members may differ, the swarm hash does not
+    assert decayed.swarm_hash() == load_config(None, ["sync.compression=topk2"]).swarm_hash()
+    for bad in ("sync.topk_density=0", "sync.topk_density=1.5", "sync.compression=int2", "sync.feedback_decay=1.5",
+                "sync.feedback_decay=-0.1"):
         with pytest.raises(UserError):
             load_config(None, [bad])
     with pytest.raises(UserError, match="aggregation=mean"):

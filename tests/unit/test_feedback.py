@@ -11,6 +11,7 @@ from diloco_p2p.config import SyncConfig, load_config
 from diloco_p2p.contract import RoundOutcome, SwarmState
 from diloco_p2p.feedback import ErrorFeedback, sent_values
 from diloco_p2p.node import Node
+from diloco_p2p.simulate import simulate
 from diloco_p2p.swarm import codecs, wire
 from tests.unit.test_node import SMALL, ScriptedSync
 
@@ -66,6 +67,43 @@ def test_error_is_what_was_not_sent_and_everything_is_sent_eventually():
     assert torch.allclose(total_sent + fb.error.double(), total_delta, atol=1e-4)
     # the residual stays bounded (it does not grow like Σ Δ, about sqrt(30)·|Δ| here)
     assert fb.error.abs().max() < 0.5 * total_delta.abs().max() + 30
+
+
+def test_decay_offers_delta_plus_beta_error_as_computed_by_hand():
+    """SparseLoCo's rule e ← βe + Δ, send C(e), e ← e − C(e) on 4 values at density 1/4: C keeps
+    the largest magnitude exactly (lo = hi), so every step is exact arithmetic."""
+    d1, d2 = torch.tensor([1.0, -3.0, 0.5, 2.0]), torch.tensor([0.25, 1.0, -1.5, 0.0])
+    for beta, offer2, e2 in ((0.5, [0.75, 1.0, -1.25, 1.0], [0.75, 1.0, 0.0, 1.0]),
+                             (1.0, [1.25, 1.0, -1.0, 2.0], [1.25, 1.0, -1.0, 0.0])):  # 1.0: the plain rule
+        fb = ErrorFeedback(4, SyncConfig(compression="topk2", topk_density=0.25, feedback_decay=beta))
+        fb.settle(fb.offer(d1), committed(2))
+        assert fb.error.tolist() == [1.0, 0.0, 0.5, 2.0]  # -3 was sent
+        offered = fb.offer(d2)
+        assert offered.tolist() == offer2
+        fb.settle(offered, committed(2))
+        assert fb.error.tolist() == e2
+        fb.settle(fb.offer(torch.zeros(4)), RoundOutcome(status="failed", average=None, group_size=2))
+        assert fb.error.tolist() == e2  # nothing applied: the old e is owed, not a decayed one
+
+
+def test_decay_one_is_the_plain_rule_bit_for_bit():
+    plain, one = (ErrorFeedback(5000, SyncConfig(compression="topk2", topk_density=0.05, **kw), chunk=2048)
+                  for kw in ({}, {"feedback_decay": 1.0}))
+    for t in range(3):
+        delta, owed = vector(5000, 40 + t), plain.error.clone()
+        offered = plain.offer(delta)
+        assert torch.equal(offered, delta + owed) and torch.equal(one.offer(delta), offered)
+        plain.settle(offered, committed())
+        one.settle(offered, committed())
+        assert torch.equal(plain.error, one.error)
+
+
+def test_replicas_with_decaying_feedback_agree_on_theta_every_round(tmp_path):
+    config = load_config(None, [*SMALL, "train.max_rounds=3", "sync.compression=topk2", "sync.topk_density=0.05",
+                                "sync.feedback_decay=0.9", "outer.momentum=0", "outer.lr=1.0"])
+    records = simulate(config, tmp_path, ["a", "b"])
+    hashes = [[r.params_sha256 for r in records[k]] for k in ("a", "b")]
+    assert hashes[0] == hashes[1] and len(set(hashes[0])) == 4  # round 0 and 3 rounds that each moved θ
 
 
 def test_alone_applied_clears_the_error_and_nothing_applied_keeps_it():

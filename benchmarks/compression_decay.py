@@ -1,0 +1,94 @@
+"""topk2 with SparseLoCo's decaying error feedback (``sync.feedback_decay``) against the fp32 wire,
+over a small grid of outer settings, at equal tokens.
+
+Every run is one `benchmarks/compression.py` run (`diloco-p2p simulate`, M replicas in one
+process, the swarm's arithmetic) on `configs/tiny-cpu.yaml` with the same rounds x H and
+held-out eval set. A setting is WIRE:DECAY:OUTER_LR:MOMENTUM: ``fp32:-:0.7:0.3`` is the dense
+reference, ``topk2:0.95:1.0:0`` topk2 + error feedback with β = 0.95, outer lr 1.0 and no outer
+momentum (SparseLoCo, Sarfi et al. 2025: the decaying buffer stands in for outer momentum).
+Each topk2 run is compared with the fp32 run of the same outer setting (when in the grid) and
+with the best fp32 run of the grid. Runs are kept in --json and skipped when present (--resume),
+so a grid can be grown run by run; --report only prints the table from --json.
+
+    python benchmarks/compression_decay.py [--rounds 40] [--inner-steps 5] [--density 0.015]
+        [--settings fp32:-:0.7:0.3 topk2:0.95:1.0:0 ...] [--resume] [--report] [--txt PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from compression import payload_bytes, run
+
+DEFAULT = ["fp32:-:0.7:0.3", "fp32:-:0.7:0", "fp32:-:1.0:0", "fp32:-:1.0:0.3",
+           *[f"topk2:{b}:{lr}:{m}" for b in ("0.95", "0.9") for lr in ("1.0", "0.7") for m in ("0", "0.3")]]
+
+
+def overrides(setting: str) -> list[str]:
+    wire, decay, lr, mom = setting.split(":")
+    sets = [f"sync.compression={wire}", f"outer.lr={lr}", f"outer.momentum={mom}"]
+    return sets + (["sync.error_feedback=true", f"sync.feedback_decay={decay}"] if wire == "topk2" else [])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--inner-steps", type=int, default=5)
+    p.add_argument("--density", type=float, default=0.015)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--settings", nargs="+", default=DEFAULT, help="WIRE:DECAY:OUTER_LR:MOMENTUM, run in this order")
+    p.add_argument("--resume", action="store_true", help="keep the runs already in --json, run the missing ones")
+    p.add_argument("--report", action="store_true", help="only print the table from --json")
+    p.add_argument("--json", type=Path, default=Path("benchmarks/results/compression_topk_decay.json"))
+    p.add_argument("--txt", type=Path, help="also write the table here")
+    args = p.parse_args()
+    state = json.loads(args.json.read_text()) if (args.resume or args.report) and args.json.exists() else {}
+    results: dict = state.get("results", {})
+    common = [f"train.max_rounds={args.rounds}", f"outer.inner_steps={args.inner_steps}", "train.num_threads=1",
+              f"train.eval_every={args.eval_every}", f"train.checkpoint_every={args.rounds}",
+              f"sync.topk_density={args.density}"]
+    for setting in [] if args.report else args.settings:
+        name = f"{setting}@{args.rounds}x{args.inner_steps}"
+        if name in results:
+            continue
+        with tempfile.TemporaryDirectory(prefix="diloco-decay-") as tmp:
+            results[name] = run(name.replace(":", "_"), Path(tmp), args.replicas, [*common, *overrides(setting)])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"replicas": args.replicas, "density": args.density, "results": results},
+                                        indent=1))
+        print(f"{name}: eval {results[name]['final']:.4f} ({results[name]['seconds']:.0f} s)", flush=True)
+    table = report(results, args.replicas, args.density)
+    print(table)
+    if args.txt:
+        args.txt.write_text(table + "\n")
+
+
+def report(results: dict, replicas: int, density: float) -> str:
+    from compression import parameters
+
+    n = parameters()
+    fewer = payload_bytes(n, "fp16", replicas, density) / payload_bytes(n, "topk2", replicas, density)
+    lines = [f"{'setting (wire:β:lr:momentum@rounds x H)':<34} {'eval':>7} {'fp32 same':>9} {'vs same':>8} "
+             f"{'fp32 best':>9} {'vs best':>8} {'same θ':>6}"]
+    for name, r in results.items():
+        setting, schedule = name.split("@")
+        wire, _, lr, mom = setting.split(":")
+        fp32 = {k: v for k, v in results.items() if k.startswith("fp32:") and k.endswith("@" + schedule)}
+        same = fp32.get(f"fp32:-:{lr}:{mom}@{schedule}")
+        top = min(fp32.values(), key=lambda v: v["final"]) if fp32 else None
+        cols = [f"{same['final']:>9.4f}" if same else f"{'-':>9}",
+                f"{r['final'] / same['final'] - 1:>+8.2%}" if same and wire != "fp32" else f"{'-':>8}",
+                f"{top['final']:>9.4f}" if top else f"{'-':>9}",
+                f"{r['final'] / top['final'] - 1:>+8.2%}" if top else f"{'-':>8}"]
+        lines.append(f"{name:<34} {r['final']:>7.4f} {' '.join(cols)} {'yes' if r['identical'] else 'NO':>6}")
+    lines.append(f"topk2 payload: {payload_bytes(n, 'topk2', replicas, density):,.0f} bytes/round/node at M={replicas}, "
+                 f"density {density}: {fewer:.1f}x fewer than fp16")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
