@@ -74,7 +74,9 @@ def report(results: dict, replicas: int, density: float) -> str:
     fewer = payload_bytes(n, "fp16", replicas, density) / payload_bytes(n, "topk2", replicas, density)
     lines = [f"{'setting (wire:β:lr:momentum@rounds x H)':<34} {'eval':>7} {'fp32 same':>9} {'vs same':>8} "
              f"{'fp32 best':>9} {'vs best':>8} {'same θ':>6}"]
-    for name, r in results.items():
+    order = sorted(results, key=lambda k: (int(k.split("@")[1].split("x")[0]), not k.startswith("fp32:"), k))
+    for name in order:
+        r = results[name]
         setting, schedule = name.split("@")
         wire, _, lr, mom = setting.split(":")
         fp32 = {k: v for k, v in results.items() if k.startswith("fp32:") and k.endswith("@" + schedule)}
