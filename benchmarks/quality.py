@@ -172,11 +172,13 @@ def seed_gaps(results: dict) -> None:
         return
     print(f"gap over AdamW (its best lr at that seed) per seed {[0, *seeds]}:")
     for n, runs in rows.items():
-        gaps = []
+        gaps, text = [], []
         for s, r in zip([0, *seeds], runs, strict=True):
             dp = best(results, f"adamw-M{results[n]['M']}-", s)
-            gaps.append(f"{r['final'] / dp['final'] - 1:+.1%} (AdamW lr {dp['lr']:.3g})" if r and dp else "-")
-        print(f"  {n:<34} " + "  ".join(gaps))
+            if r and dp:
+                gaps.append(r["final"] / dp["final"] - 1)
+            text.append(f"{gaps[-1]:+.1%} (AdamW lr {dp['lr']:.3g})" if r and dp else "-")
+        print(f"  {n:<34} " + "  ".join(text) + f"  mean {sum(gaps) / len(gaps):+.1%} of {len(gaps)}")
 
 
 def plot(lone: dict, best_runs: dict, png: Path) -> None:
