@@ -54,7 +54,8 @@ def quality(args: argparse.Namespace, earlier: dict | None = None) -> dict:
         for variant in args.variants:  # MODE:OUTER_LR:MOMENTUM, e.g. the paper's lowered lr for delayed
             mode, lr, mom = variant.split(":")
             jobs[variant] = [f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}"]
-        futures = {name: pool.submit(simulate_run, name.replace(":", "_"), Path(tmp), args.replicas,
+        keys = [f"replica-{i}" for i in range(args.replicas)]  # quality.run takes the order keys
+        futures = {name: pool.submit(simulate_run, name.replace(":", "_"), Path(tmp), keys,
                                      [*common, *sets]) for name, sets in jobs.items()}
         runs = {mode: f.result() for mode, f in futures.items()}
     runs = {**(earlier or {}).get("runs", {}), **runs}

@@ -1,0 +1,78 @@
+"""``sync.overlap`` against blocking at equal tokens over outer settings and round lengths: does
+another outer lr / momentum or another H bring eager within 1% of blocking?
+
+Every run is one `benchmarks/compression.py` run (`diloco-p2p simulate`, M replicas in one
+process, the swarm's arithmetic, fp32 wire) on `configs/tiny-cpu.yaml`. A setting is
+MODE:OUTER_LR:MOMENTUM:ROUNDSxH, e.g. ``eager:0.7:0.3:40x5``; each overlapped run is compared
+with blocking (``none``) at the same outer setting and schedule (when in the grid) and with the
+best blocking run at the same total inner steps. Runs are kept in --json and skipped when
+present (--resume); --report only prints the table.
+
+    python benchmarks/overlap_sweep.py [--settings none:0.7:0.3:40x5 eager:0.7:0.3:40x5 ...]
+                                       [--resume] [--report] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from compression import run
+
+DEFAULT = [f"{mode}:0.7:0.3:{s}" for s in ("80x5", "40x10", "16x25", "8x50") for mode in ("none", "eager")]
+
+
+def overrides(setting: str) -> list[str]:
+    mode, lr, mom, schedule = setting.split(":")
+    rounds, h = schedule.split("x")
+    return [f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}", f"train.max_rounds={rounds}",
+            f"outer.inner_steps={h}", f"train.eval_every={max(1, int(rounds) // 4)}",
+            f"train.checkpoint_every={rounds}", "train.num_threads=1", "sync.compression=fp32"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--settings", nargs="+", default=DEFAULT, help="MODE:OUTER_LR:MOMENTUM:ROUNDSxH, in this order")
+    p.add_argument("--resume", action="store_true", help="keep the runs already in --json, run the missing ones")
+    p.add_argument("--report", action="store_true", help="only print the table from --json")
+    p.add_argument("--json", type=Path, default=Path("benchmarks/results/overlap_sweep.json"))
+    args = p.parse_args()
+    state = json.loads(args.json.read_text()) if (args.resume or args.report) and args.json.exists() else {}
+    results: dict = state.get("results", {})
+    for setting in [] if args.report else args.settings:
+        if setting in results:
+            continue
+        with tempfile.TemporaryDirectory(prefix="diloco-overlap-sweep-") as tmp:
+            results[setting] = run(setting.replace(":", "_"), Path(tmp), args.replicas, overrides(setting))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"replicas": args.replicas, "results": results}, indent=1))
+        print(f"{setting}: eval {results[setting]['final']:.4f} ({results[setting]['seconds']:.0f} s)", flush=True)
+    print(report(results))
+
+
+def steps(setting: str) -> int:
+    rounds, h = setting.split(":")[3].split("x")
+    return int(rounds) * int(h)
+
+
+def report(results: dict) -> str:
+    lines = [f"{'setting (mode:lr:momentum:rounds x H)':<30} {'eval':>7} {'blocking same':>13} {'vs same':>8} "
+             f"{'blocking best':>13} {'vs best':>8} {'same θ':>6}"]
+    for name in sorted(results, key=lambda k: (steps(k), -int(k.split(":")[3].split("x")[1]), k.split(":")[0] != "none", k)):
+        r, (mode, lr, mom, schedule) = results[name], name.split(":")
+        same = results.get(f"none:{lr}:{mom}:{schedule}")
+        blocking = [v for k, v in results.items() if k.startswith("none:") and steps(k) == steps(name)]
+        top = min(blocking, key=lambda v: v["final"]) if blocking else None
+        cols = [f"{same['final']:>13.4f}" if same else f"{'-':>13}",
+                f"{r['final'] / same['final'] - 1:>+8.2%}" if same and mode != "none" else f"{'-':>8}",
+                f"{top['final']:>13.4f}" if top else f"{'-':>13}",
+                f"{r['final'] / top['final'] - 1:>+8.2%}" if top else f"{'-':>8}"]
+        lines.append(f"{name:<30} {r['final']:>7.4f} {' '.join(cols)} {'yes' if r['identical'] else 'NO':>6}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
