@@ -159,7 +159,7 @@ def test_sparse_and_4bit_sizes_are_the_codecs(numel):
 def test_the_tail_is_the_slowest_of_k_minus_1_flows_and_shrinks_on_faster_links():
     """`flow_tail`: the reducer whose part arrives last gathers alone; its lateness is the slowest of
     its k-1 flows (H(k-1) x a share of the wire time) and relatively longer on slower links (as
-    1/rate); seconds are the sum of the constants times `time_terms`."""
+    1/rate, held below the slowest calibrated rate); seconds are the sum of the constants times `time_terms`."""
     cal = plan.Calibration()
 
     def seconds(k, rate, c=cal):
@@ -173,13 +173,14 @@ def test_the_tail_is_the_slowest_of_k_minus_1_flows_and_shrinks_on_faster_links(
 
     no_tail = replace(cal, flow_tail=0.0)
     tail = {(k, r): (seconds(k, r)[0] - seconds(k, r, no_tail)[0]) / seconds(k, r)[1]
-            for k in (2, 4, 8, 16) for r in (20, 100, 10_000)}  # the tail over the wire time
+            for k in (2, 4, 8, 16) for r in (5, 10, 20, 100, 10_000)}  # the tail over the wire time
     for rate in (20, 100):
         assert tail[2, rate] < tail[4, rate] < tail[8, rate] < tail[16, rate]
         assert tail[8, rate] == pytest.approx(cal.flow_tail * (1 + 1 / 2 + 1 / 3 + 1 / 4 + 1 / 5 + 1 / 6 + 1 / 7)
                                               * 100 / rate)
         assert tail[16, rate] / tail[8, rate] < 16 / 8  # the maximum of k-1 grows as log k
     assert tail[8, 20] == pytest.approx(5 * tail[8, 100])
+    assert tail[8, 5] == pytest.approx(tail[8, 20]) and tail[8, 10] == pytest.approx(tail[8, 20])  # held below 20
     assert tail[8, 10_000] < 0.01
     assert [seconds(k, 20)[0] for k in (2, 4, 8)] == sorted(seconds(k, 20)[0] for k in (2, 4, 8))
     assert plan.harmonic(0) == 0 and plan.harmonic(3) == pytest.approx(11 / 6)
