@@ -8,10 +8,9 @@ and of a few constants measured on real swarms (`Calibration`, fitted and checke
 `benchmarks/plan_check.py` on namespaces with tbf-shaped links). They were fitted on a quiet
 two-core machine (load average 0.2-3: what CI and a dedicated box look like) on unshaped, 20 and
 50 Mbit/s links and checked on held-out 10, 35 and 100 Mbit/s all-reduces and training rounds
-(22 of 26 within 15%); rows, held-out
-errors (also leave-one-rate-out and leave-one-k-out) and the same constants against a busy
-machine's rows are in benchmarks/results/plan_check_quiet.{json,txt}, plan_holdout.txt and
-plan_check.{json,txt}.
+(22 of 26 within 15%); rows, held-out errors (also leave-one-rate-out and leave-one-k-out) and the
+same constants against a busy machine's rows are in benchmarks/results/plan_check_quiet.{json,txt},
+plan_holdout.txt and plan_check.{json,txt}.
 
 Bytes. For the butterfly (the protocol of `diloco_p2p.swarm.allreduce`, after Patarasuk & Yuan
 2009's bandwidth-optimal all-reduce: reduce-scatter, then all-gather) the count is exact, frame
@@ -48,8 +47,8 @@ the lateness measured here also grew as the link got slower (relative to the wir
 calibration's slowest rate, 20 Mbit/s, and holds there below it (`TAIL_FLOOR_MBIT`: 10 Mbit/s
 all-reduces measured later were as late relative to their wire time as 20 Mbit/s ones; carrying
 1/rate on over-predicted them by up to 17.5%). 100 Mbit/s is only the unit; the checks span k =
-2..8 and 10..100 Mbit/s, so more members extrapolate it. `setup` and `messages · o` are the collective's fixed cost and stream setup
-through the p2p daemon (about 20 ms a stream here: per peer, a member opens three), CPU work that
+2..8 and 10..100 Mbit/s, so more members extrapolate it. `setup` and `messages · o` are the
+collective's fixed cost and stream setup through the p2p daemon (about 20 ms a stream here: per peer, a member opens three), CPU work that
 takes o times longer when other work shares the cores (1 on a dedicated box; on the checks' shared
 two cores, 1 + 0.25 x the load average beyond the swarm's own k nodes, `plan_check.LOAD_SHARE`:
 the k nodes mostly wait for each other, and their setup grew as k, not k², on the quiet machine);

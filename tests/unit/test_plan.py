@@ -159,7 +159,8 @@ def test_sparse_and_4bit_sizes_are_the_codecs(numel):
 def test_the_tail_is_the_slowest_of_k_minus_1_flows_and_shrinks_on_faster_links():
     """`flow_tail`: the reducer whose part arrives last gathers alone; its lateness is the slowest of
     its k-1 flows (H(k-1) x a share of the wire time) and relatively longer on slower links (as
-    1/rate, held below the slowest calibrated rate); seconds are the sum of the constants times `time_terms`."""
+    1/rate, held below the slowest calibrated rate); seconds are the sum of the constants times
+    `time_terms`."""
     cal = plan.Calibration()
 
     def seconds(k, rate, c=cal):

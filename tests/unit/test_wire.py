@@ -51,6 +51,29 @@ def test_int8_error_is_bounded_by_each_blocks_absmax():
     assert (y[wire.INT8_BLOCK :] - x[wire.INT8_BLOCK :]).abs().max() < 1e4 / 254 / 10
 
 
+@pytest.mark.parametrize("numel", [2 * 1024, 2 * 1024 - 1, 1])
+def test_int8_bytes_are_the_blockwise_absmax_code_computed_independently(numel):
+    """Whole blocks (quantized in place) and a ragged last block (padded) give the bytes a plain
+    numpy blockwise absmax quantizer gives: float32 scale = absmax / 127, codes = round-half-even."""
+    import numpy as np
+
+    x = vector(numel, seed=3)
+    before = x.clone()
+    data = wire.encode(x, "int8")
+    assert torch.equal(x, before)  # the encoder leaves its input alone
+    v, b = x.numpy(), wire.INT8_BLOCK
+    scales, codes = [], []
+    for start in range(0, numel, b):
+        block = v[start : start + b]
+        scale = np.float32(np.abs(block).max()) / np.float32(127)
+        codes.append(np.clip(np.rint(block / (scale if scale > 0 else np.float32(1))), -127, 127).astype(np.int8))
+        scales.append(scale)
+    assert data == np.array(scales, dtype="<f4").tobytes() + np.concatenate(codes).tobytes()
+    decoded = wire.decode(data, numel, "int8")
+    expected = np.concatenate([c.astype(np.float32) * s for c, s in zip(codes, scales, strict=True)])
+    assert decoded.numpy().tobytes() == expected.astype(np.float32).tobytes()
+
+
 def test_int8_keeps_zero_blocks_exact():
     x = torch.zeros(3000)
     x[2500] = 1.0
