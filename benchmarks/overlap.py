@@ -3,7 +3,9 @@ of communication a round still exposes on a shaped link.
 
 `quality`: M replicas in one process (`diloco-p2p simulate`, the swarm's arithmetic, exact) on
 `configs/tiny-cpu.yaml`, the same rounds x H inner steps and held-out eval set, with
-``sync.overlap`` none (blocking), delayed (Eager Updates Algorithm 2) and eager (Algorithm 3).
+``sync.overlap`` none (blocking), delayed (Eager Updates Algorithm 2), eager (Algorithm 3) and
+inner (Streaming DiLoCo's inner-step overlap; `--set sync.overlap_steps=TAU` fixes its τ here, where
+the replicas take turns and "as soon as known" has no meaning).
 Prints the final eval loss of each and its difference to blocking (goal: eager within 1%).
 
 `link`: k real nodes on hosts of a test network (`tests/netns.py`: namespaces on a bridge, every
@@ -94,6 +96,8 @@ def steady(per_node: list[list[dict]], mode: str, rounds: int, k: int) -> dict:
     med["exposed_share"] = statistics.median(r["exposed_seconds"] / r["seconds"] for r in keep)
     med["allreduce_share"] = statistics.median(r["allreduce_seconds"] / r["seconds"] for r in keep)
     med["rounds"] = len(keep) // k
+    if mode == "inner":  # τ: the inner step after which the average landed
+        med["landed_step"] = statistics.median(r["landed_step"] for r in keep)
     hashes = [{recs_r["round"]: recs_r["params_sha256"] for recs_r in recs} for recs in per_node]
     med["theta_agrees"] = all(h == hashes[0] for h in hashes[1:])
     return med
@@ -125,7 +129,8 @@ def link(args: argparse.Namespace) -> dict:
             out["modes"][mode] = m
             print(f"{mode:>8} {m['seconds']:>8.2f} {m['compute_seconds']:>9.2f} {m['allreduce_seconds']:>12.2f} "
                   f"{m['exposed_seconds']:>9.2f} {m['exposed_share']:>9.1%} {m['allreduce_share']:>12.1%} "
-                  f"{m['theta_agrees']!s:>8}", flush=True)
+                  f"{m['theta_agrees']!s:>8}" + (f"  landed after {m['landed_step']:g} of {args.inner_steps} steps"
+                                                  if "landed_step" in m else ""), flush=True)
     return out
 
 
@@ -170,7 +175,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=2, help="link: nodes in the group")
     p.add_argument("--rate", type=float, default=None, help="link: Mbit/s (default: calibrated for --share)")
     p.add_argument("--share", type=float, default=0.3, help="link: the blocking all-reduce's share of a round")
-    p.add_argument("--modes", default="none,delayed,eager", help="the overlap modes to run (quality keeps the "
+    p.add_argument("--modes", default="none,delayed,eager,inner", help="the overlap modes to run (quality keeps the "
                    "runs of other modes already in the results for the same M, rounds and H)")
     p.add_argument("--variants", nargs="*", default=[], metavar="MODE:LR:MOMENTUM",
                    help="quality: extra runs with another outer lr and momentum, e.g. eager:1.0:0.5")

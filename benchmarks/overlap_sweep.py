@@ -1,9 +1,11 @@
 """``sync.overlap`` against blocking at equal tokens over outer settings and round lengths: does
-another outer lr / momentum or another H bring eager within 1% of blocking?
+another outer lr / momentum or another H bring eager (or inner, with its τ and α) within 1% of blocking?
 
 Every run is one `benchmarks/compression.py` run (`diloco-p2p simulate`, M replicas in one
 process, the swarm's arithmetic, fp32 wire) on `configs/tiny-cpu.yaml`. A setting is
-MODE:OUTER_LR:MOMENTUM:ROUNDSxH, e.g. ``eager:0.7:0.3:40x5``; each overlapped run is compared
+MODE:OUTER_LR:MOMENTUM:ROUNDSxH, e.g. ``eager:0.7:0.3:40x5``, with MODE ``inner-TAU-ALPHA`` for
+``sync.overlap=inner`` with ``sync.overlap_steps=TAU`` and ``sync.overlap_mix=ALPHA`` (e.g.
+``inner-5-0.75:0.7:0.3:40x10``); each overlapped run is compared
 with blocking (``none``) at the same outer setting and schedule (when in the grid) and with the
 best blocking run at the same total inner steps. Runs are kept in --json and skipped when
 present (--resume); --report only prints the table.
@@ -27,7 +29,9 @@ DEFAULT = [f"{mode}:0.7:0.3:{s}" for s in ("80x5", "40x10", "16x25", "8x50") for
 def overrides(setting: str) -> list[str]:
     mode, lr, mom, schedule = setting.split(":")
     rounds, h = schedule.split("x")
-    return [f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}", f"train.max_rounds={rounds}",
+    mode, *inner = mode.split("-")  # inner-TAU-ALPHA: sync.overlap_steps and sync.overlap_mix
+    extra = [f"sync.overlap_steps={inner[0]}", f"sync.overlap_mix={inner[1]}"] if inner else []
+    return [*extra, f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}", f"train.max_rounds={rounds}",
             f"outer.inner_steps={h}", f"train.eval_every={max(1, int(rounds) // 4)}",
             f"train.checkpoint_every={rounds}", "train.num_threads=1", "sync.compression=fp32"]
 

@@ -14,8 +14,9 @@ train a few rounds in one group of k. Printed per configuration, medians over th
 - the whole round's seconds (H inner steps, matchmaking, all-reduce, eval), the seconds the
   loop stood still for the swarm (`exposed_seconds`: matchmaking + all-reduce) and compute
   utilization (inner-step seconds / round seconds), as the round records carry them;
-- with ``--overlaps none,eager`` (``sync.overlap``) the same with the all-reduce in the background
-  of the next round's inner steps: exposed seconds then hold only what compute could not hide.
+- with ``--overlaps none,eager,inner`` (``sync.overlap``) the same with the all-reduce in the background
+  of the next round's inner steps (inner: its first τ): exposed seconds then hold only what compute
+  could not hide.
 
 The all-reduce alone (no training, all members starting together) is `benchmarks/allreduce_wan.py`.
 
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--rates", default="20,100", help="link rates in Mbit/s, comma-separated")
     parser.add_argument("--ks", default="3", help="group sizes, comma-separated")
     parser.add_argument("--compressions", default="fp16,int8", help="of fp32, fp16, int8, int4, topk2")
-    parser.add_argument("--overlaps", default="none", help="sync.overlap values: none, delayed, eager")
+    parser.add_argument("--overlaps", default="none", help="sync.overlap values: none, delayed, eager, inner")
     parser.add_argument("--size", default="tiny", help="tiny or HIDDENxLAYERS")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--set", dest="overrides", action="append", default=[])

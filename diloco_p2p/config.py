@@ -262,12 +262,24 @@ class SyncConfig(_Section):
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="Who may take part in the run (open or closed)."
     )
-    overlap: Literal["none", "delayed", "eager"] = Field(
+    overlap: Literal["none", "delayed", "eager", "inner"] = Field(
         "none",
         description="Hide the all-reduce behind compute: `none` blocks on it each round; `delayed` and `eager` "
         "average round t's pseudo-gradient during round t+1's inner steps and apply it at the end of round t+1, "
-        "`eager` with the local correction of the Eager Updates paper (arXiv:2502.12996). Every node of a run "
-        "must use the same.",
+        "`eager` with the local correction of the Eager Updates paper (arXiv:2502.12996); `inner` applies it "
+        "after the first `sync.overlap_steps` inner steps of round t+1 and merges it into the weights being "
+        "trained (Streaming DiLoCo's inner-step overlap). Every node of a run must use the same.",
+    )
+    overlap_steps: int = Field(
+        0, ge=0,
+        description="Under sync.overlap=inner: τ, the inner steps of round t+1 that round t's all-reduce runs "
+        "behind (τ · step time >= the all-reduce's time hides it: `diloco-p2p plan`); 0 = as soon as the "
+        "average is known, at the latest after H-1 steps. May differ between nodes.",
+    )
+    overlap_mix: float = Field(
+        0.75, ge=0.0, le=1.0,
+        description="Under sync.overlap=inner: α, the share of the weights trained meanwhile kept when round t's "
+        "outer step lands (θ_local <- α·θ_local + (1-α)·θ; 0 drops the τ steps). May differ between nodes.",
     )
 
     @model_validator(mode="after")
@@ -356,6 +368,10 @@ class Config(_Section):
             raise ValueError("sync.overlap needs outer.delayed_nesterov unset (the overlapped step is plain Nesterov)")
         if self.sync.overlap != "none" and self.outer.dynamic_local_updates:
             raise ValueError("sync.overlap and outer.dynamic_local_updates cannot be combined")
+        if self.sync.overlap == "inner" and max(self.sync.overlap_steps, 1) >= self.outer.inner_steps:
+            raise ValueError(f"sync.overlap=inner needs sync.overlap_steps ({self.sync.overlap_steps}) below "
+                             f"outer.inner_steps ({self.outer.inner_steps}) and H >= 2: the average lands inside "
+                             "the next round")
         return self
 
     def swarm_view(self) -> dict[str, Any]:

@@ -152,6 +152,7 @@ class RoundRecord:
     overlap: str | None = None
     applied_round: int | None = None
     phases: dict[str, float] | None = None
+    landed_step: int | None = None  # overlap=inner: the inner step after which that average landed (τ)
 
     @classmethod
     def of(cls, outcome: RoundOutcome, **node: Any) -> RoundRecord:

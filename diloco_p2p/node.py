@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,12 +48,22 @@ from diloco_p2p.inner import InnerTrainer, StepStats
 from diloco_p2p.logs import log_context, set_log_context
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
 from diloco_p2p.outer import OuterOptimizer, dylu_steps
-from diloco_p2p.overlap import Pipeline
+from diloco_p2p.overlap import InFlight, Pipeline
 from diloco_p2p.ranks import Ranks, resolve_device
 from diloco_p2p.rundir import node_key, prepare_run_dir
 from diloco_p2p.threads import ThreadBudget
 
 log = logging.getLogger("diloco_p2p.node")
+
+
+class Landing(NamedTuple):
+    """sync.overlap=inner: round t's average, applied `step` inner steps into round t+1 after
+    `waited` seconds; θ and momentum from before it (restored if a stop drops the round)."""
+
+    flight: InFlight
+    saved: dict[str, torch.Tensor]
+    waited: float
+    step: int
 
 
 class Node:
@@ -80,6 +90,10 @@ class Node:
         self._node_hash: tuple[int, str] | None = None
         self._resumed_flight: tuple[int, torch.Tensor, float] | None = None  # a checkpoint's round in flight
         self._deferred: RoundRecord | None = None  # sync.overlap: a record served once its average is known
+        # sync.overlap=inner: the model's weights carry on into the next round (not reset to θ), and
+        # the previous round's average applied in this one (`Landing`).
+        self._carry = False
+        self._landed: Landing | None = None
         self._resume()
         if leader:
             save_config(config, run_dir / "config.yaml")
@@ -108,7 +122,7 @@ class Node:
         # sync.overlap: the average in flight behind the next round's compute (diloco_p2p.overlap)
         # (on N local ranks, one per rank on its shard, as the outer state)
         self.pipeline = None if cfg.sync.overlap == "none" else Pipeline(
-            cfg.sync.overlap, self.outer.numel, cfg.outer, cfg.sync.min_group_size)
+            cfg.sync.overlap, self.outer.numel, cfg.outer, cfg.sync.min_group_size, cfg.sync.overlap_steps)
         sharding = (f" sharded over {ranks.world_size} local ranks ({self.outer.numel:,} outer-state values on "
                     "this rank)" if ranks.sharded else "")
         log.info("model: %s parameters%s on %s; data: %s; run dir %s",
@@ -136,7 +150,8 @@ class Node:
             start, losses, round_tokens = time.perf_counter(), [], 0
             compute_start = time.time()
             offset = self.pipeline.local_offset() if self.pipeline else None
-            self.outer.copy_into(self.layout.local_views(), offset)  # every round starts from θ (+ eager c)
+            if not self._carry:  # every round starts from θ (+ eager c); under overlap=inner, where the last ended
+                self.outer.copy_into(self.layout.local_views(), offset)
 
             for _ in range(self._inner_steps()):  # H inner steps on our own data
                 if self._stopping():
@@ -148,20 +163,27 @@ class Node:
                 self._observe_step(stats, len(losses))
                 if self.pipeline and self._deferred and self.pipeline.inflight_done():
                     self._serve(self._deferred)  # now with the average in flight, which joiners need
+                if self._lands_now(len(losses)):
+                    self._land(len(losses))  # overlap=inner: the previous round's average, τ steps into this one
             if self._stopping():
+                self._unland()
                 break  # abandon the partial round: nothing of it reaches θ or the swarm
 
-            compute = time.perf_counter() - start
+            landed = self._landed
+            landed_wait = landed.waited if landed else 0.0
+            compute = time.perf_counter() - start - landed_wait
             delta = self.outer.pseudo_gradient(self.layout.local_views(), offset)  # Δ = θ (+ c) − θ_local
             phases = {"compute_start": compute_start, "compute_end": time.time()}
             synced = time.perf_counter()
             outcome, applied = self._average(delta, float(round_tokens), phases)
-            exposed = time.perf_counter() - synced  # communication not hidden behind compute
+            exposed = time.perf_counter() - synced + landed_wait  # communication not hidden behind compute
             if outcome is None:
                 break  # stopped: the group carries on without us; our partial round is dropped
             self.round += 1
             self.tokens += round_tokens
             overlap = {} if self.pipeline is None else {"overlap": self.pipeline.mode, "phases": phases}
+            if landed is not None:
+                overlap["landed_step"] = landed.step
             records.append(self._commit(self._record(outcome, start, losses, round_tokens, compute_seconds=compute,
                                                      exposed_seconds=exposed, applied_round=applied, **overlap)))
 
@@ -186,7 +208,12 @@ class Node:
                 self._serve(self._deferred)
             flight = pipe.take() if pipe is not None else None
             saved = None
-            if flight is not None:
+            if self._landed is not None:  # overlap=inner: round − 1's average landed τ steps into this round
+                flight, saved = self._landed.flight, self._landed.saved
+                self._landed = None
+                phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
+                self.feedback.settle(flight.delta, flight.result())
+            elif flight is not None:
                 if self._stopping():
                     pipe.inflight = flight  # type: ignore[union-attr] - kept for the checkpoint
                     return None, None
@@ -206,6 +233,14 @@ class Node:
                 pipe.correction.reset()
             self._apply(outcome)
             return outcome, round
+        if self._landed is not None:  # overlap=inner: round − 1's average landed τ steps into this round
+            flight = self._landed.flight
+            self._landed, self._carry = None, True
+            outcome = flight.result()
+            phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
+            self.feedback.settle(flight.delta, outcome)
+            pipe.begin(self.sync, round, self.feedback.offer(delta), weight, self.outer.params_sha256())
+            return outcome, flight.round
         if self._deferred is not None:  # the last round's record waits for its average (`_serve`)
             pipe.inflight_done(wait=True)
             self._serve(self._deferred)
@@ -215,6 +250,7 @@ class Node:
             return None, None
         if flight is None:  # the first round: nothing to apply yet
             outcome = RoundOutcome(status="skipped")
+            self._carry = pipe.lands_after is not None
         else:
             outcome = flight.result()
             phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
@@ -224,6 +260,44 @@ class Node:
         pipe.correct(delta)  # eager: a_t·Δ_m^(t) replaces a_{t-1}·Δ_m^(t-1) in the local correction
         pipe.begin(self.sync, round, self.feedback.offer(delta), weight, self.outer.params_sha256())
         return outcome, None if flight is None else flight.round
+
+    def _lands_now(self, done: int) -> bool:
+        """overlap=inner: whether round t's average lands after the `done`-th inner step of round
+        t+1: at τ = sync.overlap_steps, or with τ = 0 once it is known on every local rank (at the
+        latest after H−1 steps)."""
+        pipe = self.pipeline
+        if pipe is None or pipe.lands_after is None or pipe.inflight is None:
+            return False
+        if pipe.lands_after:
+            return done == pipe.lands_after
+        return done >= self.config.outer.inner_steps - 1 or not self.ranks.any(not pipe.inflight_done())
+
+    def _land(self, done: int) -> None:
+        """sync.overlap=inner: τ steps into round t+1, wait for round t's average (the exposed part),
+        apply it to θ, and merge θ into the weights being trained: θ_local ← α·θ_local + (1−α)·θ
+        (`diloco_p2p.overlap`). Round t's record is served first, its state still without it."""
+        pipe = self.pipeline
+        assert pipe is not None and pipe.inflight is not None  # `_lands_now`
+        began = time.perf_counter()
+        pipe.inflight_done(wait=True)
+        if self._deferred is not None:
+            self._serve(self._deferred)
+        flight = pipe.take()
+        assert flight is not None
+        waited = time.perf_counter() - began
+        saved = {k: v.clone() for k, v in self.outer.state_tensors().items()}  # a copy of θ and momentum
+        outcome = flight.result()
+        self._apply(outcome)
+        pipe.learn(outcome)
+        self.outer.mix_into(self.layout.local_views(), self.config.sync.overlap_mix)
+        self._landed = Landing(flight, saved, waited, done)
+
+    def _unland(self) -> None:
+        """A stop after the landing: back to θ from before it, the average in flight again (the
+        checkpoint keeps it to average again, as for a stop before it)."""
+        if self._landed is not None and self.pipeline is not None:
+            self.outer.load_state_tensors(self._landed.saved)
+            self.pipeline.inflight, self._landed = self._landed.flight, None
 
     def _apply(self, outcome: RoundOutcome) -> None:
         if outcome.average is not None:
@@ -270,6 +344,7 @@ class Node:
         """Take the swarm's θ and momentum (downloaded and verified) and its round."""
         start, dropped = time.perf_counter(), self.round
         self.outer.load_state_tensors(resync.tensors)
+        self._carry = False
         if self.pipeline is not None:  # our round in flight and correction go; the state's average in flight comes
             self.pipeline.adopt(resync.tensors, resync.round, self.outer.numel)
         self.outer.copy_into(self.layout.local_views())
@@ -289,8 +364,13 @@ class Node:
         cfg = self.config
         eval_loss = None
         if self.eval_set and (self.round % cfg.train.eval_every == 0 or self.round >= cfg.train.max_rounds):
+            carried = [p.detach().clone() for p in self.layout.local_views()] if self._carry else None
             self.outer.copy_into(self.layout.local_views())
             eval_loss = self.trainer.evaluate(self.eval_set)
+            if carried is not None:  # overlap=inner: training goes on from the weights, not θ
+                with torch.no_grad():
+                    for p, c in zip(self.layout.local_views(), carried, strict=True):
+                        p.copy_(c)
         seconds = time.perf_counter() - start
         return RoundRecord.of(
             outcome, round=self.round, step=self.step, tokens=self.tokens, params_sha256=self.params_sha256(),
@@ -412,6 +492,11 @@ class Node:
         if self.pipeline is not None:
             self._resumed_flight = self.pipeline.load(ckpt.tensors, ckpt.meta.get("overlap") or {}, self.layout.to_local)
         self.outer.copy_into(self.layout.local_views())
+        if self._resumed_flight is not None and self.pipeline is not None and self.pipeline.lands_after is not None:
+            # overlap=inner carries on from where the round in flight ended: θ − its Δ (with error
+            # feedback on, less the residual it carried: `diloco_p2p.feedback`)
+            self.outer.copy_into(self.layout.local_views(), -self._resumed_flight[1])
+            self._carry = True
         log.info("resumed from checkpoint at round %d (step %d; written by %s local rank(s))",
                  self.round, self.step, ckpt.meta.get("local_world_size", 1))
 

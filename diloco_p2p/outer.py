@@ -123,6 +123,12 @@ class OuterOptimizer:
             for p, chunk in zip(params, theta.split(self.numels), strict=True):
                 p.copy_(chunk.view(p.shape))
 
+    def mix_into(self, params: Sequence[torch.Tensor], alpha: float) -> None:
+        """θ_local ← α·θ_local + (1−α)·θ in the model's (local) parameters (sync.overlap=inner)."""
+        with torch.no_grad():
+            for p, chunk in zip(params, self.theta.split(self.numels), strict=True):
+                p.lerp_(chunk.view(p.shape).to(p), 1.0 - alpha)
+
     def params_sha256(self) -> str:
         """sha256 of θ's bytes (cached until θ changes)."""
         if self._hash is None or self._hash[0] != self.version:

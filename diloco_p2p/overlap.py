@@ -31,6 +31,20 @@ share of the average, 1/M in the paper; a swarm's groups vary, so a_t = 1/M with
 our last group (``sync.min_group_size`` before the first). Whatever a_t, the corrections
 telescope: Σ_s d^(s) = a_t·Δ_m^(t), the "pending" local term kept for the next round.
 
+``inner`` is the inner-step overlap of Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512; the
+Eager Updates paper compares against it as "1-inner-step overlap"): round t's average lands τ inner
+steps into round t+1 (``sync.overlap_steps``; 0: as soon as it is known, at the latest after H−1
+steps), not at its end. The global θ takes round t's outer step then, as ``delayed`` would take it
+at the end of the round, so θ, its hash and what joiners are served are ``delayed``'s exactly; the
+weights being trained do not restart from θ but carry on from where round t ended, and at the
+landing take the new θ in part:
+
+      θ_local ← α·θ_local + (1 − α)·θ        (α = ``sync.overlap_mix``; Streaming DiLoCo's merge)
+
+so round t+1's Δ = θ − θ_local holds its H steps, the first τ of them from before the landing. The
+staleness is τ steps instead of a round; what the all-reduce hides is τ steps of compute instead
+of H (`diloco_p2p.plan`). τ and α are the node's own: they change its Δ, never the swarm's θ.
+
 The last round of a run (train.max_rounds) drains the pipeline: it waits for round t-1's average,
 applies it, then averages its own Δ blocking and applies that too, so the run ends on a θ that
 holds every round's Δ and no local correction.
@@ -58,7 +72,7 @@ import torch
 from diloco_p2p.config import OuterConfig
 from diloco_p2p.contract import RoundOutcome
 
-OVERLAPS = ("none", "delayed", "eager")
+OVERLAPS = ("none", "delayed", "eager", "inner")
 
 
 class InFlight:
@@ -183,16 +197,18 @@ class EagerCorrection:
 class Pipeline:
     """A node's overlap state: the average in flight and, for ``eager``, the local correction.
 
-    The loop (`diloco_p2p.node`) calls `take` at the end of round t (the wait for round t-1's
-    average), applies what it returns to the global θ, then `correct` and `begin` round t's.
-    The node publishes round t (its record and state) only once round t's average is known, and
-    the state then carries it (`served_tensors`): θ of round t does not hold it yet, and a joiner
-    adopting that state applies it at the end of its first round as the members do (`adopt`), so
-    it ends that round with their θ.
+    The loop (`diloco_p2p.node`) calls `take` at the end of round t (under ``inner`` τ steps
+    into it: `Node._land`) for round t-1's average, applies what it returns to the global θ,
+    then `correct` and `begin` round t's. The node publishes round t (its record and state) only
+    once round t's average is known, and the state then carries it (`served_tensors`): θ of
+    round t does not hold it yet, and a joiner adopting that state applies it in its first round
+    as the members do (`adopt`), so it ends that round with their θ.
     """
 
-    def __init__(self, mode: str, numel: int, cfg: OuterConfig, group: int):
+    def __init__(self, mode: str, numel: int, cfg: OuterConfig, group: int, steps: int = 0):
         self.mode = mode
+        # overlap=inner: the inner step of the next round after which the average lands (τ; 0: once known)
+        self.lands_after = steps if mode == "inner" else None
         self.correction = EagerCorrection(numel, cfg) if mode == "eager" else None
         self.group = max(1, group)  # M of a_t = 1/M: our last group's size
         self.inflight: InFlight | None = None

@@ -56,7 +56,8 @@ the k nodes mostly wait for each other, and their setup grew as k, not k², on t
 inner steps (stragglers: per-node speed lognormal with the given spread, the N-th order
 statistic by Blom's approximation; with dynamic local updates nobody waits) plus matchmaking plus
 the all-reduce; with ``overlap=eager`` the all-reduce of round r runs behind round r+1's inner
-steps (Eager Updates; Kale et al. 2025), so only what exceeds the compute is exposed. A failure
+steps (Eager Updates; Kale et al. 2025), so only what exceeds the compute is exposed; with
+``overlap=inner`` behind its first τ inner steps (``overlap_steps``), so what exceeds τ of H. A failure
 rate p per node per round costs the expected detection delay of a dead member, the dead node's
 round, and its state download (8 bytes per parameter) at its downlink.
 """
@@ -71,7 +72,7 @@ from diloco_p2p.swarm import streams, wire
 
 SCHEMES = ("auto", "butterfly", "grid", "sparse")
 COMPRESSIONS = ("fp32", "fp16", "int8", "int4", "topk2")
-OVERLAPS = ("none", "eager")
+OVERLAPS = ("none", "eager", "inner")
 DEFAULT_NODES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 INT4_BLOCK = 64  # values per fp32 scale in the 4-bit format (`swarm/codecs.py`)
 TOPK_BLOCK = 4096  # top-k is chosen per block of this many values (`swarm/codecs.py`)
@@ -139,6 +140,7 @@ class Inputs:
     compression: str = "fp16"
     density: float = 0.02  # top-k
     overlap: str = "none"
+    overlap_steps: int = 1  # overlap=inner: τ, the inner steps the all-reduce runs behind
     chunk: int = wire.DEFAULT_CHUNK_ELEMENTS
     oversubscribe: float = 1.0  # CPU contention: how many times longer CPU work takes than on a dedicated box (1)
 
@@ -156,6 +158,8 @@ class Inputs:
              f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"),
             (0 < self.density <= 1, f"top-k density must be in (0, 1], got {self.density}"),
             (self.overlap in OVERLAPS, f"overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}"),
+            (self.overlap != "inner" or 1 <= self.overlap_steps < self.inner_steps,
+             f"overlap steps must be in 1..{self.inner_steps - 1} (below H), got {self.overlap_steps}"),
             (0 < self.chunk <= wire.MAX_CHUNK_ELEMENTS, f"chunk must be in 1..{wire.MAX_CHUNK_ELEMENTS}"),
             (self.scheme != "sparse" or self.compression == "topk2", "the sparse all-gather needs compression topk2"),
         ]
@@ -403,8 +407,9 @@ def predict_scheme(inp: Inputs, nodes: int, scheme: str, cal: Calibration) -> Pr
     parts["latency/messages"] = parts.get("latency/messages", 0.0) + comm - allreduce  # matchmaking
     parts["failures"] = p_any * cal.detect_s
     parts["stragglers"] = slowest - compute
-    if inp.overlap == "eager":
-        exposed = max(comm - slowest, 0.0)
+    if inp.overlap in ("eager", "inner"):  # behind the next round's H (eager) or τ (inner) inner steps
+        hidden = slowest if inp.overlap == "eager" else slowest * inp.overlap_steps / inp.inner_steps
+        exposed = max(comm - hidden, 0.0)
         scale = exposed / comm if comm > 0 else 0.0
         parts = {c: (s * scale if c not in ("stragglers",) else s) for c, s in parts.items()}
     else:

@@ -102,6 +102,11 @@ class Rendezvous:
             self.baton.acquire()
         return result
 
+    def known(self, round: int) -> bool:
+        """Whether the average of `round` is computed (or a replica failed): waiting would not block."""
+        with self._cond:
+            return round in self._results or self._failed
+
     def fail(self) -> None:
         with self._cond:
             self._failed = True
@@ -135,8 +140,11 @@ class _ReplicaFlight(InFlight):
         self.sync = sync
         sync.rendezvous.hand_in(sync.peer_id, round, delta, weight)
 
+    def done(self) -> bool:
+        return super().done() or self.sync.rendezvous.known(self.round)
+
     def result(self) -> RoundOutcome:
-        if not self.done():
+        if not super().done():
             average, size = self.sync.rendezvous.wait(self.round), len(self.sync.rendezvous.keys)
             self._finish(RoundOutcome(status="failed", group_size=size) if average is None else RoundOutcome(
                 status="committed" if size > 1 else "alone", average=average, group_size=size, contributors=size))

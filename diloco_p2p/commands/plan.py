@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compression", default="fp16", help=f"wire format: {', '.join(plan.COMPRESSIONS)}")
     p.add_argument("--density", type=float, default=0.02, help="top-k: fraction of values sent")
     p.add_argument("--overlap", default="none", help=f"{', '.join(plan.OVERLAPS)}: hide the all-reduce behind compute")
+    p.add_argument("--overlap-steps", type=int, default=1,
+                   help="overlap inner: τ, the inner steps of the next round the all-reduce runs behind")
     p.add_argument("--nodes", default=",".join(str(n) for n in plan.DEFAULT_NODES), help="N values, comma-separated")
     p.add_argument("--json", action="store_true", help="one JSON object per N instead of the table")
     p.set_defaults(run=run)
@@ -72,7 +74,8 @@ def _inputs(args: argparse.Namespace):
         inp = Inputs(params=parse_count(args.params), step_seconds=args.step_seconds, inner_steps=args.inner_steps,
                      uplink=up, downlink=down, rtt_ms=args.rtt_ms, fail_rate=args.fail_rate,
                      step_spread=args.step_spread, dylu=args.dylu, scheme=args.scheme, group=args.group,
-                     compression=args.compression, density=args.density, overlap=args.overlap)
+                     compression=args.compression, density=args.density, overlap=args.overlap,
+                     overlap_steps=args.overlap_steps)
     except ValueError as e:
         raise UserError(f"plan: {e}") from None
     return inp, nodes
@@ -89,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cal = Calibration()
     print(f"{inp.params:,} parameters, {inp.compression}, H={inp.inner_steps} x {inp.step_seconds:g} s, "
-          f"overlap {inp.overlap}; constants: {cal.source}")
+          f"overlap {inp.overlap}{f' (τ={inp.overlap_steps})' if inp.overlap == 'inner' else ''}; "
+          f"constants: {cal.source}")
     print(f"{'N':>5} {'scheme':>9} {'round s':>9} {'util':>5} {'MB sent':>9} {'streams':>7} {'all-reduce s':>12} "
           f"{'exposed s':>9}  bottleneck")
     for p in predictions:

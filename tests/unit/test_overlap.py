@@ -251,6 +251,128 @@ def test_the_served_state_carries_the_known_average_in_flight(tmp_path):
     assert torch.equal(served[0].state["overlap.average"], sync.deltas[served[0].round] / 2)
 
 
+# -- overlap=inner: the average lands τ inner steps into the next round -----------------------------
+
+INNER = ["outer.inner_steps=4", "sync.overlap_steps=2", "sync.overlap_mix=0.25", "train.eval_every=1"]
+
+
+def _weights(node):
+    """The model's weights before and after every inner step (flat, fp64), and the step to stop after."""
+    before, after, real = [], [], node.trainer.step
+    stop_after = {}
+
+    def step(next_batch):
+        before.append(flatten(node.params).double())
+        out = real(next_batch)
+        after.append(flatten(node.params).double())
+        if len(after) == stop_after.get("step"):
+            node.stop.requested = True
+        return out
+
+    node.trainer.step = step
+    return before, after, stop_after
+
+
+def test_inner_lands_the_average_tau_steps_in_and_merges_it_into_the_trained_weights(tmp_path):
+    sync = OverlapSync()  # the group's average of round r: Δ_r / 2
+    node = _node(tmp_path, sync, mode="inner", rounds=4, extra=INNER)
+    before, after, _ = _weights(node)
+    theta0 = node.outer.theta.clone()
+    records = node.run()[1:]
+    assert [r.applied_round for r in records] == [None, 1, 2, 4]  # the last round drains the pipeline
+    assert [r.landed_step for r in records] == [None, 2, 2, 2]
+    assert all(sync.threads[t].startswith("average-round") for t in (1, 2, 3)) and sync.threads[4] == "MainThread"
+
+    # Global θ (hashed, served): the delayed sequence, θ^(t) = OuterOpt(θ^(t-1), Δ^(t-1)), bit for bit.
+    theta, mom, landed = theta0.clone(), torch.zeros_like(theta0), {1: theta0.double()}
+    for t, record in enumerate(records, start=1):
+        if t >= 2:
+            outer_update(theta, mom, sync.deltas[t - 1] / 2, node.config.outer)
+            landed[t] = theta.double()  # the global θ once round t − 1's average has landed
+        if t == 4:
+            outer_update(theta, mom, sync.deltas[4] / 2, node.config.outer)
+        assert record.params_sha256 == tensor_sha256(theta)
+        if t < 4:
+            assert sync.hashes[t] == record.params_sha256
+    # The trained weights: round 1 starts at θ^(0); each later round where the last ended (the eval
+    # in between sees θ and leaves them); τ = 2 steps in, θ_local ← α·θ_local + (1−α)·θ with θ the
+    # global θ just updated by the previous round's average (what round t serves), α = 0.25.
+    h, tau, alpha = 4, 2, 0.25
+    assert torch.equal(before[0].float(), theta0)
+    for t in (2, 3, 4):
+        start, land = (t - 1) * h, (t - 1) * h + tau
+        assert torch.equal(before[start], after[start - 1])
+        expected = alpha * after[land - 1] + (1 - alpha) * landed[t]
+        assert torch.allclose(before[land], expected, atol=1e-6)
+        assert not torch.allclose(before[land], after[land - 1], atol=1e-6)
+    for t in (1, 2, 3, 4):  # Δ of round t: the global θ after the landing less where round t's steps ended
+        assert torch.allclose(sync.deltas[t].double(), landed[t] - after[t * h - 1], atol=1e-6)
+    assert records[1].exposed_seconds >= 0 and records[1].compute_seconds > 0
+
+
+class GatedSync(OverlapSync):
+    """Round r's average is known only once `gates[r]` is set."""
+
+    def __init__(self, gates):
+        super().__init__()
+        self.gates = gates
+
+    def average(self, round, delta, weight, params_hash):
+        outcome = super().average(round, delta, weight, params_hash)
+        assert self.gates[round].wait(10)
+        return outcome
+
+
+def test_inner_with_tau_0_lands_the_average_once_known_and_at_the_latest_after_h_minus_1_steps(tmp_path):
+    gates = {r: threading.Event() for r in (1, 2, 3, 4)}
+    gates[3].set()
+    gates[4].set()
+    sync = GatedSync(gates)
+    node = _node(tmp_path, sync, mode="inner", rounds=4, extra=[*INNER, "sync.overlap_steps=0"])
+    before, after, _ = _weights(node)
+    step = node.trainer.step
+
+    def gate(next_batch):
+        out = step(next_batch)
+        if node.step == 4:  # round 2, its first step: round 1's average becomes known
+            gates[1].set()
+            assert node.pipeline.inflight_done(wait=True)
+        if node.step == 8:  # round 3: round 2's average comes 0.3 s after its latest landing point
+            threading.Timer(0.3, gates[2].set).start()
+        return out
+
+    node.trainer.step = gate
+    records = node.run()[1:]
+    assert [r.landed_step for r in records] == [None, 1, 3, 1]  # known after 1 step; waited for at H − 1; at once
+    assert records[2].exposed_seconds >= 0.1 > records[1].exposed_seconds
+    assert [r.applied_round for r in records] == [None, 1, 2, 4]
+    assert torch.equal(before[8], after[7])  # round 3 starts where round 2 ended
+
+
+def test_inner_stopped_after_the_landing_checkpoints_the_round_before_it(tmp_path):
+    """A stop drops the partial round: θ goes back to before the landing and the checkpoint holds
+    the average in flight, to average again on resume, as a stop before the landing does."""
+    stop = StopRequested()
+    sync = OverlapSync()
+    node = _node(tmp_path, sync, mode="inner", rounds=5, extra=INNER, stop=stop)
+    _, _, stop_after = _weights(node)
+    stop_after["step"] = 4 * 2 + 3  # round 3, one step after the landing of round 2's average
+    records = node.run()
+    assert records[-1].round == 2
+    ckpt = load_checkpoint(tmp_path / "run" / "checkpoints")
+    assert ckpt.round == 2 and ckpt.meta["overlap"]["inflight_round"] == 2
+    assert ckpt.meta["params_sha256"] == records[-1].params_sha256  # θ of round 2, without round 2's average
+    assert torch.equal(ckpt.tensors["overlap.inflight_delta"], sync.deltas[2])
+
+    again = OverlapSync()
+    resumed = _node(tmp_path, again, mode="inner", rounds=3, extra=INNER)
+    ended = ckpt.tensors["outer.theta"] - ckpt.tensors["overlap.inflight_delta"]  # where round 2's steps ended
+    assert torch.allclose(flatten(resumed.params), ended, atol=1e-6) and resumed._carry
+    records = resumed.run()
+    assert torch.equal(again.deltas[2], sync.deltas[2]) and again.hashes[2] == ckpt.meta["params_sha256"]
+    assert [r.applied_round for r in records] == [3]
+
+
 def test_overlap_config_is_checked(tmp_path):
     with pytest.raises(UserError, match="delayed_nesterov"):
         load_config(None, ["sync.overlap=eager", "outer.delayed_nesterov=2"])
@@ -260,11 +382,17 @@ def test_overlap_config_is_checked(tmp_path):
         load_config(None, ["sync.overlap=sometimes"])
     assert "sync.overlap" not in load_config(None, []).swarm_view()  # older runs keep their config hash
     assert load_config(None, ["sync.overlap=eager"]).swarm_view()["sync.overlap"] == "eager"
+    with pytest.raises(UserError, match="overlap_steps"):
+        load_config(None, ["sync.overlap=inner", "sync.overlap_steps=5", "outer.inner_steps=5"])
+    with pytest.raises(UserError, match="H >= 2"):
+        load_config(None, ["sync.overlap=inner", "outer.inner_steps=1"])
+    inner = load_config(None, ["sync.overlap=inner", "sync.overlap_steps=3", "sync.overlap_mix=0.7"]).swarm_view()
+    assert inner["sync.overlap"] == "inner" and not any(k.startswith("sync.overlap_") for k in inner)  # per node
 
 
-@pytest.mark.parametrize("mode", ["delayed", "eager"])
+@pytest.mark.parametrize("mode", ["delayed", "eager", "inner"])
 def test_replicas_agree_on_theta_every_round(tmp_path, mode):
-    config = load_config(None, [*SMALL, "train.max_rounds=3", f"sync.overlap={mode}"])
+    config = load_config(None, [*SMALL, "train.max_rounds=3", f"sync.overlap={mode}", "sync.overlap_steps=1"])
     records = simulate(config, tmp_path, ["a", "b"])
     hashes = [[r.params_sha256 for r in records[k]] for k in ("a", "b")]
     assert hashes[0] == hashes[1]

@@ -90,9 +90,15 @@ def test_bottleneck_names_the_cause():
 def test_overlap_hides_communication_shorter_than_compute():
     base = dict(params=20_000_000, step_seconds=0.5, inner_steps=100, uplink=plan.Links(20, 20),
                 downlink=plan.Links(20, 20))
-    none, eager = (plan.predict(plan.Inputs(**base, overlap=o), 8) for o in plan.OVERLAPS)
+    none, eager = (plan.predict(plan.Inputs(**base, overlap=o), 8) for o in ("none", "eager"))
     assert none.exposed_seconds > 10 and eager.exposed_seconds == 0.0
     assert eager.utilization > none.utilization and eager.bytes_sent == none.bytes_sent
+    # inner: hidden behind τ steps only; what exceeds τ · step seconds is exposed
+    few, enough = (plan.predict(plan.Inputs(**base, overlap="inner", overlap_steps=t), 8) for t in (10, 99))
+    assert few.exposed_seconds == pytest.approx(none.exposed_seconds - 10 * 0.5, rel=1e-9)
+    assert enough.exposed_seconds == 0.0 and enough.round_seconds == eager.round_seconds
+    with pytest.raises(ValueError, match="overlap steps"):
+        plan.Inputs(**base, overlap="inner", overlap_steps=100)
 
 
 def test_stragglers_and_failures_cost_more_with_more_nodes():
