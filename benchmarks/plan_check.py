@@ -21,8 +21,11 @@ as in `benchmarks/allreduce_wan.py` and `benchmarks/wan.py`, whose machinery thi
 - ``holdout``: leave-one-rate-out and leave-one-k-out refits of the stored rows (no network).
 
 Results accumulate in benchmarks/results/plan_check.json (`--json`; one key per stage). The
-shipped constants' file is plan_check_quiet.json (load 0.2-4.9); plan_check.json holds a busy
-machine's rows (load 6-14), whose calibrate rows fit `LOAD_SHARE`.
+shipped constants' file is plan_check_quiet.json (a quiet machine, load 0.5-3.8, the wire codecs
+as they are now); plan_check_quiet_old_wire.json is the quiet file of the wire before its CPU
+change (fp16 and int8 chunks 1.2-1.7x slower to encode and decode), kept as a record;
+plan_check.json holds a busy machine's rows (load 6-14, the old wire too), whose calibrate rows
+fit `LOAD_SHARE`.
 
     sudo python benchmarks/plan_check.py calibrate|allreduce|rounds [--ks 2,4,6,8] [--json ...]
     python benchmarks/plan_check.py report|holdout|curves [--json ...]
@@ -52,7 +55,7 @@ from tests import netns  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CORES = 2  # the machine these checks ran on
-LOAD_SHARE = 0.25  # of a core, per unit of load average beyond the k nodes: `fit_load` of plan_check.json's calibration
+LOAD_SHARE = 0.38  # of a core, per unit of load average beyond the k nodes: `fit_load` of plan_check.json's calibration
 
 
 def _inputs(numel: int, rate: float, comp: str, k: int, group: int | None = None, load: float = 0.0,

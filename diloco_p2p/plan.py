@@ -50,7 +50,7 @@ all-reduces measured later were as late relative to their wire time as 20 Mbit/s
 2..8 and 10..100 Mbit/s, so more members extrapolate it. `setup` and `messages · o` are the
 collective's fixed cost and stream setup through the p2p daemon (about 20 ms a stream here: per peer, a member opens three), CPU work that
 takes o times longer when other work shares the cores (1 on a dedicated box; on the checks' shared
-two cores, 1 + 0.25 x the load average beyond the swarm's own k nodes, `plan_check.LOAD_SHARE`:
+two cores, 1 + 0.38 x the load average beyond the swarm's own k nodes, `plan_check.LOAD_SHARE`:
 the k nodes mostly wait for each other, and their setup grew as k, not k², on the quiet machine);
 `cpu` is encode, reduce, decode per byte (not separable here: 0). A round is the slowest node's H
 inner steps (stragglers: per-node speed lognormal with the given spread, the N-th order
@@ -97,17 +97,17 @@ class Calibration:
     detect_s: noticing a dead member (the probe interval). apply_s: the outer step and bookkeeping.
     """
 
-    flow_overhead: float = 1.022
-    flow_tail: float = 0.0314
+    flow_overhead: float = 1.0353
+    flow_tail: float = 0.03175
     cpu_s_per_byte: float = 0.0
-    setup_s: float = 0.00895
-    per_message_s: float = 0.02234
+    setup_s: float = 0.001936
+    per_message_s: float = 0.01804
     rtts: float = 4.0  # not measured: the test network has no delay
-    matchmaking_per_member_s: float = 0.0245
+    matchmaking_per_member_s: float = 0.03259
     detect_s: float = 1.0
     apply_s: float = 0.0
     source: str = ("fitted by benchmarks/plan_check.py calibrate (2-8 peers, 2,000,000 values, unshaped and 20+50 Mbit "
-                   "tbf links, load average 0.2-2.9 on 2 cores; matchmaking: 2-node training rounds)")
+                   "tbf links, load average 0.6-1.5 on 2 cores; matchmaking: 2-node training rounds)")
 
 @dataclass(frozen=True)
 class Links:

@@ -230,18 +230,21 @@ def test_shipped_constants_are_the_fit_of_the_stored_calibration_and_predict_its
             assert seconds > m["sent"] * 8 / (m["rate"] * 1e6)  # never faster than the wire
 
 
-@pytest.mark.parametrize("name", ["plan_check_quiet", "plan_check", "plan_check_repeat"])
+@pytest.mark.parametrize("name", ["plan_check_quiet", "plan_check_quiet_old_wire", "plan_check", "plan_check_repeat"])
 def test_the_check_predicts_most_held_out_rows_within_15_percent(name):
     """The held-out rows (`plan_check.held_out`: all-reduces at rates the constants were not fitted
     on, the grid, training rounds): the stored count within 15% is what the shipped constants give
-    now (a changed model must update it: `plan_check.py report`), and at least half. On the quiet
-    file, so are the leave-one-rate-out and leave-one-k-out refits (`plan_check.py holdout`)."""
+    now (a changed model must update it: `plan_check.py report`), and on the quiet machine's files
+    at least 80%. The busy machine's files (load 6-14, measured with the wire before its CPU change)
+    record how far the load model reaches and are not a bar. On the quiet files, so are the
+    leave-one-rate-out and leave-one-k-out refits (`plan_check.py holdout`)."""
     check = _check_module()
     data = json.loads((check.RESULTS / f"{name}.json").read_text())
     errs = check.held_out(data, plan.Calibration())
     within = sum(abs(e) <= 0.15 for e in errs)
     assert [within, len(errs)] == data["held_out_within_15"]
-    assert within >= len(errs) / 2
+    if name.startswith("plan_check_quiet"):
+        assert within >= 0.8 * len(errs)
     if "holdout" in data:
         got = check.holdout(data)
         for key in ("err_rate_out", "err_k_out"):
