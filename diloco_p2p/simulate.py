@@ -16,7 +16,10 @@ in member order); error feedback (`diloco_p2p.feedback`) lives in each replica's
 the swarm.
 
 Under ``sync.overlap`` a replica hands its Δ in at the end of a round and collects the average
-at the end of the next (`ReplicaSync.begin_average`), as a swarm node does (`diloco_p2p.overlap`).
+at the end of the next (``inner``: τ steps into it), as a swarm node does (`diloco_p2p.overlap`;
+`ReplicaSync.begin_average`). With ``inner`` fix τ (``sync.overlap_steps``): the replicas take
+turns, so "as soon as it is known" lands after H−1 steps on the replica that handed in first and
+after one on the last.
 
 The replicas run in threads that take turns (one baton): only one trains at a time, so the
 results do not depend on scheduling and M replicas cost M times one replica's compute.
