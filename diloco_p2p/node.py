@@ -211,14 +211,14 @@ class Node:
             if self._landed is not None:  # overlap=inner: round − 1's average landed τ steps into this round
                 flight, saved = self._landed.flight, self._landed.saved
                 self._landed = None
-                phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
+                phases.update(flight.span())
                 self.feedback.settle(flight.delta, flight.result())
             elif flight is not None:
                 if self._stopping():
                     pipe.inflight = flight  # type: ignore[union-attr] - kept for the checkpoint
                     return None, None
                 saved = {k: v.clone() for k, v in self.outer.state_tensors().items()}
-                phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
+                phases.update(flight.span())
                 self._apply(flight.result())
                 self.feedback.settle(flight.delta, flight.result())
             delta = self.feedback.offer(delta)  # + what earlier rounds' lossy wire did not send (`feedback`)
@@ -237,7 +237,7 @@ class Node:
             flight = self._landed.flight
             self._landed, self._carry = None, True
             outcome = flight.result()
-            phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
+            phases.update(flight.span())
             self.feedback.settle(flight.delta, outcome)
             pipe.begin(self.sync, round, self.feedback.offer(delta), weight, self.outer.params_sha256())
             return outcome, flight.round
@@ -253,7 +253,7 @@ class Node:
             self._carry = pipe.lands_after is not None
         else:
             outcome = flight.result()
-            phases.update(average_start=flight.started, average_done=flight.done_at or time.time())
+            phases.update(flight.span())
             self._apply(outcome)
             pipe.learn(outcome)
             self.feedback.settle(flight.delta, outcome)

@@ -96,6 +96,10 @@ class InFlight:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def span(self) -> dict[str, float]:
+        """Its wall-clock span for the round record's `phases` (done: now, if not yet known)."""
+        return {"average_start": self.started, "average_done": self.done_at or time.time()}
+
     def result(self) -> RoundOutcome:
         self._done.wait()
         if self._error is not None:
