@@ -11,7 +11,7 @@ best blocking run at the same total inner steps. Runs are kept in --json and ski
 present (--resume); --report only prints the table.
 
     python benchmarks/overlap_sweep.py [--settings none:0.7:0.3:40x5 eager:0.7:0.3:40x5 ...]
-                                       [--resume] [--report] [--json PATH]
+                                       [--seed N] [--resume] [--report] [--json PATH]
 """
 
 from __future__ import annotations
@@ -42,15 +42,20 @@ def main() -> None:
     p.add_argument("--settings", nargs="+", default=DEFAULT, help="MODE:OUTER_LR:MOMENTUM:ROUNDSxH, in this order")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --json, run the missing ones")
     p.add_argument("--report", action="store_true", help="only print the table from --json")
-    p.add_argument("--json", type=Path, default=Path("benchmarks/results/overlap_sweep.json"))
+    p.add_argument("--seed", type=int, default=0, help="the run's seed (initial parameters); runs of seed N > 0 "
+                   "go to overlap_sweep_seedN.json unless --json says otherwise")
+    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    if args.json is None:
+        args.json = Path(f"benchmarks/results/overlap_sweep{f'_seed{args.seed}' if args.seed else ''}.json")
     state = json.loads(args.json.read_text()) if (args.resume or args.report) and args.json.exists() else {}
     results: dict = state.get("results", {})
     for setting in [] if args.report else args.settings:
         if setting in results:
             continue
         with tempfile.TemporaryDirectory(prefix="diloco-overlap-sweep-") as tmp:
-            results[setting] = run(setting.replace(":", "_"), Path(tmp), args.replicas, overrides(setting))
+            results[setting] = run(setting.replace(":", "_"), Path(tmp), args.replicas,
+                                   [*overrides(setting), f"seed={args.seed}"])
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"replicas": args.replicas, "results": results}, indent=1))
         print(f"{setting}: eval {results[setting]['final']:.4f} ({results[setting]['seconds']:.0f} s)", flush=True)
