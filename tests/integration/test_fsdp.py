@@ -211,7 +211,7 @@ def _assert_rank_death_handled(proc: Proc, rc: int) -> None:
 def _swarm_overrides(seed_addr: str, name: str) -> list[str]:
     return COMMON + [
         "run_id=fsdp-swarm", f"data.order_key=node-{name}", f"inner.batch_size={PER_RANK_BATCH}",
-        "train.max_rounds=1000", "sync.min_group_size=2", "sync.target_group_size=2", "sync.matchmaking_timeout=30",
+        "train.max_rounds=1000", "sync.min_group_size=2", "sync.target_group_size=2", "sync.matchmaking_timeout=12",
         "sync.allreduce_timeout=30", "sync.state_timeout=60", "sync.compression=fp32", "p2p.host_maddrs=['/ip4/127.0.0.1/tcp/0']",
         "p2p.connect_timeout=60", f"p2p.initial_peers=['{seed_addr}']",
     ]
@@ -225,8 +225,11 @@ def swarm(tmp_path_factory):
     root = tmp_path_factory.mktemp("swarm")
     with ProcessSwarm(root) as swarm:
         procs, addr = swarm.procs, swarm.maddr
-        a = _launch(procs, root / "a", _swarm_overrides(addr, "a"))
-        b = _launch(procs, root / "b", _swarm_overrides(addr, "b"), {"DILOCO_P2P_FAULTS": "kill@rank1.step:10"})
+        gate = {"DILOCO_P2P_START_GATE": str(root / "gate")}  # A's and B's rounds start together
+        a = _launch(procs, root / "a", _swarm_overrides(addr, "a"), gate)
+        b = _launch(procs, root / "b", _swarm_overrides(addr, "b"), {**gate, "DILOCO_P2P_FAULTS": "kill@rank1.step:10"})
+        wait_until(lambda: len(list(root.glob("gate.ready-*"))) == 4, 180, "both ranks of A and B to join", a, b)
+        (root / "gate").touch()
         b_rc = b.wait(timeout=300)
         # A goes on: its round 3 ends alone once matchmaking gives up on B.
         wait_until(lambda: any(r["round"] >= 3 and r["status"] == "alone" for r in read_records(root / "a")), 120,
