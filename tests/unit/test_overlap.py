@@ -390,9 +390,10 @@ def test_overlap_config_is_checked(tmp_path):
     assert inner["sync.overlap"] == "inner" and not any(k.startswith("sync.overlap_") for k in inner)  # per node
 
 
-@pytest.mark.parametrize("mode", ["delayed", "eager", "inner"])
-def test_replicas_agree_on_theta_every_round(tmp_path, mode):
-    config = load_config(None, [*SMALL, "train.max_rounds=3", f"sync.overlap={mode}", "sync.overlap_steps=1"])
+@pytest.mark.parametrize("mode,wire", [("delayed", []), ("eager", []), ("inner", []),
+                                       ("inner", ["sync.compression=int4", "sync.error_feedback=true"])])
+def test_replicas_agree_on_theta_every_round(tmp_path, mode, wire):
+    config = load_config(None, [*SMALL, "train.max_rounds=3", f"sync.overlap={mode}", "sync.overlap_steps=1", *wire])
     records = simulate(config, tmp_path, ["a", "b"])
     hashes = [[r.params_sha256 for r in records[k]] for k in ("a", "b")]
     assert hashes[0] == hashes[1]
