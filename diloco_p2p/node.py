@@ -491,12 +491,11 @@ class Node:
         self.resyncs = ckpt.meta.get("resyncs", 0)
         if self.pipeline is not None:
             self._resumed_flight = self.pipeline.load(ckpt.tensors, ckpt.meta.get("overlap") or {}, self.layout.to_local)
-        self.outer.copy_into(self.layout.local_views())
-        if self._resumed_flight is not None and self.pipeline is not None and self.pipeline.lands_after is not None:
-            # overlap=inner carries on from where the round in flight ended: θ − its Δ (with error
-            # feedback on, less the residual it carried: `diloco_p2p.feedback`)
-            self.outer.copy_into(self.layout.local_views(), -self._resumed_flight[1])
-            self._carry = True
+        # overlap=inner carries on from where the round in flight ended: θ − its Δ (with error
+        # feedback on, less the residual it carried: `diloco_p2p.feedback`); otherwise from θ
+        self._carry = self._resumed_flight is not None and self.pipeline is not None \
+            and self.pipeline.lands_after is not None
+        self.outer.copy_into(self.layout.local_views(), -self._resumed_flight[1] if self._carry else None)
         log.info("resumed from checkpoint at round %d (step %d; written by %s local rank(s))",
                  self.round, self.step, ckpt.meta.get("local_world_size", 1))
 
