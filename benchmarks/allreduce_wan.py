@@ -9,11 +9,16 @@ medians over `--rounds` all-reduces (after one warm-up that opens the connection
 
 - MB sent per peer and the lower bound 2(k-1)/k · n · bytes/value;
 - all-reduce seconds (the slowest peer of the round), the wire time of the bytes a peer sent at
-  the link rate (bytes · 8 / R; the all-reduce cannot be faster), and their ratio (goal <= 1.15).
+  the link rate (bytes · 8 / R; the all-reduce cannot be faster), and their ratio (goal <= 1.15);
+- the transport's ceiling: plain TCP (no libp2p, no protocol) moving the same bytes between the
+  same hosts, every host sending its share to each of the k-1 others at once, as an all-reduce's
+  members do (`tcp_ceiling`); its ratio to the wire time, and ours to it. With both directions of
+  every link loaded, TCP itself falls short of the wire time, by how much depends on its
+  congestion control (`--cc`; this machine's default is BBR, most volunteers' hosts run CUBIC).
 
     sudo python benchmarks/allreduce_wan.py [--rates 20,100,200] [--ks 2,3,4]
                                             [--compressions fp16,int8] [--numel 3500000] [--rounds 3]
-                                            [--grid B] [--json OUT]
+                                            [--grid B] [--json OUT] [--cc cubic] [--no-ceiling]
 
 With ``--grid B`` every k > B is also measured on the grid all-reduce (`swarm/hierarchy.py`, rows
 of about B members: the scheme a round of more than `sync.target_group_size` nodes runs).
@@ -22,6 +27,8 @@ of about B members: the scheme a round of more than `sync.target_group_size` nod
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import statistics
 import subprocess
@@ -71,6 +78,102 @@ def worker(ip: str, initial: list[str], chunk: int) -> None:
     loop.run(p2p.shutdown(), 30)
     loop.close()
     dht.shutdown()
+
+
+def tcp_worker(ip: str) -> None:
+    """The transport ceiling, one host: plain TCP, no libp2p. Listens and prints its port; for each
+    job connects to every other host, and at the job's instant sends each of them `bytes` (all at
+    once, as an all-reduce member sends its scatter and gather) while receiving theirs; prints when
+    the last byte from them arrived, counted from the instant."""
+    import socket
+    import threading
+
+    server = socket.create_server((ip, 0))
+    print(json.dumps({"port": server.getsockname()[1]}), flush=True)
+    received: dict[int, list[float]] = {}
+    lock = threading.Lock()
+    arrived = threading.Condition(lock)
+
+    def drain(conn: socket.socket) -> None:
+        with conn:
+            head = conn.recv(16, socket.MSG_WAITALL)
+            job, size = int.from_bytes(head[:8], "big"), int.from_bytes(head[8:], "big")
+            got = 0
+            while got < size:
+                data = conn.recv(1 << 20)
+                if not data:  # the sender is gone: stop waiting for it
+                    break
+                got += len(data)
+            with arrived:
+                received.setdefault(job, []).append(time.time())
+                arrived.notify_all()
+
+    def accept() -> None:
+        while True:
+            conn, _ = server.accept()
+            threading.Thread(target=drain, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    for n, line in enumerate(sys.stdin):
+        job = json.loads(line)
+        if job.get("stop"):
+            break
+        conns = [socket.create_connection((dest_ip, port)) for dest_ip, port in job["dests"]]
+        head = n.to_bytes(8, "big") + int(job["bytes"]).to_bytes(8, "big")
+        time.sleep(max(job["at"] - time.time(), 0.0))
+        senders = [threading.Thread(target=_send_bytes, args=(c, head, int(job["bytes"]))) for c in conns]
+        for t in senders:
+            t.start()
+        with arrived:
+            arrived.wait_for(functools.partial(lambda job, count: len(received.get(job, [])) >= count,
+                                               n, len(conns)), timeout=300)
+            last = max(received.get(n, [job["at"]]))
+        for t in senders:
+            t.join()
+        print(json.dumps({"seconds": last - job["at"]}), flush=True)
+
+
+def _send_bytes(conn, head: bytes, size: int) -> None:
+    """`head`, then `size` zero bytes; then wait for the receiver to close (it has everything)."""
+    piece = bytes(1 << 17)
+    with conn:
+        conn.sendall(head)
+        for at in range(0, size, len(piece)):
+            conn.sendall(piece[: min(len(piece), size - at)])
+        conn.shutdown(1)  # socket.SHUT_WR
+        conn.recv(1)
+
+
+def tcp_ceiling(hosts: netns.Hosts, k: int, sizes: dict[str, float], rounds: int) -> dict[str, float]:
+    """Seconds (median over `rounds`, the slowest host of each) for every host to receive sizes[s]
+    bytes from each of the other k-1 hosts over plain TCP, all sending at once: the time the links
+    and the hosts' TCP allow for the bytes of an all-reduce, whatever its protocol."""
+    procs = [subprocess.Popen([*hosts[i].prefix(), sys.executable, __file__, "--tcp-worker", hosts[i].ip],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(k)]
+    try:
+        ports = [json.loads(p.stdout.readline())["port"] for p in procs]
+        out = {}
+        for scheme, size in sizes.items():
+            runs = []
+            for _ in range(rounds):
+                at = time.time() + 1.0
+                for i, p in enumerate(procs):
+                    dests = [[hosts[j].ip, ports[j]] for j in range(k) if j != i]
+                    p.stdin.write(json.dumps({"dests": dests, "bytes": int(size), "at": at}) + "\n")
+                    p.stdin.flush()
+                runs.append(max(json.loads(p.stdout.readline())["seconds"] for p in procs))
+            out[scheme] = statistics.median(runs)
+        return out
+    finally:
+        for p in procs:
+            with contextlib.suppress(OSError):
+                p.stdin.write('{"stop": true}\n')
+                p.stdin.flush()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 class _Sampler:
@@ -184,31 +287,44 @@ def main() -> None:
     parser.add_argument("--grid", type=int, default=None, help="also the grid all-reduce, rows of about this many")
     parser.add_argument("--json", type=Path, default=None, help="write the table's rows here")
     parser.add_argument("--initial", default="[]", help=argparse.SUPPRESS)
+    parser.add_argument("--tcp-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--cc", default=None, choices=["bbr", "cubic", "reno"],
+                        help="the hosts' TCP congestion control (default: the machine's)")
+    parser.add_argument("--no-ceiling", action="store_true", help="skip the plain-TCP ceiling")
     args = parser.parse_args()
     from diloco_p2p.swarm import wire
 
     chunk = args.chunk or wire.DEFAULT_CHUNK_ELEMENTS
     if args.worker:
         return worker(args.worker, json.loads(args.initial), chunk)
+    if args.tcp_worker:
+        return tcp_worker(args.tcp_worker)
     if not netns.available():
         raise SystemExit("benchmarks/allreduce_wan.py needs root and iproute2 (ip, tc) to make network namespaces")
     ks = [int(k) for k in args.ks.split(",")]
     comps = args.compressions.split(",")
-    print(f"{args.numel:,} values per peer; medians over {args.rounds} all-reduces; chunk {chunk} values")
+    cc = args.cc or subprocess.run(["sysctl", "-n", netns.CONGESTION_KEY], capture_output=True, text=True).stdout.strip()
+    print(f"{args.numel:,} values per peer; medians over {args.rounds} all-reduces; chunk {chunk} values; TCP {cc}")
+    print("ratio: all-reduce / wire time; tcp: plain TCP moving the same bytes between the same hosts, all at once")
     print(f"{'Mbit/s':>6} {'k':>2} {'wire':>10} {'sent MB':>8} {'bound MB':>8} {'all-reduce s':>12} "
-          f"{'wire-time s':>11} {'ratio':>6}")
+          f"{'wire-time s':>11} {'ratio':>6} {'tcp s':>6} {'tcp ratio':>9} {'vs tcp':>6}")
     rows = []
     for rate in (float(r) for r in args.rates.split(",")):
-        with netns.Hosts(max(ks), rate_mbit=rate) as hosts:
+        with netns.Hosts(max(ks), rate_mbit=rate, congestion=args.cc) as hosts:
             for k in ks:
                 got = measure(hosts, k, comps, args.numel, args.rounds, chunk, args.grid)
+                sizes = {scheme: r["sent"] / (k - 1) for scheme, r in got.items() if "/" not in scheme}
+                tcp = {} if args.no_ceiling else tcp_ceiling(hosts, k, sizes, args.rounds)
                 for scheme, r in got.items():
                     bound = 2 * (k - 1) / k * args.numel * wire.bytes_per_element(scheme.split("/")[0])
                     wire_s = r["sent"] * 8 / (rate * 1e6)
                     rows.append({"rate_mbit": rate, "k": k, "scheme": scheme, "grid": args.grid, "numel": args.numel,
-                                 "bound": bound, "wire_seconds": wire_s, **r})
+                                 "congestion": cc, "bound": bound, "wire_seconds": wire_s,
+                                 "tcp_seconds": tcp.get(scheme), **r})
+                    ceiling = (f"{tcp[scheme]:>6.3f} {tcp[scheme] / wire_s:>9.2f} {r['seconds'] / tcp[scheme]:>6.2f}"
+                               if scheme in tcp else f"{'-':>6} {'-':>9} {'-':>6}")
                     print(f"{rate:>6g} {k:>2} {scheme:>10} {r['sent'] / 1e6:>8.3f} {bound / 1e6:>8.3f} "
-                          f"{r['seconds']:>12.3f} {wire_s:>11.3f} {r['seconds'] / wire_s:>6.2f}", flush=True)
+                          f"{r['seconds']:>12.3f} {wire_s:>11.3f} {r['seconds'] / wire_s:>6.2f} {ceiling}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
 

@@ -8,9 +8,13 @@ first (`step(require_trigger=True)`); once every peer holds its group, all are t
 same wall-clock instant, so both columns time the all-reduce alone, from the common start to the
 slowest peer's end. Bytes per node are what each host's interface sent during the all-reduce
 (`ip -s link`, protocol and TCP/IP headers included, identical accounting for both), the mean
-over peers. Medians over `--rounds` all-reduces after one warm-up.
+over peers. Medians over `--rounds` all-reduces after one warm-up. Beside them, plain TCP moving
+the same bytes between the same hosts, all at once (`allreduce_wan.tcp_ceiling`): the time no
+all-reduce over TCP can beat on these links, so "0.5x hivemind's time" is reachable only where
+hivemind takes twice that.
 
     sudo python benchmarks/hivemind_compare.py [--rates 20,100] [--k 3] [--numel 3500000] [--rounds 3]
+                                               [--cc cubic]
 """
 
 from __future__ import annotations
@@ -138,6 +142,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--initial", default="[]", help=argparse.SUPPRESS)
+    parser.add_argument("--cc", default=None, choices=["bbr", "cubic", "reno"],
+                        help="the hosts' TCP congestion control (default: the machine's)")
     args = parser.parse_args()
     if args.worker:
         return hivemind_worker(args.worker, json.loads(args.initial), args.k, args.numel)
@@ -145,22 +151,27 @@ def main() -> None:
         raise SystemExit("benchmarks/hivemind_compare.py needs root and iproute2 (ip, tc) to make network namespaces")
     print(f"{args.numel:,} values per peer, fp16, group of {args.k}; medians over {args.rounds} all-reduces; "
           "bytes: interface tx per peer")
+    print("plain TCP: the same bytes between the same hosts, all at once, no protocol (no all-reduce can beat it)")
     print(f"{'Mbit/s':>6} {'ours s':>8} {'hivemind s':>10} {'time ratio':>10} {'ours MB':>8} {'hivemind MB':>11} "
-          f"{'wire-time s':>11}")
+          f"{'wire-time s':>11} {'plain TCP s':>11}")
     rows = []
     for rate in (float(r) for r in args.rates.split(",")):
-        with netns.Hosts(args.k, rate_mbit=rate) as hosts:
+        with netns.Hosts(args.k, rate_mbit=rate, congestion=args.cc) as hosts:
             ours = measure(hosts, args.k, args.numel, args.rounds, ours=True)
             theirs = measure(hosts, args.k, args.numel, args.rounds, ours=False)
-        wire_s = 2 * (args.k - 1) / args.k * args.numel * 2 * 8 / (rate * 1e6)
+            bound = 2 * (args.k - 1) / args.k * args.numel * 2  # fp16 bytes each peer sends
+            tcp = allreduce_wan.tcp_ceiling(hosts, args.k, {"fp16": bound / (args.k - 1)}, args.rounds)["fp16"]
+        wire_s = bound * 8 / (rate * 1e6)
+        cc = args.cc or subprocess.run(["sysctl", "-n", netns.CONGESTION_KEY], capture_output=True, text=True).stdout.strip()
         rows.append({"rate": rate, "k": args.k, "numel": args.numel, "ours": ours, "hivemind": theirs,
-                     "ratio": ours["seconds"] / theirs["seconds"], "wire_seconds": wire_s, "load": os.getloadavg()[0]})
+                     "ratio": ours["seconds"] / theirs["seconds"], "wire_seconds": wire_s, "tcp_seconds": tcp,
+                     "congestion": cc, "load": os.getloadavg()[0]})
         print(f"{rate:>6g} {ours['seconds']:>8.3f} {theirs['seconds']:>10.3f} {rows[-1]['ratio']:>10.2f} "
-              f"{ours['sent'] / 1e6:>8.3f} {theirs['sent'] / 1e6:>11.3f} {wire_s:>11.3f}", flush=True)
+              f"{ours['sent'] / 1e6:>8.3f} {theirs['sent'] / 1e6:>11.3f} {wire_s:>11.3f} {tcp:>11.3f}", flush=True)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "hivemind_compare.json"  # runs accumulate: the machine is shared, one run is noisy
     old = json.loads(path.read_text()) if path.exists() else []
-    run = f"{time.strftime('%H:%M', time.gmtime())} UTC, --rates {args.rates} --rounds {args.rounds}"
+    run = f"{time.strftime('%H:%M', time.gmtime())} UTC, --rates {args.rates} --rounds {args.rounds} --cc {args.cc}"
     path.write_text(json.dumps(old + [{**r, "run": run} for r in rows], indent=1) + "\n")
 
 

@@ -22,7 +22,7 @@ The all-reduce alone (no training, all members starting together) is `benchmarks
 
     sudo python benchmarks/wan.py [--rates 20,100] [--ks 3] [--compressions fp16,int8,int4,topk2]
                                   [--overlaps none,eager] [--size tiny] [--rounds 3] [--set a.b=v ...]
-                                  [--json FILE]
+                                  [--json FILE] [--cc cubic]
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--cc", default=None, choices=["bbr", "cubic", "reno"],
+                        help="the hosts' TCP congestion control (default: the machine's)")
     args = parser.parse_args()
     if not netns.available():
         raise SystemExit("benchmarks/wan.py needs root and iproute2 (ip, tc) to make network namespaces")
@@ -103,7 +105,7 @@ def main() -> None:
           f"{'all-reduce s':>12} {'wire-time s':>11} {'ratio':>6} {'round s':>8} {'exposed s':>9} {'util':>5}")
     ks, rows = [int(k) for k in args.ks.split(",")], []
     for rate in (float(r) for r in args.rates.split(",")):
-        with netns.Hosts(max(ks) + 1, rate_mbit=rate) as hosts:
+        with netns.Hosts(max(ks) + 1, rate_mbit=rate, congestion=args.cc) as hosts:
             for k in ks:
                 for compression in args.compressions.split(","):
                     for overlap in args.overlaps.split(","):

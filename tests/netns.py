@@ -15,6 +15,12 @@ connections (iptables MASQUERADE) and drops every connection that starts outside
 can dial anyone and nobody can dial it, as behind a home router without port forwarding. The
 link shaping then applies to the router's uplink. `nat_available()` says whether iptables works.
 
+`congestion="cubic"` (or "reno", "bbr") gives the hosts' TCP that congestion control instead of
+the machine's default (BBR here; most volunteers' Linux, Windows and macOS hosts run CUBIC). It
+matters when both directions of a link are loaded at once, as in an all-reduce: one TCP flow each
+way between two hosts at 20 Mbit/s took 1.32-1.35x the wire time under BBR, 1.08-1.15x under
+CUBIC (`benchmarks/allreduce_wan.py` prints this ceiling beside each all-reduce).
+
 Needs root and iproute2 (`ip`, `tc`); `available()` says whether this machine has them. Every
 namespace is deleted on exit (deleting a namespace removes its interfaces and qdiscs), also
 after a failed test; namespaces left by a test process that was killed outright (their names
@@ -27,6 +33,8 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 SUBNET = "10.231.0"
@@ -47,10 +55,11 @@ def nat_available() -> bool:
     return available() and shutil.which("iptables") is not None
 
 
-def _run(*args: str) -> None:
+def _run(*args: str) -> subprocess.CompletedProcess:
     result = subprocess.run(list(args), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(args)}: {result.stderr.strip()}")
+    return result
 
 
 def _ip(*args: str) -> None:
@@ -108,8 +117,33 @@ def _remove_orphans() -> None:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+CONGESTION_KEY = "net.ipv4.tcp_congestion_control"
+
+
+@contextmanager
+def _congestion(name: str | None) -> Iterator[None]:
+    """Namespaces created inside get TCP congestion control `name` (None: the machine's default).
+
+    A new namespace copies the initial namespace's default, and this machine's kernel refuses to
+    change it from inside one, so the default is switched for the creation only and restored."""
+    if name is None:
+        yield
+        return
+    before = _run("sysctl", "-n", CONGESTION_KEY).stdout.strip()
+    _run("sysctl", "-q", "-w", f"{CONGESTION_KEY}={name}")
+    try:
+        yield
+    finally:
+        _run("sysctl", "-q", "-w", f"{CONGESTION_KEY}={before}")
+
+
 class Hosts:
-    def __init__(self, n: int, rate_mbit: float | None = None, private: tuple[int, ...] = (), tag: str = "dlp"):
+    def __init__(self, n: int, rate_mbit: float | None = None, private: tuple[int, ...] = (), tag: str = "dlp",
+                 congestion: str | None = None):
+        with _congestion(congestion):
+            self._create(n, rate_mbit, private, tag)
+
+    def _create(self, n: int, rate_mbit: float | None, private: tuple[int, ...], tag: str) -> None:
         _remove_orphans()
         self.tag = f"{tag}{os.getpid()}"
         self.hub = f"{self.tag}-hub"
