@@ -274,6 +274,39 @@ def measure(hosts: netns.Hosts, k: int, comps: list[str], numel: int, rounds: in
             p.close()
 
 
+def plot(sources: list[Path], out: Path) -> None:
+    """Ratio to the wire time against the link rate: the all-reduce (solid) and plain TCP moving the
+    same bytes (dashed), one panel per (run, wire), one colour per k; dotted: the 1.15x goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(p.read_text())["rows"] for p in sources]
+    schemes = sorted({r["scheme"] for rows in runs for r in rows if "/" not in r["scheme"]})
+    fig, axes = plt.subplots(len(runs), len(schemes), figsize=(4.5 * len(schemes), 3.6 * len(runs)),
+                             sharey=True, squeeze=False)
+    for rows, line in zip(runs, axes, strict=True):
+        for scheme, ax in zip(schemes, line, strict=True):
+            for k, colour in zip(sorted({r["k"] for r in rows}), ("C0", "C1", "C2", "C3", "C4"), strict=False):
+                got = sorted((r["rate_mbit"], r["seconds"] / r["wire_seconds"], (r["tcp_seconds"] or 0) / r["wire_seconds"])
+                             for r in rows if r["k"] == k and r["scheme"] == scheme)
+                ax.plot([g[0] for g in got], [g[1] for g in got], "o-", color=colour, label=f"k={k} all-reduce")
+                ax.plot([g[0] for g in got], [g[2] for g in got], "x--", color=colour, label=f"k={k} plain TCP")
+            ax.axhline(1.15, color="grey", lw=0.8, ls=":")
+            rates = sorted({r["rate_mbit"] for r in rows})
+            ax.set_xscale("log")
+            ax.minorticks_off()
+            ax.set_xticks(rates, [f"{r:g}" for r in rates])
+            ax.set_xlabel("link Mbit/s")
+            ax.set_title(f"{scheme}, TCP {rows[0].get('congestion', '?')}")
+        line[0].set_ylabel("time / wire time")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="20,100,200", help="link rates in Mbit/s, comma-separated")
@@ -291,7 +324,12 @@ def main() -> None:
     parser.add_argument("--cc", default=None, choices=["bbr", "cubic", "reno"],
                         help="the hosts' TCP congestion control (default: the machine's)")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the plain-TCP ceiling")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="draw the runs in --from (files written by --json) into this PNG, and stop")
+    parser.add_argument("--from", dest="sources", type=Path, nargs="+", default=[])
     args = parser.parse_args()
+    if args.plot:
+        return plot(args.sources, args.plot)
     from diloco_p2p.swarm import wire
 
     chunk = args.chunk or wire.DEFAULT_CHUNK_ELEMENTS
