@@ -16,11 +16,14 @@ wire time (`--rate` fixes it instead). Then one run per mode at that rate; per m
 over the steady rounds (blocking: every committed round; overlapped: the rounds that applied
 the previous round's average, i.e. not the first (nothing to apply) nor the last (it drains the
 pipeline, blocking)): round seconds, compute seconds, all-reduce seconds, exposed seconds (the
-loop stood still for the swarm), exposed as a share of the round (goal: <= 3% with overlap).
+loop stood still for the swarm), exposed as a share of the round (goal: <= 3% with overlap). A mode written MODE@WIRE runs on another
+wire than the default (fp16): ``inner@int4+ef`` is inner with the int4 wire and error feedback, at the
+rate calibrated for the default's blocking all-reduce.
 Exposed seconds also hold the wait for the slower node of the group, overlap or not.
 
     python benchmarks/overlap.py quality [--replicas 2] [--rounds 12] [--inner-steps 25] [--set a.b=v ...]
     sudo python benchmarks/overlap.py link [--k 2] [--rounds 6] [--inner-steps 20] [--rate MBIT] [--share 0.3]
+                                           [--modes none,delayed,eager,inner,inner@int4+ef]
     sudo python benchmarks/overlap.py all
 
 Results go to benchmarks/results/overlap.json (`quality` keyed by M, rounds and H; `link` replaced),
@@ -121,15 +124,20 @@ def link(args: argparse.Namespace) -> dict:
     out = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rate_mbit": rate, "modes": {}}
     print(f"link: {args.k} nodes, {rate} Mbit/s each way, H={args.inner_steps}, {args.rounds} rounds; medians over "
           "steady rounds")
-    print(f"{'overlap':>8} {'round s':>8} {'compute s':>9} {'all-reduce s':>12} {'exposed s':>9} {'exposed %':>9} "
-          f"{'all-reduce %':>12} {'θ agrees':>8}")
+    print(f"{'overlap':>14} {'round s':>8} {'compute s':>9} {'all-reduce s':>12} {'exposed s':>9} {'exposed %':>9} "
+          f"{'all-reduce %':>12} {'θ agrees':>8} {'MB sent':>8}")
     with netns.Hosts(args.k + 1, rate_mbit=rate) as hosts:
-        for mode in args.modes.split(","):
-            m = steady(swarm_run(hosts, args.k, mode, args.rounds, extra, rate), mode, args.rounds, args.k)
-            out["modes"][mode] = m
-            print(f"{mode:>8} {m['seconds']:>8.2f} {m['compute_seconds']:>9.2f} {m['allreduce_seconds']:>12.2f} "
+        for entry in args.modes.split(","):
+            mode, _, wire = entry.partition("@")  # MODE@WIRE: another wire than the default's, e.g. inner@int4+ef
+            compression, _, ef = wire.partition("+")
+            wired = [f"sync.compression={compression}"] if compression else []
+            wired += ["sync.error_feedback=true"] if ef == "ef" else []
+            m = steady(swarm_run(hosts, args.k, mode, args.rounds, [*extra, *wired], rate), mode, args.rounds, args.k)
+            m["mbytes_sent"] = m["bytes_sent"] / 1e6
+            out["modes"][entry] = m
+            print(f"{entry:>14} {m['seconds']:>8.2f} {m['compute_seconds']:>9.2f} {m['allreduce_seconds']:>12.2f} "
                   f"{m['exposed_seconds']:>9.2f} {m['exposed_share']:>9.1%} {m['allreduce_share']:>12.1%} "
-                  f"{m['theta_agrees']!s:>8}" + (f"  landed after {m['landed_step']:g} of {args.inner_steps} steps"
+                  f"{m['theta_agrees']!s:>8} {m['mbytes_sent']:>8.3f}" + (f"  landed after {m['landed_step']:g} of {args.inner_steps} steps"
                                                   if "landed_step" in m else ""), flush=True)
     return out
 

@@ -5,7 +5,8 @@ Every run is one `benchmarks/compression.py` run (`diloco-p2p simulate`, M repli
 process, the swarm's arithmetic, fp32 wire) on `configs/tiny-cpu.yaml`. A setting is
 MODE:OUTER_LR:MOMENTUM:ROUNDSxH, e.g. ``eager:0.7:0.3:40x5``, with MODE ``inner-TAU-ALPHA`` for
 ``sync.overlap=inner`` with ``sync.overlap_steps=TAU`` and ``sync.overlap_mix=ALPHA`` (e.g.
-``inner-5-0.75:0.7:0.3:40x10``); each overlapped run is compared
+``inner-5-0.75:0.7:0.3:40x10``), and an optional fifth field WIRE (default fp32; ``int4+ef``: the
+int4 wire with error feedback, e.g. ``inner-2-0.5:0.7:0.3:40x10:int4+ef``); each overlapped run is compared
 with blocking (``none``) at the same outer setting and schedule (when in the grid) and with the
 best blocking run at the same total inner steps. Runs are kept in --json and skipped when
 present (--resume); --report only prints the table.
@@ -27,13 +28,15 @@ DEFAULT = [f"{mode}:0.7:0.3:{s}" for s in ("80x5", "40x10", "16x25", "8x50") for
 
 
 def overrides(setting: str) -> list[str]:
-    mode, lr, mom, schedule = setting.split(":")
+    mode, lr, mom, schedule, *wire = setting.split(":")
     rounds, h = schedule.split("x")
+    compression, *ef = (wire[0] if wire else "fp32").split("+")
     mode, *inner = mode.split("-")  # inner-TAU-ALPHA: sync.overlap_steps and sync.overlap_mix
     extra = [f"sync.overlap_steps={inner[0]}", f"sync.overlap_mix={inner[1]}"] if inner else []
     return [*extra, f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}", f"train.max_rounds={rounds}",
             f"outer.inner_steps={h}", f"train.eval_every={max(1, int(rounds) // 4)}",
-            f"train.checkpoint_every={rounds}", "train.num_threads=1", "sync.compression=fp32"]
+            f"train.checkpoint_every={rounds}", "train.num_threads=1", f"sync.compression={compression}",
+            *(["sync.error_feedback=true"] if ef == ["ef"] else [])]
 
 
 def main() -> None:
@@ -71,7 +74,7 @@ def report(results: dict) -> str:
     lines = [f"{'setting (mode:lr:momentum:rounds x H)':<30} {'eval':>7} {'blocking same':>13} {'vs same':>8} "
              f"{'blocking best':>13} {'vs best':>8} {'same θ':>6}"]
     for name in sorted(results, key=lambda k: (steps(k), -int(k.split(":")[3].split("x")[1]), k.split(":")[0] != "none", k)):
-        r, (mode, lr, mom, schedule) = results[name], name.split(":")
+        r, (mode, lr, mom, schedule, *_) = results[name], name.split(":")
         same = results.get(f"none:{lr}:{mom}:{schedule}")
         blocking = [v for k, v in results.items() if k.startswith("none:") and steps(k) == steps(name)]
         top = min(blocking, key=lambda v: v["final"]) if blocking else None
