@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.netns
@@ -85,9 +87,6 @@ def tcp_worker(ip: str) -> None:
     job connects to every other host, and at the job's instant sends each of them `bytes` (all at
     once, as an all-reduce member sends its scatter and gather) while receiving theirs; prints when
     the last byte from them arrived, counted from the instant."""
-    import socket
-    import threading
-
     server = socket.create_server((ip, 0))
     print(json.dumps({"port": server.getsockname()[1]}), flush=True)
     received: dict[int, list[float]] = {}
@@ -118,29 +117,35 @@ def tcp_worker(ip: str) -> None:
         job = json.loads(line)
         if job.get("stop"):
             break
-        conns = [socket.create_connection((dest_ip, port)) for dest_ip, port in job["dests"]]
-        head = n.to_bytes(8, "big") + int(job["bytes"]).to_bytes(8, "big")
-        time.sleep(max(job["at"] - time.time(), 0.0))
-        senders = [threading.Thread(target=_send_bytes, args=(c, head, int(job["bytes"]))) for c in conns]
-        for t in senders:
-            t.start()
-        with arrived:
-            arrived.wait_for(functools.partial(lambda job, count: len(received.get(job, [])) >= count,
-                                               n, len(conns)), timeout=300)
-            last = max(received.get(n, [job["at"]]))
-        for t in senders:
-            t.join()
+        last = _tcp_job(n, job, lambda n=n: received.get(n, []), arrived)
         print(json.dumps({"seconds": last - job["at"]}), flush=True)
 
 
-def _send_bytes(conn, head: bytes, size: int) -> None:
+def _tcp_job(n: int, job: dict, arrivals: Callable[[], list[float]], arrived: threading.Condition) -> float:
+    """Job `n` of `tcp_worker`: connect, wait for the instant, send to every destination at once;
+    returns when the last of theirs arrived (`arrivals()`, under `arrived`)."""
+    conns = [socket.create_connection((dest_ip, port)) for dest_ip, port in job["dests"]]
+    head = n.to_bytes(8, "big") + int(job["bytes"]).to_bytes(8, "big")
+    time.sleep(max(job["at"] - time.time(), 0.0))
+    senders = [threading.Thread(target=_send_bytes, args=(c, head, int(job["bytes"]))) for c in conns]
+    for t in senders:
+        t.start()
+    with arrived:
+        arrived.wait_for(lambda: len(arrivals()) >= len(conns), timeout=300)
+        last = max(arrivals(), default=job["at"])
+    for t in senders:
+        t.join()
+    return last
+
+
+def _send_bytes(conn: socket.socket, head: bytes, size: int) -> None:
     """`head`, then `size` zero bytes; then wait for the receiver to close (it has everything)."""
     piece = bytes(1 << 17)
     with conn:
         conn.sendall(head)
         for at in range(0, size, len(piece)):
             conn.sendall(piece[: min(len(piece), size - at)])
-        conn.shutdown(1)  # socket.SHUT_WR
+        conn.shutdown(socket.SHUT_WR)
         conn.recv(1)
 
 
@@ -341,7 +346,7 @@ def main() -> None:
         raise SystemExit("benchmarks/allreduce_wan.py needs root and iproute2 (ip, tc) to make network namespaces")
     ks = [int(k) for k in args.ks.split(",")]
     comps = args.compressions.split(",")
-    cc = args.cc or subprocess.run(["sysctl", "-n", netns.CONGESTION_KEY], capture_output=True, text=True).stdout.strip()
+    cc = args.cc or netns.congestion()
     print(f"{args.numel:,} values per peer; medians over {args.rounds} all-reduces; chunk {chunk} values; TCP {cc}")
     print("ratio: all-reduce / wire time; tcp: plain TCP moving the same bytes between the same hosts, all at once")
     print(f"{'Mbit/s':>6} {'k':>2} {'wire':>10} {'sent MB':>8} {'bound MB':>8} {'all-reduce s':>12} "

@@ -162,7 +162,7 @@ def main() -> None:
             bound = 2 * (args.k - 1) / args.k * args.numel * 2  # fp16 bytes each peer sends
             tcp = allreduce_wan.tcp_ceiling(hosts, args.k, {"fp16": bound / (args.k - 1)}, args.rounds)["fp16"]
         wire_s = bound * 8 / (rate * 1e6)
-        cc = args.cc or subprocess.run(["sysctl", "-n", netns.CONGESTION_KEY], capture_output=True, text=True).stdout.strip()
+        cc = args.cc or netns.congestion()
         rows.append({"rate": rate, "k": args.k, "numel": args.numel, "ours": ours, "hivemind": theirs,
                      "ratio": ours["seconds"] / theirs["seconds"], "wire_seconds": wire_s, "tcp_seconds": tcp,
                      "congestion": cc, "load": os.getloadavg()[0]})

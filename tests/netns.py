@@ -120,6 +120,11 @@ def _remove_orphans() -> None:
 CONGESTION_KEY = "net.ipv4.tcp_congestion_control"
 
 
+def congestion(ns: str | None = None) -> str:
+    """The TCP congestion control of namespace `ns` (None: the machine's default)."""
+    return _run(*(["ip", "netns", "exec", ns] if ns else []), "sysctl", "-n", CONGESTION_KEY).stdout.strip()
+
+
 @contextmanager
 def _congestion(name: str | None) -> Iterator[None]:
     """Namespaces created inside get TCP congestion control `name` (None: the machine's default).
@@ -129,7 +134,7 @@ def _congestion(name: str | None) -> Iterator[None]:
     if name is None:
         yield
         return
-    before = _run("sysctl", "-n", CONGESTION_KEY).stdout.strip()
+    before = congestion()
     _run("sysctl", "-q", "-w", f"{CONGESTION_KEY}={name}")
     try:
         yield

@@ -21,40 +21,35 @@ pytestmark = [
 ]
 
 
-def congestion(*prefix: str) -> str:
-    return subprocess.run([*prefix, "sysctl", "-n", netns.CONGESTION_KEY], capture_output=True, text=True,
-                          check=True).stdout.strip()
-
-
 def another() -> str:
     """An allowed congestion control other than the machine's default (skips where the default
     cannot be changed: no sysctl, or no permission to write it)."""
     if shutil.which("sysctl") is None:
         pytest.skip("needs sysctl")
-    rewrite = subprocess.run(["sysctl", "-q", "-w", f"{netns.CONGESTION_KEY}={congestion()}"], capture_output=True)
+    rewrite = subprocess.run(["sysctl", "-q", "-w", f"{netns.CONGESTION_KEY}={netns.congestion()}"], capture_output=True)
     if rewrite.returncode != 0:
         pytest.skip("the machine's TCP congestion control cannot be changed here")
     allowed = subprocess.run(["sysctl", "-n", "net.ipv4.tcp_allowed_congestion_control"], capture_output=True,
                              text=True, check=True).stdout.split()
-    other = next((cc for cc in allowed if cc != congestion()), None)
+    other = next((cc for cc in allowed if cc != netns.congestion()), None)
     if other is None:
-        pytest.skip(f"only {congestion()} is allowed on this machine")
+        pytest.skip(f"only {netns.congestion()} is allowed on this machine")
     return other
 
 
 def test_hosts_get_the_congestion_control_asked_and_the_machine_keeps_its_own():
     other = another()
-    before = congestion()
+    before = netns.congestion()
     with netns.Hosts(2, congestion=other) as hosts:
-        assert [congestion(*h.prefix()) for h in hosts.hosts] == [other, other]
-        assert congestion() == before
+        assert [netns.congestion(h.ns) for h in hosts.hosts] == [other, other]
+        assert netns.congestion() == before
     with netns.Hosts(1) as hosts:  # no choice: the machine's default
-        assert congestion(*hosts[0].prefix()) == before
+        assert netns.congestion(hosts[0].ns) == before
 
 
 def test_the_default_comes_back_when_the_hosts_cannot_be_made(monkeypatch):
     other = another()
-    before = congestion()
+    before = netns.congestion()
 
     def refuse(ns: str, dev: str, rate_mbit: float) -> None:
         raise RuntimeError(f"tc on {ns}/{dev}: refused")
@@ -62,8 +57,8 @@ def test_the_default_comes_back_when_the_hosts_cannot_be_made(monkeypatch):
     monkeypatch.setattr(netns, "_tc", refuse)  # fails after the switch, with namespaces half made
     with pytest.raises(RuntimeError, match="refused"):
         netns.Hosts(1, rate_mbit=10, congestion=other, tag="nt")
-    assert congestion() == before
+    assert netns.congestion() == before
     assert f"nt{os.getpid()}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     with pytest.raises(RuntimeError, match="no-such"):
         netns.Hosts(1, congestion="no-such-algorithm")
-    assert congestion() == before
+    assert netns.congestion() == before
