@@ -36,6 +36,12 @@ SETTINGS = {  # name -> (compression, error feedback)
 }
 
 
+def wire_overrides(name: str) -> list[str]:
+    """The config overrides of a wire named as in SETTINGS, e.g. ``int4+ef``."""
+    compression, feedback = SETTINGS[name]
+    return [f"sync.compression={compression}", f"sync.error_feedback={feedback}"]
+
+
 def payload_bytes(n: int, compression: str, k: int, density: float, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS) -> float:
     """Mean payload bytes one member sends per round (see the module docstring)."""
     if k < 2:
@@ -95,7 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="diloco-compression-") as tmp, \
             concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = {n: pool.submit(run, n, Path(tmp), args.replicas,
-                                  [*common, f"sync.compression={SETTINGS[n][0]}", f"sync.error_feedback={SETTINGS[n][1]}"])
+                                  [*common, *wire_overrides(n)])
                    for n in names}
         results = {n: f.result() for n, f in futures.items()}
     n_params, k = parameters(), args.replicas

@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.netns, tests.harness
 
+from compression import wire_overrides  # noqa: E402
 from quality import run as simulate_run  # noqa: E402
 
 RESULTS = Path("benchmarks/results/overlap.json")
@@ -129,9 +130,7 @@ def link(args: argparse.Namespace) -> dict:
     with netns.Hosts(args.k + 1, rate_mbit=rate) as hosts:
         for entry in args.modes.split(","):
             mode, _, wire = entry.partition("@")  # MODE@WIRE: another wire than the default's, e.g. inner@int4+ef
-            compression, _, ef = wire.partition("+")
-            wired = [f"sync.compression={compression}"] if compression else []
-            wired += ["sync.error_feedback=true"] if ef == "ef" else []
+            wired = wire_overrides(wire) if wire else []
             m = steady(swarm_run(hosts, args.k, mode, args.rounds, [*extra, *wired], rate), mode, args.rounds, args.k)
             m["mbytes_sent"] = m["bytes_sent"] / 1e6
             out["modes"][entry] = m

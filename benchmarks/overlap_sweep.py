@@ -22,7 +22,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from compression import run
+from compression import run, wire_overrides
 
 DEFAULT = [f"{mode}:0.7:0.3:{s}" for s in ("80x5", "40x10", "16x25", "8x50") for mode in ("none", "eager")]
 
@@ -30,13 +30,11 @@ DEFAULT = [f"{mode}:0.7:0.3:{s}" for s in ("80x5", "40x10", "16x25", "8x50") for
 def overrides(setting: str) -> list[str]:
     mode, lr, mom, schedule, *wire = setting.split(":")
     rounds, h = schedule.split("x")
-    compression, *ef = (wire[0] if wire else "fp32").split("+")
     mode, *inner = mode.split("-")  # inner-TAU-ALPHA: sync.overlap_steps and sync.overlap_mix
     extra = [f"sync.overlap_steps={inner[0]}", f"sync.overlap_mix={inner[1]}"] if inner else []
     return [*extra, f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}", f"train.max_rounds={rounds}",
             f"outer.inner_steps={h}", f"train.eval_every={max(1, int(rounds) // 4)}",
-            f"train.checkpoint_every={rounds}", "train.num_threads=1", f"sync.compression={compression}",
-            *(["sync.error_feedback=true"] if ef == ["ef"] else [])]
+            f"train.checkpoint_every={rounds}", "train.num_threads=1", *wire_overrides(wire[0] if wire else "fp32")]
 
 
 def main() -> None:
