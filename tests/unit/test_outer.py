@@ -1,9 +1,12 @@
+import hashlib
+
 import pytest
 import torch
 
+from diloco_p2p import outer as outer_module
 from diloco_p2p.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from diloco_p2p.config import OuterConfig
-from diloco_p2p.outer import OuterOptimizer, dylu_steps, flatten
+from diloco_p2p.outer import OuterOptimizer, dylu_steps, flatten, tensor_sha256
 
 
 def _workers(theta: torch.Tensor, n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -148,3 +151,32 @@ def test_dynamic_local_updates_match_the_worked_example():
     assert dylu_steps(speeds, "e", 500) == 500  # our speed unknown: H
     assert dylu_steps({"a": 1000.0, "b": 1.0}, "b", 500) == 1  # never zero steps
     assert dylu_steps({"a": 0.0, "b": 0.0}, "a", 30) == 30
+
+
+def test_theta_hash_is_sha256_of_its_bytes_up_to_one_chunk_and_of_the_chunk_digests_past_it(monkeypatch):
+    monkeypatch.setattr(outer_module, "HASH_CHUNK_BYTES", 1024)
+    small = torch.randn(256)  # exactly one chunk
+    assert tensor_sha256(small) == hashlib.sha256(small.numpy().tobytes()).hexdigest()
+
+    big = torch.randn(1000)  # 4000 bytes: chunks of 1024, 1024, 1024, 928
+    raw = big.numpy().tobytes()
+    digests = b"".join(hashlib.sha256(raw[i : i + 1024]).digest() for i in range(0, len(raw), 1024))
+    assert tensor_sha256(big) == hashlib.sha256(outer_module._CHUNKED + digests).hexdigest()
+    monkeypatch.setattr(outer_module.os, "cpu_count", lambda: 1)  # one thread: the same hash
+    assert tensor_sha256(big) == hashlib.sha256(outer_module._CHUNKED + digests).hexdigest()
+    flipped = big.clone()
+    flipped[999] = torch.nextafter(flipped[999], torch.tensor(float("inf")))  # last bit of the last chunk
+    assert tensor_sha256(flipped) != tensor_sha256(big)
+
+
+def test_the_trained_weights_come_back_in_one_reused_buffer():
+    params = [torch.randn(3, 4), torch.randn(5)]
+    outer = OuterOptimizer(params, OuterConfig())
+    with torch.no_grad():
+        params[0].add_(1.0)
+    first = outer.pseudo_gradient(params)
+    assert torch.allclose(first, torch.cat([torch.full((12,), -1.0), torch.zeros(5)]))
+    staging = outer._staging
+    outer.pseudo_gradient(params)
+    assert outer._staging is staging and not outer.pinned  # CPU parameters: a plain buffer, once
+

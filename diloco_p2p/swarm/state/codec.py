@@ -5,13 +5,14 @@ See `diloco_p2p.swarm.state` for what goes in it and why the bytes are determini
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import safetensors.torch
 import torch
+
+from diloco_p2p.outer import tensor_sha256
 
 MAX_SAFETENSORS_HEADER = 100 << 20  # what safetensors itself accepts
 _HEADER_LENGTH = 8  # safetensors starts with its JSON header's length, 8 bytes little-endian
@@ -65,8 +66,8 @@ THETA = "outer.theta"  # the tensor whose sha256 is a node's params hash (`Outer
 
 
 def theta_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
-    """The params hash of a state: sha256 of θ's bytes, as every node computes it of its own θ."""
-    return hashlib.sha256(tensors[THETA].contiguous().numpy().tobytes()).hexdigest()
+    """The params hash of a state, as every node computes it of its own θ (`tensor_sha256`)."""
+    return tensor_sha256(tensors[THETA])
 
 
 class StateCheck:
