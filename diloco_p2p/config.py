@@ -159,6 +159,10 @@ class TrainConfig(_Section):
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="`auto` = bf16 autocast on CUDA, fp32 on CPU."
     )
+    compile: bool = Field(
+        False, description="Compile the model's forward with `torch.compile` (the first steps take longer while "
+        "it compiles; see `benchmarks/gpu_inner.py` for what it gains).",
+    )
     num_threads: int | None = Field(
         None, gt=0,
         description="torch CPU threads; unset = the machine's cores shared among the training processes running "

@@ -141,6 +141,7 @@ class RoundRecord:
     wire_ratio: float | None = None
     compute_seconds: float | None = None  # inner steps of the round (the work a volunteer's GPU does)
     exposed_seconds: float | None = None  # the loop stood still for the swarm: matchmaking + all-reduce
+    outer_seconds: float | None = None  # θ to the model, Δ back, the outer step and the hash of the new θ
     utilization: float | None = None  # compute_seconds / seconds
     dropped_round: int | None = None  # a resync: the round of our own θ that was given up
     resyncs: int | None = None

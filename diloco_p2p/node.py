@@ -8,6 +8,9 @@ the model, the outer state and the checkpoint go through `ShardLayout` (`diloco_
 an identity on one rank. On N ranks rank 0 owns the run directory (config, metrics.jsonl,
 checkpoints); rank r > 0 writes its own metrics.jsonl (the same node-wide numbers) under
 ``ranks/<r>/``.
+
+The module is long (~530 lines) because the overlap modes' landing, unlanding and resuming touch
+the loop's own state (round, θ, the record in wait); what stands alone is in `diloco_p2p.overlap`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -88,6 +93,7 @@ class Node:
         self.joined_at_round: int | None = None
         self.resyncs = 0
         self._node_hash: tuple[int, str] | None = None
+        self._outer_seconds = 0.0  # this round's outer work so far (`_outer_timer`)
         self._resumed_flight: tuple[int, torch.Tensor, float] | None = None  # a checkpoint's round in flight
         self._deferred: RoundRecord | None = None  # sync.overlap: a record served once its average is known
         # sync.overlap=inner: the model's weights carry on into the next round (not reset to θ), and
@@ -109,6 +115,8 @@ class Node:
             precision = "fp32" if uses_bf16_params(ranks.device, precision) else precision
         else:
             self.model = model.to(self.device)
+        if cfg.train.compile:
+            self.model.compile()  # in place: the parameters stay the module's own
         self.params = list(self.model.parameters())
         self.layout = ShardLayout(self.params, ranks)
         self.data = open_dataset(cfg.data, cfg.model, tokenizer, cfg.inner.seq_len, self.sync.peer_id,
@@ -147,24 +155,28 @@ class Node:
             if resync is not None:
                 records.append(self._adopt(resync))
                 continue
-            start, losses, round_tokens = time.perf_counter(), [], 0
+            start, steps, round_tokens = time.perf_counter(), [], 0
             compute_start = time.time()
             offset = self.pipeline.local_offset() if self.pipeline else None
             if not self._carry:  # every round starts from θ (+ eager c); under overlap=inner, where the last ended
-                self.outer.copy_into(self.layout.local_views(), offset)
+                with self._outer_timer():
+                    self.outer.copy_into(self.layout.local_views(), offset)
 
             for _ in range(self._inner_steps()):  # H inner steps on our own data
                 if self._stopping():
                     break
-                stats = self.trainer.step(self._next_batch)
-                losses.append(stats.loss)
-                round_tokens += stats.tokens
+                steps.append(self.trainer.step(self._next_batch))
+                round_tokens += steps[-1].tokens
                 self.step += 1
-                self._observe_step(stats, len(losses))
+                if len(steps) > 1:  # the step before: its loss is read while the GPU runs this one
+                    self._observe_step(steps[-2], len(steps) - 1)
                 if self.pipeline and self._deferred and self.pipeline.inflight_done():
                     self._serve(self._deferred)  # now with the average in flight, which joiners need
-                if self._lands_now(len(losses)):
-                    self._land(len(losses))  # overlap=inner: the previous round's average, τ steps into this one
+                if self._lands_now(len(steps)):
+                    self._land(len(steps))  # overlap=inner: the previous round's average, τ steps into this one
+            if steps:
+                self._observe_step(steps[-1], len(steps))
+            losses = [s.loss for s in steps]
             if self._stopping():
                 self._unland()
                 break  # abandon the partial round: nothing of it reaches θ or the swarm
@@ -172,11 +184,13 @@ class Node:
             landed = self._landed
             landed_wait = landed.waited if landed else 0.0
             compute = time.perf_counter() - start - landed_wait
-            delta = self.outer.pseudo_gradient(self.layout.local_views(), offset)  # Δ = θ (+ c) − θ_local
+            with self._outer_timer():
+                delta = self.outer.pseudo_gradient(self.layout.local_views(), offset)  # Δ = θ (+ c) − θ_local
             phases = {"compute_start": compute_start, "compute_end": time.time()}
-            synced = time.perf_counter()
+            synced, outer_before = time.perf_counter(), self._outer_seconds
             outcome, applied = self._average(delta, float(round_tokens), phases)
-            exposed = time.perf_counter() - synced + landed_wait  # communication not hidden behind compute
+            # communication not hidden behind compute (the outer step inside `_average` is outer work)
+            exposed = time.perf_counter() - synced + landed_wait - (self._outer_seconds - outer_before)
             if outcome is None:
                 break  # stopped: the group carries on without us; our partial round is dropped
             self.round += 1
@@ -184,8 +198,11 @@ class Node:
             overlap = {} if self.pipeline is None else {"overlap": self.pipeline.mode, "phases": phases}
             if landed is not None:
                 overlap["landed_step"] = landed.step
+            self.params_sha256()  # hashed here, so its time counts in the outer step's
+            outer_seconds, self._outer_seconds = self._outer_seconds, 0.0
             records.append(self._commit(self._record(outcome, start, losses, round_tokens, compute_seconds=compute,
-                                                     exposed_seconds=exposed, applied_round=applied, **overlap)))
+                                                     exposed_seconds=exposed, outer_seconds=outer_seconds,
+                                                     applied_round=applied, **overlap)))
 
         self.outer.copy_into(self.layout.local_views())
         if self._stopping():
@@ -301,7 +318,17 @@ class Node:
 
     def _apply(self, outcome: RoundOutcome) -> None:
         if outcome.average is not None:
-            self.outer.step(outcome.average)  # outer Nesterov step, identical on every group member
+            with self._outer_timer():
+                self.outer.step(outcome.average)  # outer Nesterov step, identical on every group member
+
+    @contextmanager
+    def _outer_timer(self) -> Iterator[None]:
+        """Counts toward the round's `outer_seconds`: θ to the model, Δ back, the step, the hash."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._outer_seconds += time.perf_counter() - began
 
     def _inner_steps(self) -> int:
         """H, or fewer on a node slower than its last group under outer.dynamic_local_updates."""
@@ -328,7 +355,8 @@ class Node:
         """The node's hash of θ: computed once per distinct θ (one small collective on N ranks)."""
         version = self.outer.version
         if self._node_hash is None or self._node_hash[0] != version:
-            self._node_hash = (version, self.ranks.node_sha256(self.outer.params_sha256()))
+            with self._outer_timer():
+                self._node_hash = (version, self.ranks.node_sha256(self.outer.params_sha256()))
         return self._node_hash[1]
 
     def state(self) -> NodeState:
