@@ -29,7 +29,7 @@ PER_RANK_BATCH = 2
 COMMON = [
     "model.preset=tiny", "data.max_bytes=200000", "inner.seq_len=32", "inner.warmup_steps=2", "inner.lr=0.003",
     "outer.inner_steps=4", "inner.total_steps=12", "train.eval_batches=1", "train.num_threads=1",
-    "data.order_key=fsdp-test",
+    "data.order_key=fsdp-test", "train.device=cpu",  # gloo: on a GPU machine too (CUDA FSDP needs a GPU per rank)
 ]
 
 

@@ -150,7 +150,7 @@ def test_a_seed_killed_with_sigkill_takes_its_dht_and_p2pd_along(seeds, tmp_path
 def test_seed_with_a_corrupt_identity_exits_2_with_one_line(tmp_path):
     identity = tmp_path / "seed.key"
     identity.write_bytes(b"garbage")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-m", "diloco_p2p", "seed", "--host-maddrs", *LOOPBACK, "--identity", str(identity)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
