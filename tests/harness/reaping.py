@@ -30,7 +30,12 @@ def new_token() -> str:
 
 
 def session_token() -> str:
-    """This session's marker value, set in os.environ on first use (conftest does it at import)."""
+    """This session's marker value, set in os.environ on first use (conftest does it at import).
+    A pytest-xdist worker is a session of its own: it takes its own token, not the one inherited
+    from the controller, which every worker carries (the first to finish would reap the others)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and not os.environ.get(SESSION_VAR, "").startswith(f"{worker}-"):
+        os.environ[SESSION_VAR] = f"{worker}-{os.getpid()}-{new_token()}"
     return os.environ.setdefault(SESSION_VAR, f"{os.getpid()}-{new_token()}")
 
 

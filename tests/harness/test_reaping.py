@@ -41,3 +41,13 @@ def test_session_reaper_kills_what_a_test_started_outside_the_harness(tmp_path: 
     assert reaping.alive(grandchild)
     assert grandchild in reaping.reap_session(spare=before)  # what conftest runs at the end of the session
     assert not reaping.alive(grandchild)
+
+
+def test_an_xdist_worker_marks_its_processes_with_a_token_of_its_own(monkeypatch):
+    """Workers inherit the controller's token; keeping it, the first worker to finish would reap
+    every other worker (seen on a 16-core run with -n 12)."""
+    monkeypatch.setenv(reaping.SESSION_VAR, "controller-token")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    token = reaping.session_token()
+    assert token != "controller-token" and token.startswith("gw3-")
+    assert reaping.session_token() == token == os.environ[reaping.SESSION_VAR]  # stable within the worker
