@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU checks, in one command for a CUDA machine: the GPU-only tests, the suite with CUDA
+# present, and the GPU benchmarks. Logs go to $OUT (default ./gpu-out), one file per stage.
+#
+#   bash benchmarks/gpu_run.sh info tests inner outer swarm mixed suite
+#
+# A machine without our dependencies can take them as wheels in .whl/ (pip download ... -d .whl);
+# they are installed into /tmp/site first.
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+if [ -d .whl ] && ! python3 -c "import hivemind" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+stage() {  # stage NAME LIMIT_S COMMAND...: run it under a time limit, log it, show its end
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date +%T))"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "exit $?" >> "$OUT/$name.log"
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+for s in "$@"; do
+    case $s in
+        info) stage info 60 bash -c 'nvidia-smi; nproc; free -g; python3 -c "import torch, transformers, hivemind;
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), transformers.__version__,
+hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_available())"' ;;
+        tests) stage tests 300 python3 -m pytest -p no:cacheprovider -q -rs tests/gpu ;;
+        inner) stage inner 300 python3 benchmarks/gpu_inner.py --compile ;;
+        outer) stage outer 240 python3 benchmarks/gpu_outer.py ;;
+        swarm) stage swarm 300 python3 benchmarks/gpu_swarm.py ;;
+        mixed) stage mixed 180 python3 benchmarks/gpu_swarm.py --mixed ;;
+        suite) stage suite "${SUITE_S:-420}" python3 -m pytest -p no:cacheprovider -q -n 12 --dist loadfile \
+                   --timeout 240 ${SUITE_TESTS:-tests/unit tests/integration tests/faults} ;;
+        *) echo "unknown stage $s"; exit 2 ;;
+    esac
+done
