@@ -160,6 +160,9 @@ class NodeMetrics:
         self.exposed_seconds = Gauge("diloco_exposed_sync_seconds",
                                      "Seconds the last round's training stood still for the swarm (matchmaking + "
                                      "all-reduce).", registry=r)
+        self.outer_seconds = Gauge("diloco_outer_step_seconds",
+                                   "Seconds of the last round's outer work: θ into the model, Δ back, the outer "
+                                   "step and the hash of the new θ.", registry=r)
         self.utilization = Gauge("diloco_compute_utilization_ratio",
                                  "Inner-step seconds over round seconds, last round.", registry=r)
         self.wire_ratio = Gauge("diloco_allreduce_wire_time_ratio",
@@ -190,7 +193,7 @@ class NodeMetrics:
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)
         for g in (self.train_loss, self.round_train_loss, self.eval_loss, self.params_agree, self.config_agree,
-                  self.dht_peers, self.exposed_seconds, self.utilization, self.wire_ratio):
+                  self.dht_peers, self.exposed_seconds, self.outer_seconds, self.utilization, self.wire_ratio):
             g.set(NAN)
         self._warned: set[str] = set()
 
@@ -224,8 +227,8 @@ class NodeMetrics:
             self.allreduce_sent.inc(v)
         if (v := _number(get("bytes_received"))) is not None:
             self.allreduce_received.inc(v)
-        for key, gauge in (("exposed_seconds", self.exposed_seconds), ("utilization", self.utilization),
-                           ("wire_ratio", self.wire_ratio)):
+        for key, gauge in (("exposed_seconds", self.exposed_seconds), ("outer_seconds", self.outer_seconds),
+                           ("utilization", self.utilization), ("wire_ratio", self.wire_ratio)):
             if (v := _number(get(key))) is not None:
                 gauge.set(v)
         if (v := _number(get("tokens_per_s"))) is not None:

@@ -43,8 +43,10 @@ def test_wire_ratio_needs_the_declared_link():
 def test_prometheus_exports_exposed_seconds_utilization_and_wire_ratio():
     m = NodeMetrics()
     assert sample(m, "diloco_compute_utilization_ratio") != sample(m, "diloco_compute_utilization_ratio")  # NaN
+    assert sample(m, "diloco_outer_step_seconds") != sample(m, "diloco_outer_step_seconds")  # NaN
     m.observe_round({"round": 1, "status": "committed", "exposed_seconds": 1.5, "utilization": 0.75,
-                     "wire_ratio": 1.1})
+                     "wire_ratio": 1.1, "outer_seconds": 0.25})
     assert sample(m, "diloco_exposed_sync_seconds") == 1.5
+    assert sample(m, "diloco_outer_step_seconds") == 0.25
     assert sample(m, "diloco_compute_utilization_ratio") == 0.75
     assert sample(m, "diloco_allreduce_wire_time_ratio") == 1.1
