@@ -24,7 +24,7 @@ import torch
 from diloco_p2p.config import OuterConfig, load_config
 from diloco_p2p.inner import InnerTrainer
 from diloco_p2p.model import llama_config
-from diloco_p2p.outer import OuterOptimizer, tensor_sha256
+from diloco_p2p.outer import OuterOptimizer, flatten, tensor_sha256
 from diloco_p2p.swarm import wire
 
 
@@ -58,7 +58,7 @@ def naive(params: list[torch.Tensor], theta: torch.Tensor, delta: torch.Tensor,
                 p.copy_(chunk.view(p.shape))
 
     def pseudo_gradient() -> torch.Tensor:
-        return theta - torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+        return theta - flatten(params)  # one blocking copy per parameter, then a concatenation
 
     return {"θ -> model": to_model, "Δ = θ - weights": pseudo_gradient, "outer step": step,
             "hash θ": lambda: hashlib.sha256(theta.numpy().tobytes()).hexdigest()}
