@@ -18,10 +18,10 @@ by frame, from `wire`: member j streams part i (`wire.partition`, `wire.chunk_ra
 `wire.encoded_size`) to each reducer i, its reduced part j back to every member with a one-byte
 trailer, and a mask to every member; each message is a JSON header and 8-byte length prefixes.
 That is 2(k-1)/k · n · bytes/value plus a few hundred bytes per message, the all-reduce lower
-bound. Formats `wire` may not encode yet are counted from `swarm/codecs.py`'s layouts: ``int4``
-(blockwise absmax, one fp32 scale per 64 values, two codes per byte, as in Dettmers et al.'s
-blockwise quantization) and ``topk2`` (SparseLoCo's chunked top-k, Sarfi et al. 2025: per block
-of 4,096 values a (lo, hi) pair, uint16 offsets and 2-bit codes). A sparse payload does not
+bound. ``int4`` and ``topk2`` are counted by `swarm/codecs.py`'s sizes: ``int4`` (blockwise
+absmax, one fp32 scale per 64 values, two codes per byte, as in Dettmers et al.'s blockwise
+quantization) and ``topk2`` (SparseLoCo's chunked top-k, Sarfi et al. 2025: per block of 4,096
+values a (lo, hi) pair, Elias-Fano offsets and 2-bit codes). A sparse payload does not
 shrink in a reduce-scatter (a reducer's average is the union of k supports), so top-k goes by the
 all-gather of sparse contributions (`sparse`, `swarm/allgather.py`: every member sends its own
 to every other; bytes grow as (N-1) · S).
@@ -68,14 +68,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
 
-from diloco_p2p.swarm import streams, wire
+from diloco_p2p.swarm import codecs, streams, wire
 
 SCHEMES = ("auto", "butterfly", "grid", "sparse")
 COMPRESSIONS = ("fp32", "fp16", "int8", "int4", "topk2")
 OVERLAPS = ("none", "eager", "inner")
 DEFAULT_NODES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
-INT4_BLOCK = 64  # values per fp32 scale in the 4-bit format (`swarm/codecs.py`)
-TOPK_BLOCK = 4096  # top-k is chosen per block of this many values (`swarm/codecs.py`)
 _PREFIX = streams.LENGTH_PREFIX
 _GROUP_ID = "0" * 64  # a group id is a sha256 hex digest (matchmaking)
 MEMBER_LIST_BYTES = 190  # per member in the list the matchmaking leader sends to each member
@@ -178,12 +176,9 @@ def payload_size(numel: int, compression: str, density: float = 1.0) -> int:
     if compression in wire.COMPRESSIONS:
         return wire.encoded_size(numel, compression)
     if compression == "int4":
-        return 4 * math.ceil(numel / INT4_BLOCK) + (numel + 1) // 2
-    if compression == "topk2":  # per block of TOPK_BLOCK: (lo, hi) fp32, uint16 offsets, 2-bit codes
-        full, tail = divmod(numel, TOPK_BLOCK)
-        blocks = [TOPK_BLOCK] * full + ([tail] if tail else [])
-        kept = sum(min(m, max(1, math.ceil(density * m))) for m in blocks)
-        return 8 * len(blocks) + 2 * kept + (kept + 3) // 4
+        return codecs.int4_size(numel)
+    if compression == "topk2":
+        return codecs.topk_size(numel, density)
     raise ValueError(f"unknown compression {compression!r}")
 
 

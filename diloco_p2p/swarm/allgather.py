@@ -12,10 +12,11 @@ rounded operations, no fused multiply-add), then one divide by the total weight.
 bytes in the same order give the same bits on every member, without a reducer.
 
 Bytes per member and round: (k-1)·S out and (k-1)·S in, S = `codecs.topk_size(n, density)`
-(0.0245 bytes per element at density 1%). The dense butterfly sends 2(k-1)/k·n·b (b = 2 for
-fp16). Ratio to fp16: 4/(k·S/n) = 163/k at 1%: 82x at k = 2, 54x at k = 3, 41x at k = 4; the
-all-gather stops paying against an int4 butterfly (b = 0.5625) when (k-1)·S > 2(k-1)/k·0.5625·n,
-i.e. k > 46 at 1% or k > 4.6 at 10%. So this is for small groups and low densities (the
+(0.0152 bytes per element at density 1%, 0.0359 at 3%). The dense butterfly sends
+2(k-1)/k·n·b (b = 2 for fp16). Ratio to fp16: 4/(k·S/n) = 264/k at 1%: 132x at k = 2, 88x at
+k = 3, 66x at k = 4 (at 3%: 56x, 37x, 28x); the all-gather stops paying against an int4
+butterfly (b = 0.5625) when (k-1)·S > 2(k-1)/k·0.5625·n, i.e. k > 74 at 1%, k > 31 at 3%,
+k > 12 at 10%. So this is for small groups and low densities (the
 hierarchical all-reduce keeps groups small); a large group should use int4/int8.
 
 Faults work as in the butterfly, on the same `Session` (deadlines, pings, exclusion, masks):

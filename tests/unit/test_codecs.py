@@ -83,9 +83,49 @@ def test_topk2_keeps_each_blocks_largest_values_within_a_quarter_of_their_range(
         assert err.max() <= (mag.max() - mag.min()) / 4 * (1 + 1e-6) + 1e-12
 
 
-def test_topk2_is_at_least_50x_smaller_than_fp16_at_one_percent():
+def test_topk2_sizes_are_the_elias_fano_bound():
+    """Per block: 8 bytes of (lo, hi), then k·(L + 2) + k + ((m-1) >> L) + 1 bits, L = floor(log2(m/k)),
+    computed here from the layout; 50x fewer bytes than fp16 up to a density of 3%."""
+    for numel, density in ((1, 0.01), (4096, 0.01), (4096, 0.03), (4100, 0.01), (1 << 20, 0.03), (9000, 0.6)):
+        blocks = [4096] * (numel // 4096) + ([numel % 4096] if numel % 4096 else [])
+        bits = 0
+        for m in blocks:
+            k = min(m, max(1, math.ceil(density * m)))
+            low = int(math.floor(math.log2(m / k)))
+            bits += k * (low + 2) + k + ((m - 1) >> low) + 1
+        assert codecs.topk_size(numel, density) == 8 * len(blocks) + math.ceil(bits / 8)
     n = 1 << 20
-    assert 2 * n / codecs.topk_size(n, 0.01) >= 80
+    assert 2 * n / codecs.topk_size(n, 0.01) >= 120 and 2 * n / codecs.topk_size(n, 0.03) >= 50
+
+
+def _pack(lohi: list[tuple[float, float]], offsets: list[list[int]], codes: list[list[int]], sizes: list[int]) -> bytes:
+    """A topk2 frame written from the layout in the codecs docstring, for any offsets (also bad ones)."""
+    bits: list[int] = []
+    lows = [int(math.floor(math.log2(m / len(o)))) for m, o in zip(sizes, offsets, strict=True)]
+    for m, o, low in zip(sizes, offsets, lows, strict=True):
+        vector = [0] * (len(o) + ((m - 1) >> low) + 1)
+        for i, off in enumerate(o):
+            vector[min((off >> low) + i, len(vector) - 1)] = 1
+        bits += vector
+    for o, c, low in zip(offsets, codes, lows, strict=True):
+        for off, code in zip(o, c, strict=True):
+            bits += [(off >> j) & 1 for j in range(low)] + [code & 1, code >> 1]
+    bits += [0] * (-len(bits) % 8)
+    packed = bytes(sum(bit << j for j, bit in enumerate(bits[i : i + 8])) for i in range(0, len(bits), 8))
+    return np.array(lohi, dtype="<f4").tobytes() + packed
+
+
+def test_topk2_layout_is_the_documented_one():
+    x = vector(4100, seed=3)  # a full block of 4096 (41 kept) and a tail of 4 (1 kept)
+    y = codecs.decode_topk(codecs.encode_topk(x, DENSITY), 4100, DENSITY)
+    offsets = [torch.nonzero(y[:4096]).view(-1).tolist(), torch.nonzero(y[4096:]).view(-1).tolist()]
+    lohi, codes = [], []
+    for start, o in zip((0, 4096), offsets, strict=True):
+        mag = x[start:][o].abs()
+        lo, hi = float(mag.min()), float(mag.max())
+        lohi.append((lo, hi))
+        codes.append([int(v < 0) * 2 + int(abs(v) >= (lo + hi) / 2) for v in x[start:][o].tolist()])
+    assert codecs.encode_topk(x, DENSITY) == _pack(lohi, offsets, codes, [4096, 4])
 
 
 def test_topk2_refuses_truncated_padded_and_disordered_payloads():
@@ -96,25 +136,28 @@ def test_topk2_refuses_truncated_padded_and_disordered_payloads():
             codecs.decode_topk(bad, 5000, DENSITY)
     with pytest.raises(wire.WireError):
         codecs.decode_topk(data, 5000, 0.02)  # another density: another size
-    blocks = 2
-    offsets = np.frombuffer(data, dtype="<u2", offset=8 * blocks, count=41).copy()
-    swapped = offsets.copy()
-    swapped[[0, 1]] = swapped[[1, 0]]
-    out_of_range = offsets.copy()
-    out_of_range[-1] = 4096
-    for changed in (swapped, out_of_range):
-        bad = data[: 8 * blocks] + changed.astype("<u2").tobytes() + data[8 * blocks + 2 * 41 :]
+    lohi = [(0.5, 1.0), (0.5, 1.0)]
+    good = [list(range(0, 4096, 100))[:41], list(range(0, 904, 100))]  # 41 of 4096, 10 of 904 (5000 = 4096 + 904)
+    codes = [[1] * 41, [2] * 10]
+    assert torch.count_nonzero(codecs.decode_topk(_pack(lohi, good, codes, [4096, 904]), 5000, DENSITY)) == 51
+    repeated = [good[0][:20] + [good[0][19]] + good[0][21:], good[1]]  # the same offset twice
+    swapped = [good[0][:5] + [8 * 64 + 20, 8 * 64 + 10] + good[0][7:], good[1]]  # one high part, low bits descending
+    out_of_range = [good[0][:-1] + [4096], good[1]]
+    for changed in (repeated, swapped, out_of_range):
         with pytest.raises(wire.WireError, match="offsets"):
-            codecs.decode_topk(bad, 5000, DENSITY)
+            codecs.decode_topk(_pack(lohi, changed, codes, [4096, 904]), 5000, DENSITY)
+    flipped = bytearray(data)
+    flipped[8 * 2] ^= 0xFF  # eight bits of the first block's bit vector: no longer 41 ones
+    with pytest.raises(wire.WireError, match="offsets"):
+        codecs.decode_topk(bytes(flipped), 5000, DENSITY)
 
 
 def test_topk2_tail_block_offsets_are_checked_against_its_own_size():
-    x = vector(4100)  # a full block and a tail of 4
-    data = bytearray(codecs.encode_topk(x, DENSITY))
-    offset_of_tail = 8 * 2 + 2 * 41
-    data[offset_of_tail : offset_of_tail + 2] = (4).to_bytes(2, "little")  # the tail has offsets 0..3
+    good = _pack([(1.0, 1.0), (1.0, 1.0)], [list(range(41)), [3]], [[0] * 41, [0]], [4096, 4])
+    assert codecs.decode_topk(good, 4100, DENSITY)[4099] == 1.0
+    bad = _pack([(1.0, 1.0), (1.0, 1.0)], [list(range(41)), [4]], [[0] * 41, [0]], [4096, 4])  # the tail has 0..3
     with pytest.raises(wire.WireError, match="offsets"):
-        codecs.decode_topk(bytes(data), 4100, DENSITY)
+        codecs.decode_topk(bad, 4100, DENSITY)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
