@@ -202,11 +202,12 @@ class AdmissionConfig(_Section):
 class SyncConfig(_Section):
     compression: Literal["fp32", "fp16", "int8", "int4", "topk2"] = Field(
         "fp16", description="Wire format of pseudo-gradients in the all-reduce (accumulation is fp32): fp32, fp16, "
-        "int8 or int4 (blockwise absmax) through the butterfly, or topk2 (top-k values per 4096-block, 2 bits each) "
+        "int8 or int4 (blockwise absmax) through the butterfly, or topk2 (top-k values per 65,536-value block, 2 bits each) "
         "through a sparse all-gather (for small groups)."
     )
     topk_density: float = Field(
-        0.01, gt=0, le=1, description="Fraction of the values each block keeps under compression topk2."
+        0.03, gt=0, le=1, description="Fraction of the values each block keeps under compression topk2 (0.03: 59x "
+        "fewer bytes than fp16 in a pair, 39x in a group of 3)."
     )
     error_feedback: bool | None = Field(
         None, description="Keep what the lossy wire did not send (int8, int4, topk2) and add it to the next "

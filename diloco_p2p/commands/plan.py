@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheme", default="auto", help=f"averaging scheme: {', '.join(plan.SCHEMES)}")
     p.add_argument("--group", type=int, default=16, help="butterfly size; a grid's row size")
     p.add_argument("--compression", default="fp16", help=f"wire format: {', '.join(plan.COMPRESSIONS)}")
-    p.add_argument("--density", type=float, default=0.02, help="top-k: fraction of values sent")
+    p.add_argument("--density", type=float, default=0.03, help="top-k: fraction of values sent")
     p.add_argument("--overlap", default="none", help=f"{', '.join(plan.OVERLAPS)}: hide the all-reduce behind compute")
     p.add_argument("--overlap-steps", type=int, default=1,
                    help="overlap inner: τ, the inner steps of the next round the all-reduce runs behind")

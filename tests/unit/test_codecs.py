@@ -13,6 +13,7 @@ import torch
 from diloco_p2p.swarm import codecs, wire
 
 DENSITY = 0.01
+B = codecs.TOPK_BLOCK
 
 
 def vector(n: int = 10_000, seed: int = 0) -> torch.Tensor:
@@ -52,7 +53,7 @@ def test_int4_refuses_a_wrong_length_and_an_unused_code():
 
 
 def _reference_topk(x: torch.Tensor, density: float) -> torch.Tensor:
-    """What topk2 keeps, computed with numpy: per block of 4096 the ceil(d·m) largest magnitudes,
+    """What topk2 keeps, computed with numpy: per block of TOPK_BLOCK the ceil(d·m) largest magnitudes,
     each rounded to lo + (hi-lo)/4 or lo + 3(hi-lo)/4 of the kept magnitudes' range."""
     a = x.double().numpy()
     out = np.zeros_like(a)
@@ -67,7 +68,7 @@ def _reference_topk(x: torch.Tensor, density: float) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-@pytest.mark.parametrize("numel, density", [(1, 0.01), (100, 0.01), (4096, 0.01), (10_000, 0.01), (9000, 0.3)])
+@pytest.mark.parametrize("numel, density", [(1, 0.01), (100, 0.01), (B, 0.01), (B + 10_000, 0.01), (9000, 0.3)])
 def test_topk2_keeps_each_blocks_largest_values_within_a_quarter_of_their_range(numel, density):
     x = vector(numel, seed=numel)
     data = codecs.encode_topk(x, density)
@@ -86,8 +87,8 @@ def test_topk2_keeps_each_blocks_largest_values_within_a_quarter_of_their_range(
 def test_topk2_sizes_are_the_elias_fano_bound():
     """Per block: 8 bytes of (lo, hi), then k·(L + 2) + k + ((m-1) >> L) + 1 bits, L = floor(log2(m/k)),
     computed here from the layout; 50x fewer bytes than fp16 up to a density of 3%."""
-    for numel, density in ((1, 0.01), (4096, 0.01), (4096, 0.03), (4100, 0.01), (1 << 20, 0.03), (9000, 0.6)):
-        blocks = [4096] * (numel // 4096) + ([numel % 4096] if numel % 4096 else [])
+    for numel, density in ((1, 0.01), (B, 0.01), (B, 0.03), (B + 4, 0.01), (1 << 20, 0.03), (9000, 0.6)):
+        blocks = [B] * (numel // B) + ([numel % B] if numel % B else [])
         bits = 0
         for m in blocks:
             k = min(m, max(1, math.ceil(density * m)))
@@ -116,48 +117,48 @@ def _pack(lohi: list[tuple[float, float]], offsets: list[list[int]], codes: list
 
 
 def test_topk2_layout_is_the_documented_one():
-    x = vector(4100, seed=3)  # a full block of 4096 (41 kept) and a tail of 4 (1 kept)
-    y = codecs.decode_topk(codecs.encode_topk(x, DENSITY), 4100, DENSITY)
-    offsets = [torch.nonzero(y[:4096]).view(-1).tolist(), torch.nonzero(y[4096:]).view(-1).tolist()]
+    x = vector(B + 4, seed=3)  # a full block (656 kept) and a tail of 4 (1 kept)
+    y = codecs.decode_topk(codecs.encode_topk(x, DENSITY), B + 4, DENSITY)
+    offsets = [torch.nonzero(y[:B]).view(-1).tolist(), torch.nonzero(y[B:]).view(-1).tolist()]
     lohi, codes = [], []
-    for start, o in zip((0, 4096), offsets, strict=True):
+    for start, o in zip((0, B), offsets, strict=True):
         mag = x[start:][o].abs()
         lo, hi = float(mag.min()), float(mag.max())
         lohi.append((lo, hi))
         codes.append([int(v < 0) * 2 + int(abs(v) >= (lo + hi) / 2) for v in x[start:][o].tolist()])
-    assert codecs.encode_topk(x, DENSITY) == _pack(lohi, offsets, codes, [4096, 4])
+    assert codecs.encode_topk(x, DENSITY) == _pack(lohi, offsets, codes, [B, 4])
 
 
 def test_topk2_refuses_truncated_padded_and_disordered_payloads():
-    x = vector(5000)
-    data = codecs.encode_topk(x, DENSITY)
+    n = B + 904
+    data = codecs.encode_topk(vector(n), DENSITY)
     for bad in (data[:-1], data + b"\x00"):
         with pytest.raises(wire.WireError, match="expected"):
-            codecs.decode_topk(bad, 5000, DENSITY)
+            codecs.decode_topk(bad, n, DENSITY)
     with pytest.raises(wire.WireError):
-        codecs.decode_topk(data, 5000, 0.02)  # another density: another size
+        codecs.decode_topk(data, n, 0.02)  # another density: another size
     lohi = [(0.5, 1.0), (0.5, 1.0)]
-    good = [list(range(0, 4096, 100))[:41], list(range(0, 904, 100))]  # 41 of 4096, 10 of 904 (5000 = 4096 + 904)
-    codes = [[1] * 41, [2] * 10]
-    assert torch.count_nonzero(codecs.decode_topk(_pack(lohi, good, codes, [4096, 904]), 5000, DENSITY)) == 51
+    good = [list(range(0, B, 99))[:656], list(range(0, 904, 100))]  # 656 of a full block, 10 of the tail of 904
+    codes = [[1] * 656, [2] * 10]
+    assert torch.count_nonzero(codecs.decode_topk(_pack(lohi, good, codes, [B, 904]), n, DENSITY)) == 666
     repeated = [good[0][:20] + [good[0][19]] + good[0][21:], good[1]]  # the same offset twice
     swapped = [good[0][:5] + [8 * 64 + 20, 8 * 64 + 10] + good[0][7:], good[1]]  # one high part, low bits descending
-    out_of_range = [good[0][:-1] + [4096], good[1]]
+    out_of_range = [good[0][:-1] + [B], good[1]]
     for changed in (repeated, swapped, out_of_range):
         with pytest.raises(wire.WireError, match="offsets"):
-            codecs.decode_topk(_pack(lohi, changed, codes, [4096, 904]), 5000, DENSITY)
+            codecs.decode_topk(_pack(lohi, changed, codes, [B, 904]), n, DENSITY)
     flipped = bytearray(data)
-    flipped[8 * 2] ^= 0xFF  # eight bits of the first block's bit vector: no longer 41 ones
+    flipped[8 * 2] ^= 0xFF  # eight bits of the first block's bit vector: no longer 656 ones
     with pytest.raises(wire.WireError, match="offsets"):
-        codecs.decode_topk(bytes(flipped), 5000, DENSITY)
+        codecs.decode_topk(bytes(flipped), n, DENSITY)
 
 
 def test_topk2_tail_block_offsets_are_checked_against_its_own_size():
-    good = _pack([(1.0, 1.0), (1.0, 1.0)], [list(range(41)), [3]], [[0] * 41, [0]], [4096, 4])
-    assert codecs.decode_topk(good, 4100, DENSITY)[4099] == 1.0
-    bad = _pack([(1.0, 1.0), (1.0, 1.0)], [list(range(41)), [4]], [[0] * 41, [0]], [4096, 4])  # the tail has 0..3
+    good = _pack([(1.0, 1.0), (1.0, 1.0)], [list(range(656)), [3]], [[0] * 656, [0]], [B, 4])
+    assert codecs.decode_topk(good, B + 4, DENSITY)[B + 3] == 1.0
+    bad = _pack([(1.0, 1.0), (1.0, 1.0)], [list(range(656)), [4]], [[0] * 656, [0]], [B, 4])  # the tail has 0..3
     with pytest.raises(wire.WireError, match="offsets"):
-        codecs.decode_topk(bad, 4100, DENSITY)
+        codecs.decode_topk(bad, B + 4, DENSITY)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
