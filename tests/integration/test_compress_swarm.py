@@ -1,7 +1,10 @@
 """Two real nodes and a seed on loopback with ``sync.compression: topk2`` (sparse all-gather,
-error feedback on by default): the same θ every round, the applied average is the mean of the
-offered Δ + e as every member decodes them, the bytes are >= 50x below the fp16 butterfly, and
-the error-feedback buffer in the last checkpoint is what the last round did not send.
+error feedback on by default) and the outer setting the README recommends for it (decaying
+feedback, outer lr 2, no outer momentum): the same θ every round, and the θ `simulate` reaches
+with the nodes' peer ids (so its quality sweeps are this swarm's), the applied average is the
+mean of the offered Δ + β·e as every member decodes them, the bytes are >= 50x below the fp16
+butterfly, and the error-feedback buffer in the last checkpoint is what the last round did not
+send.
 
 The nodes save each round's offered Δ and the average they applied (keep@average).
 """
@@ -13,12 +16,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from diloco_p2p.config import load_config
 from diloco_p2p.feedback import sent_values
+from diloco_p2p.simulate import simulate
 from diloco_p2p.swarm import codecs, wire
+from diloco_p2p.swarm.dht import peer_id_of
+from tests.harness.settings import SWARM
 from tests.harness.swarm import ProcessSwarm
 
 ROUNDS = 3
 DENSITY = 0.01
+OVERRIDES = [f"train.max_rounds={ROUNDS}", "sync.target_group_size=2", "sync.matchmaking_timeout=20",
+             "sync.compression=topk2", f"sync.topk_density={DENSITY}", f"train.checkpoint_every={ROUNDS}",
+             "sync.feedback_decay=0.9", "outer.lr=2.0", "outer.momentum=0"]
 
 
 def _saved(node, round_: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -29,9 +39,7 @@ def _saved(node, round_: int) -> tuple[torch.Tensor, torch.Tensor, float]:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     with ProcessSwarm(tmp_path_factory.mktemp("compress-swarm")) as swarm:
-        overrides = [f"train.max_rounds={ROUNDS}", "sync.target_group_size=2", "sync.matchmaking_timeout=20",
-                     "sync.compression=topk2", f"sync.topk_density={DENSITY}", f"train.checkpoint_every={ROUNDS}"]
-        nodes = [swarm.node(f"node-{i}", overrides, env={"DILOCO_P2P_FAULTS": "keep@average"}) for i in range(2)]
+        nodes = [swarm.node(f"node-{i}", OVERRIDES, env={"DILOCO_P2P_FAULTS": "keep@average"}) for i in range(2)]
         swarm.wait_joined(*nodes)
         swarm.release(*nodes)
         for node in nodes:
@@ -49,6 +57,14 @@ def test_topk2_nodes_end_every_round_with_the_same_parameters(swarm):
             assert (r["status"], r["group_size"], r["contributors"], r["compression"]) == (
                 "committed", 2, 2, "topk2"), r
     assert len({per_node[0][r]["params_sha256"] for r in range(ROUNDS + 1)}) == ROUNDS + 1  # θ moved
+
+
+def test_simulated_replicas_with_the_nodes_order_keys_end_every_round_with_their_parameters(swarm, tmp_path):
+    keys = [peer_id_of(node.run_dir / "identity.key") for node in swarm]
+    simulated = simulate(load_config(None, [*SWARM, *OVERRIDES]), tmp_path, keys)
+    theirs = [swarm[0].by_round()[r]["params_sha256"] for r in range(ROUNDS + 1)]
+    for key in keys:
+        assert [r.params_sha256 for r in simulated[key]] == theirs
 
 
 def test_topk2_average_is_the_mean_of_the_decoded_offers_and_sends_few_bytes(swarm):
