@@ -20,8 +20,8 @@ trailer, and a mask to every member; each message is a JSON header and 8-byte le
 That is 2(k-1)/k · n · bytes/value plus a few hundred bytes per message, the all-reduce lower
 bound. ``int4`` and ``topk2`` are counted by `swarm/codecs.py`'s sizes: ``int4`` (blockwise
 absmax, one fp32 scale per 64 values, two codes per byte, as in Dettmers et al.'s blockwise
-quantization) and ``topk2`` (SparseLoCo's chunked top-k, Sarfi et al. 2025: per block of 4,096
-values a (lo, hi) pair, Elias-Fano offsets and 2-bit codes). A sparse payload does not
+quantization) and ``topk2`` (SparseLoCo's chunked top-k, Sarfi et al. 2025: per frame of 65,536
+values two magnitude levels, Elias-Fano positions and 2-bit codes). A sparse payload does not
 shrink in a reduce-scatter (a reducer's average is the union of k supports), so top-k goes by the
 all-gather of sparse contributions (`sparse`, `swarm/allgather.py`: every member sends its own
 to every other; bytes grow as (N-1) · S).
