@@ -29,6 +29,7 @@ differ from SparseLoCo's, each measured on the tiny preset (2 nodes, 40 rounds x
   each magnitude the nearer level) instead of fixed points of the kept range: kept magnitudes
   are heavy-tailed, and on such a test vector the error falls from 0.29 to 0.11 of the kept
   values' norm (levels at 1/4 and 3/4 of the range); 0.2% lower eval loss on a 5-seed mean.
+  The runs: `benchmarks/results/compression_topk_seeds.txt` and its ablation files.
 
 The offsets are Elias-Fano coded (Elias 1974, Fano 1971), which costs a fixed number of bits for
 a given block size m and count k, within 2 bits per offset of the log2 C(m, k) any code needs:
@@ -40,12 +41,13 @@ uint16 offsets took 16, so the same bytes carry about twice the values.
 Layout of one chunk (a frame): the float32 levels (lower, upper) of each block; then one bit
 stream, least significant bit of each byte first: the bit vectors of every block in order, then
 per kept value (block by block, ascending) its L low bits (least significant first) and its
-2-bit code (bit 0: the upper level, bit 1: negative); zero bits pad the last byte. A full block at d = 1% (656 values) costs
-8 bytes + 6928 bits: 0.0133 bytes per element (150x fewer than fp16; with uint16 offsets per
-4096 it was 0.0245, 82x); at d = 3% (1967 values), 8 bytes + 17784 bits: 0.0340 (59x). The size
-is a function of (numel, density) alone, so a receiver knows each frame's exact length from the
-header; `decode_topk` refuses a block whose bit vector does not hold exactly k ones and offsets
-out of range or not strictly ascending (a repeated offset would make the scatter order matter).
+2-bit code (bit 0: the upper level, bit 1: negative); zero bits pad the last byte. A full block
+at d = 1% (656 values) costs 8 bytes + 6928 bits: 0.0133 bytes per element (150x fewer than
+fp16; with uint16 offsets per 4096 it was 0.0245, 82x); at d = 3% (1967 values), 8 bytes + 17784
+bits: 0.0340 (59x). The size is a function of (numel, density) alone, so a receiver knows each
+frame's exact length from the header; `decode_topk` refuses a block whose bit vector does not
+hold exactly k ones and offsets out of range or not strictly ascending (a repeated offset would
+make the scatter order matter).
 """
 
 from __future__ import annotations
