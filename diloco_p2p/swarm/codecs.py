@@ -190,21 +190,21 @@ def _from_bits(bits: np.ndarray) -> np.ndarray:
 def encode_topk(x: torch.Tensor, density: float) -> bytes:
     """Chunked top-k with 2-bit values of a flat float32 tensor (see the module docstring)."""
     x = x.detach().reshape(-1).to(torch.float32)
-    lohi, vectors, values, start = [], [], [], 0
+    block_levels, vectors, values, start = [], [], [], 0
     for count, m, k in _groups(x.numel(), density):
         idx, lo, hi, codes = _select(x[start : start + count * m].view(count, m), k)
         start += count * m
         idx, low = idx.numpy().astype(np.int64), _low_bits(m, k)
         vector = np.zeros((count, _bits(m, k)[0]), dtype=np.uint8)
         np.put_along_axis(vector, (idx >> low) + np.arange(k), 1, axis=1)  # the i-th one at high(i) + i
-        lohi.append(torch.stack([lo, hi], dim=1).view(-1))
+        block_levels.append(torch.stack([lo, hi], dim=1).view(-1))
         vectors.append(vector.reshape(-1))
         values.append(np.concatenate([_as_bits(idx & ((1 << low) - 1), low),
                                       _as_bits(codes.numpy().astype(np.int64), 2)], axis=1).reshape(-1))
-    if not lohi:
+    if not block_levels:
         return b""
     bits = np.packbits(np.concatenate(vectors + values), bitorder="little")
-    return torch.cat(lohi).numpy().astype("<f4", copy=False).tobytes() + bits.tobytes()
+    return torch.cat(block_levels).numpy().astype("<f4", copy=False).tobytes() + bits.tobytes()
 
 
 def decode_topk(data: bytes | bytearray | memoryview, numel: int, density: float) -> torch.Tensor:
@@ -219,7 +219,7 @@ def decode_topk(data: bytes | bytearray | memoryview, numel: int, density: float
     if not groups:
         return out
     blocks = sum(c for c, _, _ in groups)
-    lohi = np.frombuffer(data, dtype="<f4", count=2 * blocks).astype(np.float32).reshape(blocks, 2)
+    block_levels = np.frombuffer(data, dtype="<f4", count=2 * blocks).astype(np.float32).reshape(blocks, 2)
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8, offset=8 * blocks), bitorder="little")
     at_vector, at_value = 0, sum(c * _bits(m, k)[0] for c, m, k in groups)  # the values follow every bit vector
     block = start = 0
@@ -236,7 +236,7 @@ def decode_topk(data: bytes | bytearray | memoryview, numel: int, density: float
         if (idx >= m).any() or (np.diff(idx, axis=1) <= 0).any():
             raise WireError("topk2 offsets out of range or not strictly ascending within a block")
         codes = _from_bits(pairs[:, low:])
-        levels = torch.from_numpy(np.repeat(lohi[block : block + count], k, axis=0))  # (lower, upper) per value
+        levels = torch.from_numpy(np.repeat(block_levels[block : block + count], k, axis=0))  # (lower, upper) per value
         magnitude = levels.gather(1, torch.from_numpy(codes & 1).view(-1, 1)).view(-1)  # non-finite: the receiver rejects it
         signed = torch.where(torch.from_numpy(codes & 2 > 0), -magnitude, magnitude)
         out[torch.from_numpy(start + (np.arange(count)[:, None] * m + idx).reshape(-1))] = signed
