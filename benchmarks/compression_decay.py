@@ -11,7 +11,7 @@ with the best fp32 run of the grid. Runs are kept in --json and skipped when pre
 so a grid can be grown run by run; --report only prints the table from --json.
 
     python benchmarks/compression_decay.py [--rounds 40] [--inner-steps 5] [--density 0.015] [--seed N]
-        [--settings fp32:-:0.7:0.3 topk2:0.95:1.0:0 ...] [--resume] [--report] [--txt PATH]
+        [--settings fp32:-:0.7:0.3 topk2:0.95:1.0:0 ...] [--resume] [--report] [--txt PATH] [--png PATH]
 
 A run of seed N > 0 is named SETTING@RxHsN and compared with the fp32 runs of its own seed; with
 more than one seed the table ends with each setting's mean difference to the preset's fp32 (0.7/0.3)
@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--report", action="store_true", help="only print the table from --json")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/compression_topk_decay.json"))
     p.add_argument("--txt", type=Path, help="also write the table here")
+    p.add_argument("--png", type=Path, help="also plot each seed's difference to the reference here")
     args = p.parse_args()
     state = json.loads(args.json.read_text()) if (args.resume or args.report) and args.json.exists() else {}
     results: dict = state.get("results", {})
@@ -71,6 +72,8 @@ def main() -> None:
     print(table)
     if args.txt:
         args.txt.write_text(table + "\n")
+    if args.png:
+        plot(results, args.png)
 
 
 def report(results: dict, replicas: int, density: float) -> str:
@@ -99,9 +102,11 @@ def report(results: dict, replicas: int, density: float) -> str:
     return "\n".join(lines)
 
 
-def seed_means(results: dict, reference: str = "fp32:-:0.7:0.3") -> list[str]:
-    """Per setting and schedule run on more than one seed: its difference to `reference` of the same
-    seed, each seed's and their mean and sample standard deviation."""
+REFERENCE = "fp32:-:0.7:0.3"
+
+
+def seed_diffs(results: dict, reference: str = REFERENCE) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """(setting, rounds x H) run on more than one seed -> (seed, its difference to `reference` of that seed)."""
     diffs: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for name, r in results.items():
         setting, schedule = name.split("@")
@@ -109,17 +114,45 @@ def seed_means(results: dict, reference: str = "fp32:-:0.7:0.3") -> list[str]:
         ref = results.get(f"{reference}@{schedule}")
         if ref and setting != reference:
             diffs.setdefault((setting, base), []).append((int(seed or 0), r["final"] / ref["final"] - 1))
+    return {key: sorted(runs) for key, runs in sorted(diffs.items()) if len(runs) > 1}
+
+
+def seed_means(results: dict, reference: str = REFERENCE) -> list[str]:
+    """Per setting and schedule run on more than one seed: each seed's difference to `reference` of
+    the same seed, their mean and sample standard deviation."""
     lines = []
-    for (setting, base), runs in sorted(diffs.items()):
-        if len(runs) < 2:
-            continue
-        values = [d for _, d in sorted(runs)]
+    for (setting, base), runs in seed_diffs(results, reference).items():
+        values = [d for _, d in runs]
         mean = sum(values) / len(values)
         sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
         seeds = " / ".join(f"{v:+.2%}" for v in values)
-        lines.append(f"{setting}@{base} vs {reference} of the same seed, seeds {[s for s, _ in sorted(runs)]}: "
+        lines.append(f"{setting}@{base} vs {reference} of the same seed, seeds {[s for s, _ in runs]}: "
                      f"{seeds}; mean {mean:+.2%} (sd {sd:.2%})")
     return lines
+
+
+def plot(results: dict, png: Path, goal: float = 0.02) -> None:
+    """Each seed's difference to the reference (dots) and their mean (bar) per setting and schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    diffs = seed_diffs(results)
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(diffs) + 1.5))
+    for row, runs in enumerate(diffs.values()):
+        values = [100 * d for _, d in runs]
+        ax.scatter(values, [row] * len(values), s=14, color="C0", alpha=0.6)
+        ax.plot([sum(values) / len(values)] * 2, [row - 0.3, row + 0.3], color="C3", lw=2)
+    ax.axvline(100 * goal, color="grey", ls="--", lw=1, label=f"goal +{goal:.0%}")
+    ax.axvline(0, color="black", lw=0.5)
+    ax.set_yticks(range(len(diffs)), [f"{s} @ {b} ({len(r)} seeds)" for (s, b), r in diffs.items()], fontsize=7)
+    ax.set_xlabel(f"eval loss vs {REFERENCE} of the same seed (%): dots = seeds, bar = mean")
+    ax.legend(fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
 
 
 if __name__ == "__main__":
