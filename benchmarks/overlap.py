@@ -18,7 +18,8 @@ the previous round's average, i.e. not the first (nothing to apply) nor the last
 pipeline, blocking)): round seconds, compute seconds, all-reduce seconds, exposed seconds (the
 loop stood still for the swarm), exposed as a share of the round (goal: <= 3% with overlap). A mode written MODE@WIRE runs on another
 wire than the default (fp16): ``inner@int4+ef`` is inner with the int4 wire and error feedback, at the
-rate calibrated for the default's blocking all-reduce.
+rate calibrated for the default's blocking all-reduce. MODE/P runs Streaming DiLoCo's ``sync.fragments=P``
+with rounds of H/P inner steps and P times the rounds (each part still syncs every H steps): ``inner/5``.
 Exposed seconds also hold the wait for the slower node of the group, overlap or not.
 
     python benchmarks/overlap.py quality [--replicas 2] [--rounds 12] [--inner-steps 25] [--set a.b=v ...]
@@ -130,13 +131,15 @@ def link(args: argparse.Namespace) -> dict:
     with netns.Hosts(args.k + 1, rate_mbit=rate) as hosts:
         for entry in args.modes.split(","):
             mode, _, wire = entry.partition("@")  # MODE@WIRE: another wire than the default's, e.g. inner@int4+ef
-            wired = wire_overrides(wire) if wire else []
-            m = steady(swarm_run(hosts, args.k, mode, args.rounds, [*extra, *wired], rate), mode, args.rounds, args.k)
+            mode, _, fragments = mode.partition("/")  # MODE/P: sync.fragments=P, rounds of H/P steps, P x the rounds
+            p = int(fragments or 1)
+            wired = [*(wire_overrides(wire) if wire else []), f"sync.fragments={p}", f"outer.inner_steps={args.inner_steps // p}"]
+            m = steady(swarm_run(hosts, args.k, mode, args.rounds * p, [*extra, *wired], rate), mode, args.rounds * p, args.k)
             m["mbytes_sent"] = m["bytes_sent"] / 1e6
             out["modes"][entry] = m
             print(f"{entry:>14} {m['seconds']:>8.2f} {m['compute_seconds']:>9.2f} {m['allreduce_seconds']:>12.2f} "
                   f"{m['exposed_seconds']:>9.2f} {m['exposed_share']:>9.1%} {m['allreduce_share']:>12.1%} "
-                  f"{m['theta_agrees']!s:>8} {m['mbytes_sent']:>8.3f}" + (f"  landed after {m['landed_step']:g} of {args.inner_steps} steps"
+                  f"{m['theta_agrees']!s:>8} {m['mbytes_sent']:>8.3f}" + (f"  landed after {m['landed_step']:g} of {args.inner_steps // p} steps"
                                                   if "landed_step" in m else ""), flush=True)
     return out
 

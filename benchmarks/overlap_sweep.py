@@ -6,7 +6,8 @@ process, the swarm's arithmetic, fp32 wire) on `configs/tiny-cpu.yaml`. A settin
 MODE:OUTER_LR:MOMENTUM:ROUNDSxH, e.g. ``eager:0.7:0.3:40x5``, with MODE ``inner-TAU-ALPHA`` for
 ``sync.overlap=inner`` with ``sync.overlap_steps=TAU`` and ``sync.overlap_mix=ALPHA`` (e.g.
 ``inner-5-0.75:0.7:0.3:40x10``), and an optional fifth field WIRE (default fp32; ``int4+ef``: the
-int4 wire with error feedback, e.g. ``inner-2-0.5:0.7:0.3:40x10:int4+ef``); each overlapped run is compared
+int4 wire with error feedback, e.g. ``inner-2-0.5:0.7:0.3:40x10:int4+ef``), and MODE/P for Streaming DiLoCo's
+``sync.fragments=P`` (e.g. ``inner-1-0.5/5:0.7:0.3:200x2``: each part syncs every 10 steps, as 40x10 does); each overlapped run is compared
 with blocking (``none``) at the same outer setting and schedule (when in the grid) and with the
 best blocking run at the same total inner steps. Runs are kept in --json and skipped when
 present (--resume); --report only prints the table.
@@ -30,8 +31,10 @@ DEFAULT = [f"{mode}:0.7:0.3:{s}" for s in ("80x5", "40x10", "16x25", "8x50") for
 def overrides(setting: str) -> list[str]:
     mode, lr, mom, schedule, *wire = setting.split(":")
     rounds, h = schedule.split("x")
+    mode, _, fragments = mode.partition("/")  # MODE/P: sync.fragments=P
     mode, *inner = mode.split("-")  # inner-TAU-ALPHA: sync.overlap_steps and sync.overlap_mix
     extra = [f"sync.overlap_steps={inner[0]}", f"sync.overlap_mix={inner[1]}"] if inner else []
+    extra += [f"sync.fragments={fragments}"] if fragments else []
     return [*extra, f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}", f"train.max_rounds={rounds}",
             f"outer.inner_steps={h}", f"train.eval_every={max(1, int(rounds) // 4)}",
             f"train.checkpoint_every={rounds}", "train.num_threads=1", *wire_overrides(wire[0] if wire else "fp32")]
@@ -68,12 +71,20 @@ def steps(setting: str) -> int:
     return int(rounds) * int(h)
 
 
+def blocking_schedule(mode: str, schedule: str) -> str:
+    """The blocking run a setting is compared with: the same, or under MODE/P (fragments) the one
+    whose rounds are as long as a part's sync interval: R x H -> R/P x H·P."""
+    fragments = int(mode.partition("/")[2] or 1)
+    rounds, h = (int(v) for v in schedule.split("x"))
+    return f"{rounds // fragments}x{h * fragments}"
+
+
 def report(results: dict) -> str:
     lines = [f"{'setting (mode:lr:momentum:rounds x H)':<30} {'eval':>7} {'blocking same':>13} {'vs same':>8} "
              f"{'blocking best':>13} {'vs best':>8} {'same θ':>6}"]
     for name in sorted(results, key=lambda k: (steps(k), -int(k.split(":")[3].split("x")[1]), k.split(":")[0] != "none", k)):
         r, (mode, lr, mom, schedule, *_) = results[name], name.split(":")
-        same = results.get(f"none:{lr}:{mom}:{schedule}")
+        same = results.get(f"none:{lr}:{mom}:{blocking_schedule(mode, schedule)}")
         blocking = [v for k, v in results.items() if k.startswith("none:") and steps(k) == steps(name)]
         top = min(blocking, key=lambda v: v["final"]) if blocking else None
         cols = [f"{same['final']:>13.4f}" if same else f"{'-':>13}",

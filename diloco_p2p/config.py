@@ -3,7 +3,8 @@
 Precedence is defaults < file < ``--set a.b=value`` overrides. Every model forbids unknown
 keys so a typo fails loudly, and every field carries a description: the README's config
 reference is generated from these descriptions (``tests/unit/test_readme.py`` keeps it in
-sync). Each component receives only its own sub-config.
+sync). Each component receives only its own sub-config. The module is long (~530 lines) because
+those descriptions are the user's reference; the checks that span sections are at the end.
 """
 
 from __future__ import annotations
@@ -286,6 +287,14 @@ class SyncConfig(_Section):
         description="Under sync.overlap=inner: α, the share of the weights trained meanwhile kept when round t's "
         "outer step lands (θ_local <- α·θ_local + (1-α)·θ; 0 drops the τ steps). May differ between nodes.",
     )
+    fragments: int = Field(
+        1, ge=1,
+        description="Streaming DiLoCo's fragments (arXiv:2501.18512): the parameters are cut into this many "
+        "contiguous parts and round r averages only part (r-1) mod P, so each round sends 1/P of the bytes and "
+        "each part syncs every P rounds (set outer.inner_steps to H/P for a part to see H steps); the weights "
+        "being trained are never reset to θ. 1: every round averages everything. With sync.overlap none or "
+        "inner, one local rank per node. Every node of a run must use the same.",
+    )
 
     @model_validator(mode="after")
     def _group_bounds(self) -> SyncConfig:
@@ -355,6 +364,7 @@ class Config(_Section):
         "run_id", "seed", "model", "outer", "sync.compression", "inner.seq_len", "data.dataset_id",
         "sync.topk_density",  # only under compression topk2: other runs keep their hash
         "sync.overlap",  # absent when none: older runs keep their hash
+        "sync.fragments",  # fixes each round's part of the parameters; absent at 1
         "sync.target_group_size",  # fixes the all-reduce's grid (`swarm.hierarchy`); absent at 16, the default
         # How reducers aggregate and bound contributions (`swarm.aggregate`); absent at the defaults.
         "sync.aggregation", "sync.trim_fraction", "sync.clip_radius", "sync.max_norm_ratio", "sync.weight_cap",
@@ -377,6 +387,11 @@ class Config(_Section):
             raise ValueError(f"sync.overlap=inner needs sync.overlap_steps ({self.sync.overlap_steps}) below "
                              f"outer.inner_steps ({self.outer.inner_steps}) and H >= 2: the average lands inside "
                              "the next round")
+        if self.sync.fragments > 1 and self.sync.overlap not in ("none", "inner"):
+            raise ValueError(f"sync.fragments={self.sync.fragments} runs with sync.overlap none or inner, not "
+                             f"{self.sync.overlap}")
+        if self.sync.fragments > 1 and self.outer.delayed_nesterov:
+            raise ValueError("sync.fragments > 1 needs outer.delayed_nesterov unset (each part takes its own step)")
         return self
 
     def swarm_view(self) -> dict[str, Any]:
@@ -384,7 +399,7 @@ class Config(_Section):
         flat = _flatten(self.model_dump(mode="json"))
         return {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in self.SWARM_FIELDS)
                 and not (k == "data.dataset_id" and v is None) and not (k == "sync.overlap" and v == "none")
-                and not (k == "sync.target_group_size" and v == 16)
+                and not (k == "sync.target_group_size" and v == 16) and not (k == "sync.fragments" and v == 1)
                 and not (k in self._VIEW_DEFAULTS and v == self._VIEW_DEFAULTS[k])
                 and not (k == "sync.topk_density" and self.sync.compression != "topk2")}
 

@@ -154,6 +154,7 @@ class RoundRecord:
     applied_round: int | None = None
     phases: dict[str, float] | None = None
     landed_step: int | None = None  # overlap=inner: the inner step after which that average landed (τ)
+    fragment: int | None = None  # sync.fragments: the part of the parameters this round's Δ was (0-based)
 
     @classmethod
     def of(cls, outcome: RoundOutcome, **node: Any) -> RoundRecord:

@@ -72,27 +72,31 @@ class ErrorFeedback:
     def enabled(self) -> bool:
         return self.error is not None
 
-    def offer(self, delta: torch.Tensor) -> torch.Tensor:
+    def offer(self, delta: torch.Tensor, part: tuple[int, int] | None = None) -> torch.Tensor:
         """Δ + β·e: what this node hands to the all-reduce. e moves into the offer until `settle`
-        (under ``sync.overlap`` the next round's Δ is taken before this one's average is known)."""
+        (under ``sync.overlap`` the next round's Δ is taken before this one's average is known).
+        With sync.fragments Δ is the values [lo, hi) of `part` and so is the e offered."""
         if self.error is None:
             return delta
-        decayed = self.error if self.decay == 1.0 else self.error * self.decay
-        offered, self._owed = delta + decayed, self.error
-        self.error = torch.zeros_like(offered)
+        lo, hi = part or (0, self.error.numel())
+        error = self.error[lo:hi]
+        decayed = error if self.decay == 1.0 else error * self.decay
+        offered, self._owed = delta + decayed, error.clone()
+        error.zero_()
         return offered
 
-    def settle(self, offered: torch.Tensor, outcome: RoundOutcome) -> None:
-        """Update e once the round in which we offered `offered` (= Δ + e) has its outcome."""
+    def settle(self, offered: torch.Tensor, outcome: RoundOutcome, part: tuple[int, int] | None = None) -> None:
+        """Update e once the round in which we offered `offered` (= Δ + e, of `part`) has its outcome."""
         if self.error is None:
             return
         owed, self._owed = self._owed, None
+        lo, hi = part or (0, self.error.numel())
         if outcome.status == "committed":
             sent = sent_values(offered, self.compression, outcome.group_size, density=self.density, chunk=self.chunk)
             # a non-finite Δ was refused by every member: owe nothing of it
-            self.error += (offered - sent).nan_to_num_(0.0, 0.0, 0.0)
+            self.error[lo:hi] += (offered - sent).nan_to_num_(0.0, 0.0, 0.0)
         elif outcome.average is None and owed is not None:  # nothing applied: we still owe the old e
-            self.error += owed
+            self.error[lo:hi] += owed
 
     def reset(self) -> None:
         if self.error is not None:

@@ -9,8 +9,9 @@ an identity on one rank. On N ranks rank 0 owns the run directory (config, metri
 checkpoints); rank r > 0 writes its own metrics.jsonl (the same node-wide numbers) under
 ``ranks/<r>/``.
 
-The module is long (~530 lines) because the overlap modes' landing, unlanding and resuming touch
-the loop's own state (round, θ, the record in wait); what stands alone is in `diloco_p2p.overlap`.
+The module is long (~600 lines) because the overlap modes' landing, unlanding and resuming, and
+sync.fragments' parts (`Node._part`), touch the loop's own state (round, θ, the trained weights, the
+record in wait); what stands alone is in `diloco_p2p.overlap` and `diloco_p2p.outer`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from diloco_p2p.contract import (
     Sync,
 )
 from diloco_p2p.data import DataPosition, open_dataset
+from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
 from diloco_p2p.feedback import ErrorFeedback
 from diloco_p2p.fsdp import (
@@ -52,10 +54,11 @@ from diloco_p2p.fsdp import (
 from diloco_p2p.inner import InnerTrainer, StepStats
 from diloco_p2p.logs import log_context, set_log_context
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
-from diloco_p2p.outer import OuterOptimizer, dylu_steps
+from diloco_p2p.outer import OuterOptimizer, Part, dylu_steps
 from diloco_p2p.overlap import InFlight, Pipeline
 from diloco_p2p.ranks import Ranks, resolve_device
 from diloco_p2p.rundir import node_key, prepare_run_dir
+from diloco_p2p.swarm.wire import partition
 from diloco_p2p.threads import ThreadBudget
 
 log = logging.getLogger("diloco_p2p.node")
@@ -63,7 +66,8 @@ log = logging.getLogger("diloco_p2p.node")
 
 class Landing(NamedTuple):
     """sync.overlap=inner: round t's average, applied `step` inner steps into round t+1 after
-    `waited` seconds; θ and momentum from before it (restored if a stop drops the round)."""
+    `waited` seconds; θ and momentum from before it (restored if a stop drops the round), and
+    under sync.fragments the trained weights of its part from before the merge."""
 
     flight: InFlight
     saved: dict[str, torch.Tensor]
@@ -88,6 +92,9 @@ class Node:
         self.sync = sync or SoloSync(self.ranks.broadcast_str(node_key(run_dir) if leader else ""))
         set_log_context(peer=self.sync.peer_id)
         self._build(faults)
+        if config.sync.fragments > 1 and self.ranks.sharded:
+            raise UserError(f"sync.fragments={config.sync.fragments} runs on one local rank per node, this node has "
+                            f"{self.ranks.world_size}; start it with one rank or set sync.fragments=1")
         self.round = self.step = self.tokens = 0
         self.swarm_view = config.swarm_view()
         self.joined_at_round: int | None = None
@@ -96,8 +103,8 @@ class Node:
         self._outer_seconds = 0.0  # this round's outer work so far (`_outer_timer`)
         self._resumed_flight: tuple[int, torch.Tensor, float] | None = None  # a checkpoint's round in flight
         self._deferred: RoundRecord | None = None  # sync.overlap: a record served once its average is known
-        # sync.overlap=inner: the model's weights carry on into the next round (not reset to θ), and
-        # the previous round's average applied in this one (`Landing`).
+        # sync.overlap=inner and sync.fragments: the model's weights carry on into the next round
+        # (not reset to θ); under inner the previous round's average applied in this one (`Landing`).
         self._carry = False
         self._landed: Landing | None = None
         self._resume()
@@ -161,6 +168,7 @@ class Node:
             if not self._carry:  # every round starts from θ (+ eager c); under overlap=inner, where the last ended
                 with self._outer_timer():
                     self.outer.copy_into(self.layout.local_views(), offset)
+                self._carry = self.config.sync.fragments > 1  # fragments: each part takes θ at its own round
 
             for _ in range(self._inner_steps()):  # H inner steps on our own data
                 if self._stopping():
@@ -185,7 +193,8 @@ class Node:
             landed_wait = landed.waited if landed else 0.0
             compute = time.perf_counter() - start - landed_wait
             with self._outer_timer():
-                delta = self.outer.pseudo_gradient(self.layout.local_views(), offset)  # Δ = θ (+ c) − θ_local
+                # Δ = θ (+ c) − θ_local; under sync.fragments of this round's part only
+                delta = self.outer.pseudo_gradient(self.layout.local_views(), offset, self._part(self.round + 1))
             phases = {"compute_start": compute_start, "compute_end": time.time()}
             synced, outer_before = time.perf_counter(), self._outer_seconds
             outcome, applied = self._average(delta, float(round_tokens), phases)
@@ -196,6 +205,8 @@ class Node:
             self.round += 1
             self.tokens += round_tokens
             overlap = {} if self.pipeline is None else {"overlap": self.pipeline.mode, "phases": phases}
+            if self.config.sync.fragments > 1:
+                overlap["fragment"] = (self.round - 1) % self.config.sync.fragments
             if landed is not None:
                 overlap["landed_step"] = landed.step
             self.params_sha256()  # hashed here, so its time counts in the outer step's
@@ -204,9 +215,9 @@ class Node:
                                                      exposed_seconds=exposed, outer_seconds=outer_seconds,
                                                      applied_round=applied, **overlap)))
 
-        self.outer.copy_into(self.layout.local_views())
         if self._stopping():
-            self._save()
+            self._save()  # under sync.fragments with the trained weights, before θ replaces them
+        self.outer.copy_into(self.layout.local_views())
         if self.pipeline is not None:
             self.pipeline.drop()  # a stop: the checkpoint holds the round in flight; wait out its thread
             self.pipeline.settle()
@@ -218,7 +229,7 @@ class Node:
         previous round's, which ran behind this round's inner steps, while this round's starts in
         the background (`diloco_p2p.overlap`). Returns the outcome applied and its round; None
         when a stop came first (the round is dropped; a round whose average is under way is not)."""
-        round, pipe = self.round + 1, self.pipeline
+        round, pipe, part = self.round + 1, self.pipeline, self._part(self.round + 1)
         if pipe is None or round >= self.config.train.max_rounds:  # blocking; the last round drains the pipeline
             if pipe is not None and self._deferred is not None:
                 pipe.inflight_done(wait=True)
@@ -229,34 +240,36 @@ class Node:
                 flight, saved = self._landed.flight, self._landed.saved
                 self._landed = None
                 phases.update(flight.span())
-                self.feedback.settle(flight.delta, flight.result())
+                self.feedback.settle(flight.delta, flight.result(), self._part(flight.round))
             elif flight is not None:
                 if self._stopping():
                     pipe.inflight = flight  # type: ignore[union-attr] - kept for the checkpoint
                     return None, None
                 saved = {k: v.clone() for k, v in self.outer.state_tensors().items()}
                 phases.update(flight.span())
-                self._apply(flight.result())
-                self.feedback.settle(flight.delta, flight.result())
-            delta = self.feedback.offer(delta)  # + what earlier rounds' lossy wire did not send (`feedback`)
+                self._apply(flight.result(), flight.round)
+                self.feedback.settle(flight.delta, flight.result(), self._part(flight.round))
+            delta = self.feedback.offer(delta, part)  # + what earlier rounds' lossy wire did not send (`feedback`)
             outcome = self.sync.average(round, delta, weight, self.outer.params_sha256())
             if self._stopping():
                 if saved is not None:  # back to the round before: its average in flight, not applied
-                    self.outer.load_state_tensors(saved)
+                    self._restore(saved, flight.round)  # type: ignore[union-attr]
                     pipe.inflight = flight  # type: ignore[union-attr]
                 return None, None
-            self.feedback.settle(delta, outcome)
+            self.feedback.settle(delta, outcome, part)
             if pipe is not None and pipe.correction is not None:
                 pipe.correction.reset()
-            self._apply(outcome)
+            self._apply(outcome, round)
+            if part is not None:  # sync.fragments: the part's trained weights take its new θ
+                self.outer.copy_into(self.layout.local_views(), part=part)
             return outcome, round
         if self._landed is not None:  # overlap=inner: round − 1's average landed τ steps into this round
             flight = self._landed.flight
             self._landed, self._carry = None, True
             outcome = flight.result()
             phases.update(flight.span())
-            self.feedback.settle(flight.delta, outcome)
-            pipe.begin(self.sync, round, self.feedback.offer(delta), weight, self.outer.params_sha256())
+            self.feedback.settle(flight.delta, outcome, self._part(flight.round))
+            pipe.begin(self.sync, round, self.feedback.offer(delta, part), weight, self.outer.params_sha256())
             return outcome, flight.round
         if self._deferred is not None:  # the last round's record waits for its average (`_serve`)
             pipe.inflight_done(wait=True)
@@ -267,15 +280,15 @@ class Node:
             return None, None
         if flight is None:  # the first round: nothing to apply yet
             outcome = RoundOutcome(status="skipped")
-            self._carry = pipe.lands_after is not None
+            self._carry = self._carry or pipe.lands_after is not None
         else:
             outcome = flight.result()
             phases.update(flight.span())
-            self._apply(outcome)
+            self._apply(outcome, flight.round)
             pipe.learn(outcome)
-            self.feedback.settle(flight.delta, outcome)
+            self.feedback.settle(flight.delta, outcome, self._part(flight.round))
         pipe.correct(delta)  # eager: a_t·Δ_m^(t) replaces a_{t-1}·Δ_m^(t-1) in the local correction
-        pipe.begin(self.sync, round, self.feedback.offer(delta), weight, self.outer.params_sha256())
+        pipe.begin(self.sync, round, self.feedback.offer(delta, part), weight, self.outer.params_sha256())
         return outcome, None if flight is None else flight.round
 
     def _lands_now(self, done: int) -> bool:
@@ -303,23 +316,51 @@ class Node:
         assert flight is not None
         waited = time.perf_counter() - began
         saved = {k: v.clone() for k, v in self.outer.state_tensors().items()}  # a copy of θ and momentum
+        part = self._part(flight.round)
+        if part is not None:  # sync.fragments: and of the part's trained weights, which the merge changes
+            saved["local"] = self.outer.gather(self.layout.local_views())[part[0]:part[1]].clone()
         outcome = flight.result()
-        self._apply(outcome)
+        self._apply(outcome, flight.round)
         pipe.learn(outcome)
-        self.outer.mix_into(self.layout.local_views(), self.config.sync.overlap_mix)
+        self.outer.mix_into(self.layout.local_views(), self.config.sync.overlap_mix, part)
         self._landed = Landing(flight, saved, waited, done)
 
     def _unland(self) -> None:
         """A stop after the landing: back to θ from before it, the average in flight again (the
         checkpoint keeps it to average again, as for a stop before it)."""
         if self._landed is not None and self.pipeline is not None:
-            self.outer.load_state_tensors(self._landed.saved)
+            self._restore(self._landed.saved, self._landed.flight.round)
             self.pipeline.inflight, self._landed = self._landed.flight, None
 
-    def _apply(self, outcome: RoundOutcome) -> None:
+    def _restore(self, saved: dict[str, torch.Tensor], round: int) -> None:
+        """θ and momentum from before round `round`'s average landed (and, under sync.fragments,
+        its part's trained weights from before the merge)."""
+        saved = dict(saved)
+        local, part = saved.pop("local", None), self._part(round)
+        self.outer.load_state_tensors(saved)
+        if local is not None and part is not None:
+            self.outer.write_into(self.layout.local_views(), local, part[0])
+
+    def _apply(self, outcome: RoundOutcome, round: int) -> None:
+        """Round `round`'s average to θ (to its part under sync.fragments)."""
         if outcome.average is not None:
             with self._outer_timer():
-                self.outer.step(outcome.average)  # outer Nesterov step, identical on every group member
+                # outer Nesterov step, identical on every group member
+                self.outer.step(outcome.average, self._part(round))
+
+    def _part(self, round: int) -> Part | None:
+        """sync.fragments = P: the values [lo, hi) of the flat parameters that round `round`
+        averages, part (round − 1) mod P of P contiguous ones (Streaming DiLoCo's fragments,
+        arXiv:2501.18512, are layers; contiguous ranges of the flat layout are runs of
+        consecutive layers). None when P = 1: every round averages everything."""
+        fragments = self.config.sync.fragments
+        if fragments == 1:
+            return None
+        return partition(self.outer.numel, fragments)[(round - 1) % fragments]
+
+    def _part_numel(self, round: int) -> int:
+        part = self._part(round)
+        return self.outer.numel if part is None else part[1] - part[0]
 
     @contextmanager
     def _outer_timer(self) -> Iterator[None]:
@@ -374,7 +415,7 @@ class Node:
         self.outer.load_state_tensors(resync.tensors)
         self._carry = False
         if self.pipeline is not None:  # our round in flight and correction go; the state's average in flight comes
-            self.pipeline.adopt(resync.tensors, resync.round, self.outer.numel)
+            self.pipeline.adopt(resync.tensors, resync.round, self._part_numel(resync.round))
         self.outer.copy_into(self.layout.local_views())
         self.feedback.reset()  # our residual belongs to the trajectory we just left (`diloco_p2p.feedback`)
         if self.step == 0 and self.joined_at_round is None:
@@ -483,6 +524,8 @@ class Node:
         if not leader:
             return None
         tensors = {"outer.theta": theta, "outer.momentum": momentum, **extra}
+        if self.config.sync.fragments > 1 and self._carry:  # parts are mid-way: the weights being trained
+            tensors["fragments.local"] = self.outer.gather(self.layout.local_views()).clone()
         if error is not None:
             tensors["feedback.error"] = error
         inner = split_tensors({"optimizer": optimizer, "scheduler": trainer_state["scheduler"]}, tensors, "inner")
@@ -518,12 +561,31 @@ class Node:
         self.joined_at_round = ckpt.meta.get("joined_at_round")
         self.resyncs = ckpt.meta.get("resyncs", 0)
         if self.pipeline is not None:
-            self._resumed_flight = self.pipeline.load(ckpt.tensors, ckpt.meta.get("overlap") or {}, self.layout.to_local)
+            meta = ckpt.meta.get("overlap") or {}
+            to_local = self.layout.to_local
+            if self.config.sync.fragments > 1:  # one local rank; the round in flight holds its part's values
+                numel = self._part_numel(int(meta.get("inflight_round", 1)))
+
+                def to_local(t: torch.Tensor) -> torch.Tensor:
+                    if t.numel() != numel:
+                        raise UserError(f"checkpoint round {ckpt.round}: the round in flight has {t.numel()} values, "
+                                        f"its part of the model {numel}; resume with the config that wrote it")
+                    return t
+            self._resumed_flight = self.pipeline.load(ckpt.tensors, meta, to_local)
         # overlap=inner carries on from where the round in flight ended: θ − its Δ (with error
-        # feedback on, less the residual it carried: `diloco_p2p.feedback`); otherwise from θ
-        self._carry = self._resumed_flight is not None and self.pipeline is not None \
-            and self.pipeline.lands_after is not None
-        self.outer.copy_into(self.layout.local_views(), -self._resumed_flight[1] if self._carry else None)
+        # feedback on, less the residual it carried: `diloco_p2p.feedback`); sync.fragments from the
+        # weights the checkpoint holds; otherwise from θ
+        local = ckpt.tensors.get("fragments.local") if self.config.sync.fragments > 1 else None
+        if local is not None:
+            if local.numel() != self.outer.numel:
+                raise UserError(f"checkpoint round {ckpt.round}: fragments.local has {local.numel()} values, the "
+                                f"model {self.outer.numel}; resume with the config that wrote it")
+            self.outer.write_into(self.layout.local_views(), local.to(torch.float32).reshape(-1))
+            self._carry = True
+        else:
+            self._carry = self._resumed_flight is not None and self.pipeline is not None \
+                and self.pipeline.lands_after is not None
+            self.outer.copy_into(self.layout.local_views(), -self._resumed_flight[1] if self._carry else None)
         log.info("resumed from checkpoint at round %d (step %d; written by %s local rank(s))",
                  self.round, self.step, ckpt.meta.get("local_world_size", 1))
 

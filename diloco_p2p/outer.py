@@ -83,6 +83,9 @@ def tensor_sha256(flat: torch.Tensor) -> str:
         return hashlib.sha256(_CHUNKED + b"".join(digests)).hexdigest()
 
 
+Part = tuple[int, int]  # [lo, hi) of the flat parameter vector (sync.fragments)
+
+
 def _on_cuda(tensors: Iterable[torch.Tensor]) -> bool:
     return any(t.device.type == "cuda" for t in tensors)
 
@@ -123,32 +126,42 @@ class OuterOptimizer:
             torch.cuda.synchronize()
         return self._staging
 
-    def pseudo_gradient(self, local_params: Sequence[torch.Tensor], offset: torch.Tensor | None = None) -> torch.Tensor:
-        """Δ = θ − θ_local, as a flat fp32 vector; from θ + offset when the round started there."""
+    def pseudo_gradient(self, local_params: Sequence[torch.Tensor], offset: torch.Tensor | None = None,
+                        part: Part | None = None) -> torch.Tensor:
+        """Δ = θ − θ_local, as a flat fp32 vector; from θ + offset when the round started there;
+        only the values [lo, hi) of `part` (sync.fragments)."""
+        local = self.gather(local_params)
+        if part is not None:
+            lo, hi = part
+            return self.theta[lo:hi] - local[lo:hi]
         start = self.theta if offset is None else self.theta + offset
-        return start - self.gather(local_params)
+        return start - local
 
-    def step(self, avg_delta: torch.Tensor) -> None:
-        """Apply one outer SGD(+Nesterov) step with the averaged pseudo-gradient Δ̄."""
-        if avg_delta.shape != self.theta.shape:
-            raise ValueError(f"averaged pseudo-gradient has shape {tuple(avg_delta.shape)}, expected {self.theta.shape}")
+    def step(self, avg_delta: torch.Tensor, part: Part | None = None) -> None:
+        """Apply one outer SGD(+Nesterov) step with the averaged pseudo-gradient Δ̄; to θ[lo:hi]
+        and its momentum only when Δ̄ is that `part`'s (sync.fragments: each part steps on its own)."""
+        lo, hi = part or (0, self.numel)
+        if avg_delta.shape != (hi - lo,):
+            raise ValueError(f"averaged pseudo-gradient has shape {tuple(avg_delta.shape)}, expected {(hi - lo,)}")
         if not np.isfinite(avg_delta.detach().to("cpu", torch.float32).numpy()).all():  # numpy's: ~10x torch's
             # The network layer rejects non-finite contributions; this is the last line of defence.
             raise ValueError("averaged pseudo-gradient is not finite; refusing to apply it to the global parameters")
         delta = avg_delta.to(torch.float32)
         if self.dn_buffer is not None:
+            assert part is None  # config: fragments need delayed Nesterov unset
             self._delayed_step(delta)
         else:
-            self._momentum_step(delta, self.cfg.nesterov)
+            self._momentum_step(delta, self.cfg.nesterov, lo, hi)
         self.version += 1
 
-    def _momentum_step(self, grad: torch.Tensor, nesterov: bool) -> None:
-        """m ← β·m + g, then θ ← θ − η·(g + β·m), or θ ← θ − η·m without Nesterov. On whole
-        vectors: slicing it through a small scratch buffer instead of one θ-sized temporary was
-        slower at 1B parameters (1.2-1.4 s against 0.7 s on 16 threads, `benchmarks/gpu_outer.py`)."""
+    def _momentum_step(self, grad: torch.Tensor, nesterov: bool, lo: int = 0, hi: int | None = None) -> None:
+        """m ← β·m + g, then θ ← θ − η·(g + β·m), or θ ← θ − η·m without Nesterov (on [lo, hi)).
+        On whole vectors: slicing it through a small scratch buffer instead of one θ-sized temporary
+        was slower at 1B parameters (1.2-1.4 s against 0.7 s on 16 threads, `benchmarks/gpu_outer.py`)."""
         beta, lr = self.cfg.momentum, self.cfg.lr
-        self.momentum.mul_(beta).add_(grad)
-        self.theta.sub_(grad.add(self.momentum, alpha=beta) if nesterov else self.momentum, alpha=lr)
+        momentum, theta = self.momentum[lo:hi], self.theta[lo:hi]  # views: the steps write through
+        momentum.mul_(beta).add_(grad)
+        theta.sub_(grad.add(momentum, alpha=beta) if nesterov else momentum, alpha=lr)
 
     def _delayed_step(self, delta: torch.Tensor) -> None:
         """Delayed Nesterov (see the module docstring)."""
@@ -156,14 +169,18 @@ class OuterOptimizer:
         self.dn_buffer.add_(delta)
         self.dn_steps += 1
         if self.dn_steps % self.cfg.delayed_nesterov == 0:
-            self._momentum_step(self.dn_buffer, nesterov=True)
+            self._momentum_step(self.dn_buffer, True)
             self.dn_buffer.zero_()
         else:
             self.theta.sub_(delta.add(self.momentum, alpha=self.cfg.dn_momentum_fraction), alpha=self.cfg.lr)
 
-    def copy_into(self, params: Sequence[torch.Tensor], offset: torch.Tensor | None = None) -> None:
+    def copy_into(self, params: Sequence[torch.Tensor], offset: torch.Tensor | None = None,
+                  part: Part | None = None) -> None:
         """Load θ (+ offset: an eager node's local correction) into the model's (local) parameters,
-        whatever their device and dtype."""
+        whatever their device and dtype; only θ[lo:hi] with `part` (sync.fragments)."""
+        if part is not None:
+            self.mix_into(params, 0.0, part)
+            return
         theta = self.theta if offset is None else self._host(self.theta + offset)
         with torch.no_grad():
             for p, chunk in zip(params, theta.split(self.numels), strict=True):
@@ -171,11 +188,27 @@ class OuterOptimizer:
         if self.pinned:  # θ changes on the host next round: the copies must have read it by then
             torch.cuda.synchronize()
 
-    def mix_into(self, params: Sequence[torch.Tensor], alpha: float) -> None:
-        """θ_local ← α·θ_local + (1−α)·θ in the model's (local) parameters (sync.overlap=inner)."""
+    def mix_into(self, params: Sequence[torch.Tensor], alpha: float, part: Part | None = None) -> None:
+        """θ_local ← α·θ_local + (1−α)·θ in the model's (local) parameters (sync.overlap=inner), on
+        the values [lo, hi) of the flat layout only with `part` (sync.fragments; α = 0 copies)."""
+        if part is None:
+            with torch.no_grad():
+                for p, chunk in zip(params, self.theta.split(self.numels), strict=True):
+                    p.lerp_(chunk.view(p.shape).to(p), 1.0 - alpha)
+            return
+        self.write_into(params, self.theta[part[0]:part[1]], part[0], alpha)
+
+    def write_into(self, params: Sequence[torch.Tensor], values: torch.Tensor, lo: int = 0, alpha: float = 0.0) -> None:
+        """Values [lo, lo + len(values)) of the flat layout into the model's parameters (mixed:
+        θ_local ← α·θ_local + (1−α)·values). One local rank: each parameter whole and contiguous."""
+        hi, start = lo + values.numel(), 0
         with torch.no_grad():
-            for p, chunk in zip(params, self.theta.split(self.numels), strict=True):
-                p.lerp_(chunk.view(p.shape).to(p), 1.0 - alpha)
+            for p, n in zip(params, self.numels, strict=True):
+                a, b = max(lo, start), min(hi, start + n)  # the range's values in this parameter
+                if a < b:
+                    flat, chunk = p.view(-1)[a - start:b - start], values[a - lo:b - lo].to(p)
+                    flat.copy_(chunk) if alpha == 0.0 else flat.lerp_(chunk, 1.0 - alpha)
+                start += n
 
     def params_sha256(self) -> str:
         """sha256 of θ's bytes (cached until θ changes)."""

@@ -1,8 +1,9 @@
 """Real nodes with ``sync.overlap: eager`` on loopback: the global θ agrees every round and each
 round's all-reduce runs in the background while the next round computes. Under ``inner`` (the
 average lands once known, τ steps into the next round; the pipeline and the served state are
-eager's) a node that joins mid-run takes the average in flight with the state and ends every
-round with the members' θ.
+eager's) with ``sync.fragments: 2`` (each round averages half of the parameters, Streaming
+DiLoCo) a node that joins mid-run takes the average in flight (of its round's half) with the state
+and ends every round with the members' θ.
 
 Node `fast` does 1/32 of `slow`'s work per inner step, so in every round it reaches the
 all-reduce long before `slow` and its averaging (waiting for `slow` in matchmaking, then the
@@ -64,9 +65,10 @@ JOIN_ROUNDS = 7
 
 @pytest.fixture(scope="module")
 def joined(tmp_path_factory):
-    """Two inner nodes, and a third that joins while the others' round-2+ averages are in flight."""
+    """Two inner nodes of two fragments, and a third that joins while the others' round-2+ averages
+    are in flight."""
     with ProcessSwarm(tmp_path_factory.mktemp("overlap-join")) as swarm:
-        common = [f"train.max_rounds={JOIN_ROUNDS}", "sync.overlap=inner", "sync.target_group_size=3",
+        common = [f"train.max_rounds={JOIN_ROUNDS}", "sync.overlap=inner", "sync.fragments=2", "sync.target_group_size=3",
                   "sync.matchmaking_timeout=10", "outer.inner_steps=4", "inner.batch_size=4"]
         a, b = swarm.node("a", common), swarm.node("b", common)
         late_gate = swarm.root / "late-gate"  # the late node is built and in the DHT, then waits here
@@ -92,6 +94,8 @@ def test_a_joiner_takes_the_average_in_flight_and_ends_with_the_swarms_theta(joi
     trained = [r for r in late if r["status"] == "committed" and r["round"] < JOIN_ROUNDS]
     assert trained and all(r["params_sha256"] == a[r["round"]]["params_sha256"] for r in trained)
     assert trained[0]["applied_round"] == joins[0]["round"]  # the members' average in flight, from the state
+    for records in (a.values(), b.values(), trained):  # each round averaged its half: parts 0, 1, 0, ...
+        assert all(r["fragment"] == (r["round"] - 1) % 2 for r in records if r["status"] == "committed")
     for records in (a.values(), b.values(), late):  # where each node's averages landed: its own τ
         steps = [r["landed_step"] for r in records if r.get("landed_step") is not None]
         assert steps and all(1 <= s <= 3 for s in steps), steps

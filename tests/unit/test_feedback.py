@@ -143,7 +143,7 @@ def test_node_offers_delta_plus_error_checkpoints_it_and_resumes_it(tmp_path):
 
     resumed = _node(tmp_path, sync, rounds=2)
     assert torch.equal(resumed.feedback.error, e1)  # restored from the checkpoint
-    resumed.outer.pseudo_gradient = lambda views, offset=None: torch.zeros_like(e1)  # a round that moved nothing
+    resumed.outer.pseudo_gradient = lambda views, offset=None, part=None: torch.zeros_like(e1)  # a round that moved nothing
     resumed.run()
     assert torch.equal(sync.deltas[2], e1)  # so it offered exactly what it owed
 
@@ -156,7 +156,7 @@ def test_adopting_the_swarms_state_resets_the_error(tmp_path):
 
     sync = ScriptedSync({1: lambda d: RoundOutcome(status="committed", average=d, group_size=2)}, resyncs={1: donor})
     node = _node(tmp_path, sync, rounds=6)
-    node.outer.pseudo_gradient = lambda views, offset=None: torch.zeros_like(node.outer.theta) + 0.25
+    node.outer.pseudo_gradient = lambda views, offset=None, part=None: torch.zeros_like(node.outer.theta) + 0.25
     node.run()
     e1 = sync.deltas[1] - sent_values(sync.deltas[1], "topk2", 2, density=0.05)
     assert e1.abs().max() > 0
