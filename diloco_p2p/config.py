@@ -287,6 +287,13 @@ class SyncConfig(_Section):
         description="Under sync.overlap=inner: α, the share of the weights trained meanwhile kept when round t's "
         "outer step lands (θ_local <- α·θ_local + (1-α)·θ; 0 drops the τ steps). May differ between nodes.",
     )
+    overlap_merge: Literal["mix", "rebase"] = Field(
+        "mix",
+        description="Under sync.overlap=inner: how round t's outer step enters the weights trained meanwhile: `mix` "
+        "takes the new θ in part (sync.overlap_mix); `rebase` moves the τ steps' progress onto it (θ_local <- θ + "
+        "θ_local - where round t ended: nothing of them is dropped, their gradients are τ steps stale; best at small "
+        "τ, as with sync.fragments; keeps a copy of the values averaged). May differ between nodes.",
+    )
     fragments: int = Field(
         1, ge=1,
         description="Streaming DiLoCo's fragments (arXiv:2501.18512): the parameters are cut into this many "

@@ -107,6 +107,7 @@ class Node:
         # (not reset to θ); under inner the previous round's average applied in this one (`Landing`).
         self._carry = False
         self._landed: Landing | None = None
+        self._ended: tuple[int, torch.Tensor] | None = None  # overlap_merge=rebase: a round's trained weights at its end
         self._resume()
         if leader:
             save_config(config, run_dir / "config.yaml")
@@ -195,6 +196,7 @@ class Node:
             with self._outer_timer():
                 # Δ = θ (+ c) − θ_local; under sync.fragments of this round's part only
                 delta = self.outer.pseudo_gradient(self.layout.local_views(), offset, self._part(self.round + 1))
+                self._keep_ended(self.round + 1)
             phases = {"compute_start": compute_start, "compute_end": time.time()}
             synced, outer_before = time.perf_counter(), self._outer_seconds
             outcome, applied = self._average(delta, float(round_tokens), phases)
@@ -250,7 +252,7 @@ class Node:
                 self._apply(flight.result(), flight.round)
                 self.feedback.settle(flight.delta, flight.result(), self._part(flight.round))
             delta = self.feedback.offer(delta, part)  # + what earlier rounds' lossy wire did not send (`feedback`)
-            outcome = self.sync.average(round, delta, weight, self.outer.params_sha256())
+            outcome = self.sync.average(round, delta, weight, self._shard_sha256())
             if self._stopping():
                 if saved is not None:  # back to the round before: its average in flight, not applied
                     self._restore(saved, flight.round)  # type: ignore[union-attr]
@@ -269,7 +271,7 @@ class Node:
             outcome = flight.result()
             phases.update(flight.span())
             self.feedback.settle(flight.delta, outcome, self._part(flight.round))
-            pipe.begin(self.sync, round, self.feedback.offer(delta, part), weight, self.outer.params_sha256())
+            pipe.begin(self.sync, round, self.feedback.offer(delta, part), weight, self._shard_sha256())
             return outcome, flight.round
         if self._deferred is not None:  # the last round's record waits for its average (`_serve`)
             pipe.inflight_done(wait=True)
@@ -288,7 +290,7 @@ class Node:
             pipe.learn(outcome)
             self.feedback.settle(flight.delta, outcome, self._part(flight.round))
         pipe.correct(delta)  # eager: a_t·Δ_m^(t) replaces a_{t-1}·Δ_m^(t-1) in the local correction
-        pipe.begin(self.sync, round, self.feedback.offer(delta, part), weight, self.outer.params_sha256())
+        pipe.begin(self.sync, round, self.feedback.offer(delta, part), weight, self._shard_sha256())
         return outcome, None if flight is None else flight.round
 
     def _lands_now(self, done: int) -> bool:
@@ -322,8 +324,21 @@ class Node:
         outcome = flight.result()
         self._apply(outcome, flight.round)
         pipe.learn(outcome)
-        self.outer.mix_into(self.layout.local_views(), self.config.sync.overlap_mix, part)
+        if self.config.sync.overlap_merge == "rebase":  # θ_local ← θ + (θ_local − where round t ended)
+            lo, hi = part or (0, self.outer.numel)
+            ended = self._ended[1] if self._ended and self._ended[0] == flight.round else saved["outer.theta"][lo:hi]
+            self.outer.shift_into(self.layout.local_views(), self.outer.theta[lo:hi] - ended, part)
+        else:  # θ_local ← α·θ_local + (1−α)·θ
+            self.outer.mix_into(self.layout.local_views(), self.config.sync.overlap_mix, part)
+        self._ended = None
         self._landed = Landing(flight, saved, waited, done)
+
+    def _keep_ended(self, round: int) -> None:
+        """overlap_merge=rebase: keep round `round`'s trained weights (its part) as its steps left them."""
+        if self.pipeline is not None and self.pipeline.lands_after is not None \
+                and self.config.sync.overlap_merge == "rebase":
+            lo, hi = self._part(round) or (0, self.outer.numel)
+            self._ended = (round, self.outer.gather(self.layout.local_views())[lo:hi].clone())
 
     def _unland(self) -> None:
         """A stop after the landing: back to θ from before it, the average in flight again (the
@@ -400,6 +415,12 @@ class Node:
                 self._node_hash = (version, self.ranks.node_sha256(self.outer.params_sha256()))
         return self._node_hash[1]
 
+    def _shard_sha256(self) -> str:
+        """This rank's hash of θ, which the swarm checks its group on: hashing a new θ is outer work
+        (`outer_seconds`), not communication the round exposes."""
+        with self._outer_timer():
+            return self.outer.params_sha256()
+
     def state(self) -> NodeState:
         state = self.outer.state_tensors()
         if self.pipeline is not None:
@@ -413,7 +434,7 @@ class Node:
         """Take the swarm's θ and momentum (downloaded and verified) and its round."""
         start, dropped = time.perf_counter(), self.round
         self.outer.load_state_tensors(resync.tensors)
-        self._carry = False
+        self._carry, self._ended = False, None
         if self.pipeline is not None:  # our round in flight and correction go; the state's average in flight comes
             self.pipeline.adopt(resync.tensors, resync.round, self._part_numel(resync.round))
         self.outer.copy_into(self.layout.local_views())
@@ -586,6 +607,8 @@ class Node:
             self._carry = self._resumed_flight is not None and self.pipeline is not None \
                 and self.pipeline.lands_after is not None
             self.outer.copy_into(self.layout.local_views(), -self._resumed_flight[1] if self._carry else None)
+        if self._carry and self._resumed_flight is not None:  # where the round in flight ended, as far as known
+            self._keep_ended(self._resumed_flight[0])
         log.info("resumed from checkpoint at round %d (step %d; written by %s local rank(s))",
                  self.round, self.step, ckpt.meta.get("local_world_size", 1))
 

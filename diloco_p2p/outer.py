@@ -40,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -201,14 +201,31 @@ class OuterOptimizer:
     def write_into(self, params: Sequence[torch.Tensor], values: torch.Tensor, lo: int = 0, alpha: float = 0.0) -> None:
         """Values [lo, lo + len(values)) of the flat layout into the model's parameters (mixed:
         θ_local ← α·θ_local + (1−α)·values). One local rank: each parameter whole and contiguous."""
-        hi, start = lo + values.numel(), 0
         with torch.no_grad():
-            for p, n in zip(params, self.numels, strict=True):
-                a, b = max(lo, start), min(hi, start + n)  # the range's values in this parameter
-                if a < b:
-                    flat, chunk = p.view(-1)[a - start:b - start], values[a - lo:b - lo].to(p)
-                    flat.copy_(chunk) if alpha == 0.0 else flat.lerp_(chunk, 1.0 - alpha)
-                start += n
+            for flat, a, b in self._spans(params, lo, lo + values.numel()):
+                chunk = values[a - lo:b - lo].to(flat)
+                flat.copy_(chunk) if alpha == 0.0 else flat.lerp_(chunk, 1.0 - alpha)
+
+    def shift_into(self, params: Sequence[torch.Tensor], shift: torch.Tensor, part: Part | None = None) -> None:
+        """θ_local ← θ_local + shift on the values [lo, hi) of `part` (all: any local layout)."""
+        if part is None:
+            with torch.no_grad():
+                for p, chunk in zip(params, shift.split(self.numels), strict=True):
+                    p.add_(chunk.view(p.shape).to(p))
+            return
+        with torch.no_grad():
+            for flat, a, b in self._spans(params, part[0], part[1]):
+                flat.add_(shift[a - part[0]:b - part[0]].to(flat))
+
+    def _spans(self, params: Sequence[torch.Tensor], lo: int, hi: int) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """For each parameter holding values of [lo, hi) of the flat layout: a writable view of
+        them and their range [a, b) in the layout (one local rank: parameters whole, contiguous)."""
+        start = 0
+        for p, n in zip(params, self.numels, strict=True):
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:
+                yield p.detach().view(-1)[a - start:b - start], a, b
+            start += n
 
     def params_sha256(self) -> str:
         """sha256 of θ's bytes (cached until θ changes)."""

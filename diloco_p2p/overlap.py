@@ -43,7 +43,19 @@ landing take the new θ in part:
 
 so round t+1's Δ = θ − θ_local holds its H steps, the first τ of them from before the landing. The
 staleness is τ steps instead of a round; what the all-reduce hides is τ steps of compute instead
-of H (`diloco_p2p.plan`). τ and α are the node's own: they change its Δ, never the swarm's θ.
+of H (`diloco_p2p.plan`). With ``sync.overlap_merge: rebase`` the τ steps' progress is moved onto
+the new θ instead, as if round t's outer step had come before them (only their gradients are stale):
+
+      θ_local ← θ + (θ_local − θ_local at the end of round t)
+
+which drops nothing of them; it does better than the mix at τ = 1 and worse at τ ≈ H/2, where
+the stale gradients add up (`benchmarks/overlap_sweep.py`). τ, α and the merge are the node's own:
+they change its Δ, never the swarm's θ.
+
+With ``sync.fragments`` = P (Streaming DiLoCo's fragments) round r's Δ, average, outer step and
+landing cover only part (r − 1) mod P of the parameters (`Node._part`): its all-reduce carries 1/P
+of the bytes, so it hides behind about 1/P of the steps, and the other parts carry on training
+untouched. Each part still sees P rounds of steps between its syncs.
 
 The last round of a run (train.max_rounds) drains the pipeline: it waits for round t-1's average,
 applies it, then averages its own Δ blocking and applies that too, so the run ends on a θ that

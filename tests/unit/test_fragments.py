@@ -31,6 +31,14 @@ def _params():
     return [torch.randn(5), torch.randn(7, 1), torch.randn(2, 2)]
 
 
+def _step(theta, momentum, grad, part, cfg):
+    """The outer rule on a part alone (`outer_update` on copies), written back into θ and m."""
+    lo, hi = part
+    t, m = theta[lo:hi].clone(), momentum[lo:hi].clone()
+    outer_update(t, m, grad, cfg)
+    theta[lo:hi], momentum[lo:hi] = t, m
+
+
 def test_the_outer_step_of_a_part_is_the_whole_rule_on_its_values_and_leaves_the_rest():
     outer = OuterOptimizer(_params(), OUTER)
     theta, momentum = outer.theta.clone(), torch.zeros(16)
@@ -38,9 +46,7 @@ def test_the_outer_step_of_a_part_is_the_whole_rule_on_its_values_and_leaves_the
         g = torch.randn(hi - lo)
         version = outer.version
         outer.step(g, (lo, hi))
-        t, m = theta[lo:hi].clone(), momentum[lo:hi].clone()
-        outer_update(t, m, g, OUTER)  # m ← βm + g; θ ← θ − η(g + βm), on the part alone
-        theta[lo:hi], momentum[lo:hi] = t, m
+        _step(theta, momentum, g, (lo, hi), OUTER)  # m ← βm + g; θ ← θ − η(g + βm), on the part alone
         assert torch.equal(outer.theta, theta) and torch.equal(outer.momentum, momentum)
         assert outer.version == version + 1
     assert torch.equal(outer.theta[:3], flatten(_params())[:3])  # never in a part that stepped
@@ -98,9 +104,7 @@ def test_each_round_averages_its_part_and_the_trained_weights_are_never_reset(tm
         # Δ of round t: its part only, θ less the trained weights (never reset to θ since round 1)
         assert sync.deltas[t].shape == (hi - lo,)
         assert torch.allclose(sync.deltas[t], theta[lo:hi] - end[lo:hi], atol=1e-6)
-        part_theta, part_m = theta[lo:hi].clone(), momentum[lo:hi].clone()
-        outer_update(part_theta, part_m, sync.deltas[t] / 2, node.config.outer)
-        theta[lo:hi], momentum[lo:hi] = part_theta, part_m
+        _step(theta, momentum, sync.deltas[t] / 2, (lo, hi), node.config.outer)
         assert record.params_sha256 == tensor_sha256(theta) == sync.hashes.get(t + 1, record.params_sha256)
         if t < 4:  # round t + 1 starts where round t ended, its part replaced by the part's new θ
             start = before[t * h].float()
@@ -127,11 +131,8 @@ def test_under_inner_the_landing_merges_only_its_part(tmp_path):
     assert [sync.deltas[t].numel() for t in (1, 2, 3, 4)] == [hi - lo for lo, hi in parts] * 2
 
     def land(t):  # round t's average, Δ_t / 2, onto θ and the momentum of its part
-        lo, hi = parts[(t - 1) % 2]
-        part_theta, part_m = theta[lo:hi].clone(), momentum[lo:hi].clone()
-        outer_update(part_theta, part_m, sync.deltas[t] / 2, node.config.outer)
-        theta[lo:hi], momentum[lo:hi] = part_theta, part_m
-        return lo, hi
+        _step(theta, momentum, sync.deltas[t] / 2, parts[(t - 1) % 2], node.config.outer)
+        return parts[(t - 1) % 2]
 
     for t in (2, 3, 4):  # round t − 1's average lands τ steps into round t, on its part only
         lo, hi = land(t - 1)
@@ -145,6 +146,27 @@ def test_under_inner_the_landing_merges_only_its_part(tmp_path):
         if t == 4:
             land(4)  # the last round drains: its own average too
         assert records[t - 1].params_sha256 == tensor_sha256(theta)
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_rebase_moves_the_tau_steps_progress_onto_the_new_theta(tmp_path, fragments):
+    """sync.overlap_merge=rebase: θ_local ← θ + (θ_local − where round t − 1 ended), on its part."""
+    sync = OverlapSync()
+    node = _node(tmp_path, sync, fragments=fragments, rounds=4, extra=[*INNER, "sync.overlap_merge=rebase"])
+    before, after, _ = _weights(node)
+    n, h, tau = node.outer.numel, 4, 2
+    parts = partition(n, fragments)
+    theta, momentum = node.outer.theta.clone(), torch.zeros(n)
+    records = node.run()[1:]
+    for t in (2, 3, 4):
+        lo, hi = parts[(t - 2) % fragments]
+        _step(theta, momentum, sync.deltas[t - 1] / 2, (lo, hi), node.config.outer)
+        step, ended = (t - 1) * h + tau, after[(t - 1) * h - 1].float()  # round t − 1 ended at step (t − 1)·h
+        merged, carried = before[step].float(), after[step - 1].float()
+        assert torch.allclose(merged[lo:hi], theta[lo:hi] + (carried[lo:hi] - ended[lo:hi]), atol=1e-6)
+        assert torch.equal(merged[:lo], carried[:lo]) and torch.equal(merged[hi:], carried[hi:])
+        if t < 4:  # (the last round also applies its own average)
+            assert records[t - 1].params_sha256 == tensor_sha256(theta)
 
 
 def test_a_stop_after_the_landing_puts_the_parts_trained_weights_back_and_resume_loads_them(tmp_path):
@@ -183,9 +205,27 @@ def test_replicas_agree_on_theta_every_round(tmp_path, extra):
 def test_fragments_config_is_checked():
     assert "sync.fragments" not in load_config(None, []).swarm_view()  # older runs keep their config hash
     assert load_config(None, ["sync.fragments=4"]).swarm_view()["sync.fragments"] == 4
+    rebase = load_config(None, ["sync.overlap=inner", "sync.overlap_merge=rebase"]).swarm_view()
+    assert "sync.overlap_merge" not in rebase  # the node's own, as τ and α
+    with pytest.raises(UserError, match="overlap_merge"):
+        load_config(None, ["sync.overlap_merge=replace"])
     for bad, match in [(["sync.overlap=eager"], "overlap none or inner"), (["sync.overlap=delayed"], "not delayed"),
                        (["outer.delayed_nesterov=2"], "delayed_nesterov")]:
         with pytest.raises(UserError, match=match):
             load_config(None, ["sync.fragments=2", *bad])
     with pytest.raises(UserError, match="sync.fragments"):
         load_config(None, ["sync.fragments=0"])
+
+
+def test_a_resumed_round_in_flight_is_rebased_from_where_it_ended(tmp_path):
+    stop = StopRequested()
+    rebase = [*INNER, "sync.overlap_merge=rebase"]
+    node = _node(tmp_path, OverlapSync(), fragments=1, rounds=5, extra=rebase, stop=stop)
+    _, _, stop_after = _weights(node)
+    stop_after["step"] = 4 * 2 + 3  # round 3, after round 2's average landed
+    node.run()
+    resumed = _node(tmp_path, OverlapSync(), fragments=1, rounds=3, extra=rebase)
+    ckpt = load_checkpoint(tmp_path / "run" / "checkpoints")
+    ended = ckpt.tensors["outer.theta"] - ckpt.tensors["overlap.inflight_delta"]  # round 2's steps ended here
+    assert resumed._ended is not None and resumed._ended[0] == 2
+    assert torch.equal(resumed._ended[1], flatten(resumed.params)) and torch.allclose(resumed._ended[1], ended)
