@@ -24,7 +24,7 @@ Exposed seconds also hold the wait for the slower node of the group, overlap or 
 
     python benchmarks/overlap.py quality [--replicas 2] [--rounds 12] [--inner-steps 25] [--set a.b=v ...]
     sudo python benchmarks/overlap.py link [--k 2] [--rounds 6] [--inner-steps 20] [--rate MBIT] [--share 0.3]
-                                           [--modes none,delayed,eager,inner,inner@int4+ef]
+                                           [--modes none,delayed,eager,inner,inner@int4+ef,inner/5] [--section S]
     sudo python benchmarks/overlap.py all
 
 Results go to benchmarks/results/overlap.json (`quality` keyed by M, rounds and H; `link` replaced),
@@ -190,6 +190,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=[], metavar="MODE:LR:MOMENTUM",
                    help="quality: extra runs with another outer lr and momentum, e.g. eager:1.0:0.5")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE")
+    p.add_argument("--section", default="link", help="link: where in the results the run goes (replacing it)")
     args = p.parse_args()
     if args.part in ("quality", "all"):
         q = argparse.Namespace(**vars(args))
@@ -202,7 +203,7 @@ def main() -> None:
     if args.part in ("link", "all"):
         w = argparse.Namespace(**vars(args))
         w.rounds, w.inner_steps = args.rounds or 6, args.inner_steps or 20
-        save("link", link(w))
+        save(args.section, link(w))
     print(f"results: {RESULTS}")
 
 

@@ -57,7 +57,9 @@ inner steps (stragglers: per-node speed lognormal with the given spread, the N-t
 statistic by Blom's approximation; with dynamic local updates nobody waits) plus matchmaking plus
 the all-reduce; with ``overlap=eager`` the all-reduce of round r runs behind round r+1's inner
 steps (Eager Updates; Kale et al. 2025), so only what exceeds the compute is exposed; with
-``overlap=inner`` behind its first τ inner steps (``overlap_steps``), so what exceeds τ of H. A failure
+``overlap=inner`` behind its first τ inner steps (``overlap_steps``), so what exceeds τ of H. With
+``fragments`` = P (Streaming DiLoCo's, ``sync.fragments``) a round averages 1/P of the parameters:
+its bytes are those of a model P times smaller, and H is a round's inner steps (H/P of a part's). A failure
 rate p per node per round costs the expected detection delay of a dead member, the dead node's
 round, and its state download (8 bytes per parameter) at its downlink.
 """
@@ -139,6 +141,7 @@ class Inputs:
     density: float = 0.02  # top-k
     overlap: str = "none"
     overlap_steps: int = 1  # overlap=inner: τ, the inner steps the all-reduce runs behind
+    fragments: int = 1  # sync.fragments: a round averages 1/P of the parameters
     chunk: int = wire.DEFAULT_CHUNK_ELEMENTS
     oversubscribe: float = 1.0  # CPU contention: how many times longer CPU work takes than on a dedicated box (1)
 
@@ -158,6 +161,7 @@ class Inputs:
             (self.overlap in OVERLAPS, f"overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}"),
             (self.overlap != "inner" or 1 <= self.overlap_steps < self.inner_steps,
              f"overlap steps must be in 1..{self.inner_steps - 1} (below H), got {self.overlap_steps}"),
+            (1 <= self.fragments <= self.params, f"fragments must be in 1..params, got {self.fragments}"),
             (0 < self.chunk <= wire.MAX_CHUNK_ELEMENTS, f"chunk must be in 1..{wire.MAX_CHUNK_ELEMENTS}"),
             (self.scheme != "sparse" or self.compression == "topk2", "the sparse all-gather needs compression topk2"),
         ]
@@ -263,7 +267,7 @@ def grid_shape(nodes: int, group: int) -> tuple[int, int]:
 
 def levels(inp: Inputs, scheme: str, nodes: int) -> list[Level]:
     """The collective steps one round runs on `nodes` members under `scheme` (a concrete one)."""
-    n, comp, chunk, d = inp.params, inp.compression, inp.chunk, inp.density
+    n, comp, chunk, d = -(-inp.params // inp.fragments), inp.compression, inp.chunk, inp.density  # the largest part
     if nodes < 2:
         return []
     if scheme == "butterfly" or (scheme == "grid" and nodes <= inp.group):

@@ -33,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overlap", default="none", help=f"{', '.join(plan.OVERLAPS)}: hide the all-reduce behind compute")
     p.add_argument("--overlap-steps", type=int, default=1,
                    help="overlap inner: τ, the inner steps of the next round the all-reduce runs behind")
+    p.add_argument("--fragments", type=int, default=1,
+                   help="sync.fragments: each round averages 1/P of the parameters (give --inner-steps per round)")
     p.add_argument("--nodes", default=",".join(str(n) for n in plan.DEFAULT_NODES), help="N values, comma-separated")
     p.add_argument("--json", action="store_true", help="one JSON object per N instead of the table")
     p.set_defaults(run=run)
@@ -75,7 +77,7 @@ def _inputs(args: argparse.Namespace):
                      uplink=up, downlink=down, rtt_ms=args.rtt_ms, fail_rate=args.fail_rate,
                      step_spread=args.step_spread, dylu=args.dylu, scheme=args.scheme, group=args.group,
                      compression=args.compression, density=args.density, overlap=args.overlap,
-                     overlap_steps=args.overlap_steps)
+                     overlap_steps=args.overlap_steps, fragments=args.fragments)
     except ValueError as e:
         raise UserError(f"plan: {e}") from None
     return inp, nodes
@@ -92,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cal = Calibration()
     print(f"{inp.params:,} parameters, {inp.compression}, H={inp.inner_steps} x {inp.step_seconds:g} s, "
-          f"overlap {inp.overlap}{f' (τ={inp.overlap_steps})' if inp.overlap == 'inner' else ''}; "
+          f"overlap {inp.overlap}{f' (τ={inp.overlap_steps})' if inp.overlap == 'inner' else ''}"
+          f"{f', {inp.fragments} fragments (a round averages 1/{inp.fragments})' if inp.fragments > 1 else ''}; "
           f"constants: {cal.source}")
     print(f"{'N':>5} {'scheme':>9} {'round s':>9} {'util':>5} {'MB sent':>9} {'streams':>7} {'all-reduce s':>12} "
           f"{'exposed s':>9}  bottleneck")

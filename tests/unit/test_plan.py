@@ -101,6 +101,19 @@ def test_overlap_hides_communication_shorter_than_compute():
         plan.Inputs(**base, overlap="inner", overlap_steps=100)
 
 
+def test_a_round_of_p_fragments_averages_a_part_as_large_as_a_model_p_times_smaller():
+    base = dict(step_seconds=0.5, inner_steps=20, uplink=plan.Links(20, 20), downlink=plan.Links(20, 20))
+    whole, fragments = (plan.predict(plan.Inputs(**base, params=20_000_000, fragments=p), 8) for p in (1, 5))
+    small = plan.predict(plan.Inputs(**base, params=4_000_000), 8)
+    assert fragments.bytes_sent == small.bytes_sent and fragments.allreduce_seconds == small.allreduce_seconds
+    assert 4.5 < whole.bytes_sent / fragments.bytes_sent < 5.5
+    # under inner, τ steps of the same round length now hide the part's all-reduce
+    hidden = plan.predict(plan.Inputs(**base, params=20_000_000, fragments=5, overlap="inner", overlap_steps=4), 8)
+    assert whole.exposed_seconds > 4 * 0.5 and hidden.exposed_seconds < fragments.exposed_seconds - 4 * 0.5 + 1e-9
+    with pytest.raises(ValueError, match="fragments"):
+        plan.Inputs(**base, params=20_000_000, fragments=0)
+
+
 def test_stragglers_and_failures_cost_more_with_more_nodes():
     assert plan.straggler_factor(1024, 0.0) == 1.0
     factors = [plan.straggler_factor(n, 0.3) for n in (2, 16, 1024)]
