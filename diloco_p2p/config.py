@@ -300,7 +300,8 @@ class SyncConfig(_Section):
         "contiguous parts and round r averages only part (r-1) mod P, so each round sends 1/P of the bytes and "
         "each part syncs every P rounds (set outer.inner_steps to H/P for a part to see H steps); the weights "
         "being trained are never reset to θ. 1: every round averages everything. With sync.overlap none or "
-        "inner, one local rank per node. Every node of a run must use the same.",
+        "inner; on N local ranks each rank averages its shard's values of the part. Every node of a run must use "
+        "the same.",
     )
 
     @model_validator(mode="after")

@@ -175,6 +175,29 @@ class ShardLayout:
                  for chunk, like in zip(flat.split(local_numels), self.params, strict=True)]
         return torch.cat(parts) if self.ranks.leader else None
 
+    def local_range(self, lo: int, hi: int) -> tuple[int, int]:
+        """The values [lo, hi) of the full flat layout that this rank holds, as a range of its own
+        flat layout (sync.fragments). FSDP2 keeps each parameter's rows in `torch.chunk` order, so a
+        rank's values are in full-layout order and those in [lo, hi) are contiguous."""
+        if not self.ranks.sharded:
+            return lo, hi
+        return self._held_below(lo), self._held_below(hi)
+
+    def _held_below(self, x: int) -> int:
+        """How many of this rank's values have a full-layout index below x."""
+        held = start = 0
+        for p in self.params:
+            local, rows = local_view(p), p.shape[0] if p.dim() else 1
+            per_row = p.numel() // max(rows, 1)
+            if isinstance(p, DTensor):
+                size, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+                first = min(rank * -(-rows // size), rows)  # torch.chunk: ceil(rows / size) rows a rank
+            else:
+                first = 0
+            held += min(max(x - (start + first * per_row), 0), local.numel())
+            start += p.numel()
+        return held
+
     def to_local(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full flat tensor (written at any world size)."""
         if full.numel() != sum(self.full_numels):

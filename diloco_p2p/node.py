@@ -92,9 +92,6 @@ class Node:
         self.sync = sync or SoloSync(self.ranks.broadcast_str(node_key(run_dir) if leader else ""))
         set_log_context(peer=self.sync.peer_id)
         self._build(faults)
-        if config.sync.fragments > 1 and self.ranks.sharded:
-            raise UserError(f"sync.fragments={config.sync.fragments} runs on one local rank per node, this node has "
-                            f"{self.ranks.world_size}; start it with one rank or set sync.fragments=1")
         self.round = self.step = self.tokens = 0
         self.swarm_view = config.swarm_view()
         self.joined_at_round: int | None = None
@@ -363,15 +360,40 @@ class Node:
                 # outer Nesterov step, identical on every group member
                 self.outer.step(outcome.average, self._part(round))
 
-    def _part(self, round: int) -> Part | None:
-        """sync.fragments = P: the values [lo, hi) of the flat parameters that round `round`
-        averages, part (round − 1) mod P of P contiguous ones (Streaming DiLoCo's fragments,
-        arXiv:2501.18512, are layers; contiguous ranges of the flat layout are runs of
+    def _full_part(self, round: int) -> Part | None:
+        """sync.fragments = P: the values [lo, hi) of the flat parameters (1-rank layout) that
+        round `round` averages, part (round − 1) mod P of P contiguous ones (Streaming DiLoCo's
+        fragments, arXiv:2501.18512, are layers; contiguous ranges of the flat layout are runs of
         consecutive layers). None when P = 1: every round averages everything."""
         fragments = self.config.sync.fragments
         if fragments == 1:
             return None
-        return partition(self.outer.numel, fragments)[(round - 1) % fragments]
+        return partition(sum(self.layout.full_numels), fragments)[(round - 1) % fragments]
+
+    def _part(self, round: int) -> Part | None:
+        """`_full_part` in this rank's own flat layout (the same on one rank; on N, its shard's values
+        of it, contiguous: `ShardLayout.local_range`)."""
+        full = self._full_part(round)
+        return None if full is None else self.layout.local_range(*full)
+
+    def _part_to_full(self, values: torch.Tensor, round: int) -> torch.Tensor | None:
+        """Round `round`'s part of a flat vector, this rank's values of it → the part in the 1-rank
+        layout (a collective on N ranks, whose result only rank 0 gets)."""
+        (lo, hi), (full_lo, full_hi) = self._part(round), self._full_part(round)  # type: ignore[misc]
+        placed = torch.zeros(self.outer.numel)
+        placed[lo:hi] = values
+        full = self.layout.to_full(placed)
+        return None if full is None else full[full_lo:full_hi].clone()
+
+    def _part_to_local(self, values: torch.Tensor, round: int, source: str) -> torch.Tensor:
+        """Inverse of `_part_to_full`: round `round`'s part in the 1-rank layout → this rank's values."""
+        (lo, hi), (full_lo, full_hi) = self._part(round), self._full_part(round)  # type: ignore[misc]
+        if values.numel() != full_hi - full_lo:
+            raise UserError(f"{source}: the round in flight has {values.numel()} values, its part of the model "
+                            f"{full_hi - full_lo}; resume with the config that wrote it (sync.fragments)")
+        placed = torch.zeros(sum(self.layout.full_numels))
+        placed[full_lo:full_hi] = values.to(torch.float32)
+        return self.layout.to_local(placed)[lo:hi].clone()
 
     def _part_numel(self, round: int) -> int:
         part = self._part(round)
@@ -540,13 +562,21 @@ class Node:
         params_sha256 = self.params_sha256()
         overlap: dict[str, Any] = {}
         extra: dict[str, Any] = {}
+        fragments = self.config.sync.fragments > 1
+        # sync.fragments: the parts are mid-way, so the weights being trained too
+        trained = self.layout.to_full(self.outer.gather(self.layout.local_views()).clone()) \
+            if fragments and self._carry else None
         if self.pipeline is not None:  # the pending local Δ (the round in flight) and the eager correction
-            extra, overlap = self.pipeline.state_tensors(self.layout.to_full)
+            flight, to_full = self.pipeline.inflight, self.layout.to_full
+            if fragments and flight is not None:  # the Δ in flight is its round's part
+                def to_full(t: torch.Tensor, round: int = flight.round) -> torch.Tensor | None:
+                    return self._part_to_full(t, round)
+            extra, overlap = self.pipeline.state_tensors(to_full)
         if not leader:
             return None
         tensors = {"outer.theta": theta, "outer.momentum": momentum, **extra}
-        if self.config.sync.fragments > 1 and self._carry:  # parts are mid-way: the weights being trained
-            tensors["fragments.local"] = self.outer.gather(self.layout.local_views()).clone()
+        if trained is not None:
+            tensors["fragments.local"] = trained
         if error is not None:
             tensors["feedback.error"] = error
         inner = split_tensors({"optimizer": optimizer, "scheduler": trainer_state["scheduler"]}, tensors, "inner")
@@ -584,24 +614,19 @@ class Node:
         if self.pipeline is not None:
             meta = ckpt.meta.get("overlap") or {}
             to_local = self.layout.to_local
-            if self.config.sync.fragments > 1:  # one local rank; the round in flight holds its part's values
-                numel = self._part_numel(int(meta.get("inflight_round", 1)))
-
-                def to_local(t: torch.Tensor) -> torch.Tensor:
-                    if t.numel() != numel:
-                        raise UserError(f"checkpoint round {ckpt.round}: the round in flight has {t.numel()} values, "
-                                        f"its part of the model {numel}; resume with the config that wrote it")
-                    return t
+            if self.config.sync.fragments > 1:  # the round in flight holds its part's values
+                def to_local(t: torch.Tensor, round: int = int(meta.get("inflight_round", 1))) -> torch.Tensor:
+                    return self._part_to_local(t, round, f"checkpoint round {ckpt.round}")
             self._resumed_flight = self.pipeline.load(ckpt.tensors, meta, to_local)
         # overlap=inner carries on from where the round in flight ended: θ − its Δ (with error
         # feedback on, less the residual it carried: `diloco_p2p.feedback`); sync.fragments from the
         # weights the checkpoint holds; otherwise from θ
         local = ckpt.tensors.get("fragments.local") if self.config.sync.fragments > 1 else None
         if local is not None:
-            if local.numel() != self.outer.numel:
+            if local.numel() != sum(self.layout.full_numels):
                 raise UserError(f"checkpoint round {ckpt.round}: fragments.local has {local.numel()} values, the "
-                                f"model {self.outer.numel}; resume with the config that wrote it")
-            self.outer.write_into(self.layout.local_views(), local.to(torch.float32).reshape(-1))
+                                f"model {sum(self.layout.full_numels)}; resume with the config that wrote it")
+            self.outer.write_into(self.layout.local_views(), self.layout.to_local(local.to(torch.float32).reshape(-1)))
             self._carry = True
         else:
             self._carry = self._resumed_flight is not None and self.pipeline is not None \

@@ -144,14 +144,18 @@ def test_one_rank_checkpoint_resumes_in_a_two_rank_node(runs, tmp_path):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["eager", "inner"])
-def test_two_ranks_under_overlap_train_like_one_rank(tmp_path, mode):
+@pytest.mark.parametrize("mode,fragments", [("eager", 1), ("inner", 1), ("inner", 2)])
+def test_two_ranks_under_overlap_train_like_one_rank(tmp_path, mode, fragments):
     """sync.overlap on 2 ranks, each pipelining its shard: it resumes a 1-rank node's round 1 (a round
     in flight and, eager, a local correction, sliced per rank), averages that round again behind round
     2 (inner: lands it 2 steps in, on every rank at once), and drains in round 3. Every checkpoint
     (the Δ in flight and the correction gathered into the 1-rank layout) matches the 1-rank node with
-    twice the batch, and a 1-rank node resumes its round 2 and ends round 3 as that node did."""
+    twice the batch, and a 1-rank node resumes its round 2 and ends round 3 as that node did. With
+    sync.fragments=2 (and the rebase merge) each rank averages its shard's values of the round's
+    half, and the checkpoints also hold the trained weights."""
     eager = [f"sync.overlap={mode}", "sync.overlap_steps=2"]
+    if fragments > 1:
+        eager += [f"sync.fragments={fragments}", "sync.overlap_merge=rebase"]
     ref, two, back = tmp_path / "ref", tmp_path / "two", tmp_path / "back"
     node = Node(load_config(None, _overrides(2 * PER_RANK_BATCH, 3) + eager), ref, progress=False)
     save = node._save
@@ -168,12 +172,14 @@ def test_two_ranks_under_overlap_train_like_one_rank(tmp_path, mode):
         assert proc.wait(timeout=150) == 0, proc.output()
     assert "sharded over 2 local ranks" in proc.output()
     kept = {"overlap.theta", "overlap.inflight_delta"} if mode == "eager" else {"overlap.inflight_delta"}
+    kept |= {"fragments.local"} if fragments > 1 else set()
     assert kept <= set(_ckpt(two, 2))  # round 2 in flight at its end
     for round_ in (2, 3):
         _assert_same_state(_ckpt(two, round_), _ckpt(ref, round_))
     records = read_records(two)[-2:]
     assert [(r["round"], r["applied_round"], r["overlap"]) for r in records] == [(2, 1, mode), (3, 3, mode)]
     assert [r.get("landed_step") for r in records] == ([None, None] if mode == "eager" else [2, 2])
+    assert [r.get("fragment") for r in records] == ([1, 0] if fragments > 1 else [None, None])
     shutil.copytree(two, back)
     Node(load_config(None, _overrides(2 * PER_RANK_BATCH, 3) + eager + ["train.resume_round=2"]), back,
          progress=False).run()
