@@ -10,8 +10,8 @@ checkpoints); rank r > 0 writes its own metrics.jsonl (the same node-wide number
 ``ranks/<r>/``.
 
 The module is long (~600 lines) because the overlap modes' landing, unlanding and resuming, and
-sync.fragments' parts (`Node._part`), touch the loop's own state (round, θ, the trained weights, the
-record in wait); what stands alone is in `diloco_p2p.overlap` and `diloco_p2p.outer`.
+sync.fragments' parts, touch the loop's own state (round, θ, the trained weights, the record in
+wait); what stands alone is in `diloco_p2p.overlap`, `diloco_p2p.fragments` and `diloco_p2p.outer`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from diloco_p2p.data import DataPosition, open_dataset
 from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
 from diloco_p2p.feedback import ErrorFeedback
+from diloco_p2p.fragments import Fragments
 from diloco_p2p.fsdp import (
     ShardLayout,
     gather_optimizer_state,
@@ -54,11 +55,10 @@ from diloco_p2p.fsdp import (
 from diloco_p2p.inner import InnerTrainer, StepStats
 from diloco_p2p.logs import log_context, set_log_context
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
-from diloco_p2p.outer import OuterOptimizer, Part, dylu_steps
+from diloco_p2p.outer import OuterOptimizer, dylu_steps
 from diloco_p2p.overlap import InFlight, Pipeline
 from diloco_p2p.ranks import Ranks, resolve_device
 from diloco_p2p.rundir import node_key, prepare_run_dir
-from diloco_p2p.swarm.wire import partition
 from diloco_p2p.threads import ThreadBudget
 
 log = logging.getLogger("diloco_p2p.node")
@@ -132,6 +132,7 @@ class Node:
         self.trainer = InnerTrainer(self.model, cfg.inner, total_steps, self.device, precision, ranks, faults)
         self.outer = OuterOptimizer(self.layout.local_views(), cfg.outer)
         self.feedback = ErrorFeedback(self.outer.numel, cfg.sync)  # what the lossy wire has not sent yet
+        self.fragments = Fragments(cfg.sync.fragments, self.layout, self.outer.numel)  # what each round averages
         # sync.overlap: the average in flight behind the next round's compute (diloco_p2p.overlap)
         # (on N local ranks, one per rank on its shard, as the outer state)
         self.pipeline = None if cfg.sync.overlap == "none" else Pipeline(
@@ -166,7 +167,7 @@ class Node:
             if not self._carry:  # every round starts from θ (+ eager c); under overlap=inner, where the last ended
                 with self._outer_timer():
                     self.outer.copy_into(self.layout.local_views(), offset)
-                self._carry = self.config.sync.fragments > 1  # fragments: each part takes θ at its own round
+                self._carry = self.fragments.on  # fragments: each part takes θ at its own round
 
             for _ in range(self._inner_steps()):  # H inner steps on our own data
                 if self._stopping():
@@ -192,7 +193,7 @@ class Node:
             compute = time.perf_counter() - start - landed_wait
             with self._outer_timer():
                 # Δ = θ (+ c) − θ_local; under sync.fragments of this round's part only
-                delta = self.outer.pseudo_gradient(self.layout.local_views(), offset, self._part(self.round + 1))
+                delta = self.outer.pseudo_gradient(self.layout.local_views(), offset, self.fragments.part(self.round + 1))
                 self._keep_ended(self.round + 1)
             phases = {"compute_start": compute_start, "compute_end": time.time()}
             synced, outer_before = time.perf_counter(), self._outer_seconds
@@ -204,8 +205,8 @@ class Node:
             self.round += 1
             self.tokens += round_tokens
             overlap = {} if self.pipeline is None else {"overlap": self.pipeline.mode, "phases": phases}
-            if self.config.sync.fragments > 1:
-                overlap["fragment"] = (self.round - 1) % self.config.sync.fragments
+            if self.fragments.on:
+                overlap["fragment"] = self.fragments.index(self.round)
             if landed is not None:
                 overlap["landed_step"] = landed.step
             self.params_sha256()  # hashed here, so its time counts in the outer step's
@@ -228,7 +229,7 @@ class Node:
         previous round's, which ran behind this round's inner steps, while this round's starts in
         the background (`diloco_p2p.overlap`). Returns the outcome applied and its round; None
         when a stop came first (the round is dropped; a round whose average is under way is not)."""
-        round, pipe, part = self.round + 1, self.pipeline, self._part(self.round + 1)
+        round, pipe, part = self.round + 1, self.pipeline, self.fragments.part(self.round + 1)
         if pipe is None or round >= self.config.train.max_rounds:  # blocking; the last round drains the pipeline
             if pipe is not None and self._deferred is not None:
                 pipe.inflight_done(wait=True)
@@ -239,7 +240,7 @@ class Node:
                 flight, saved = self._landed.flight, self._landed.saved
                 self._landed = None
                 phases.update(flight.span())
-                self.feedback.settle(flight.delta, flight.result(), self._part(flight.round))
+                self.feedback.settle(flight.delta, flight.result(), self.fragments.part(flight.round))
             elif flight is not None:
                 if self._stopping():
                     pipe.inflight = flight  # type: ignore[union-attr] - kept for the checkpoint
@@ -247,7 +248,7 @@ class Node:
                 saved = {k: v.clone() for k, v in self.outer.state_tensors().items()}
                 phases.update(flight.span())
                 self._apply(flight.result(), flight.round)
-                self.feedback.settle(flight.delta, flight.result(), self._part(flight.round))
+                self.feedback.settle(flight.delta, flight.result(), self.fragments.part(flight.round))
             delta = self.feedback.offer(delta, part)  # + what earlier rounds' lossy wire did not send (`feedback`)
             outcome = self.sync.average(round, delta, weight, self._shard_sha256())
             if self._stopping():
@@ -267,7 +268,7 @@ class Node:
             self._landed, self._carry = None, True
             outcome = flight.result()
             phases.update(flight.span())
-            self.feedback.settle(flight.delta, outcome, self._part(flight.round))
+            self.feedback.settle(flight.delta, outcome, self.fragments.part(flight.round))
             pipe.begin(self.sync, round, self.feedback.offer(delta, part), weight, self._shard_sha256())
             return outcome, flight.round
         if self._deferred is not None:  # the last round's record waits for its average (`_serve`)
@@ -285,7 +286,7 @@ class Node:
             phases.update(flight.span())
             self._apply(outcome, flight.round)
             pipe.learn(outcome)
-            self.feedback.settle(flight.delta, outcome, self._part(flight.round))
+            self.feedback.settle(flight.delta, outcome, self.fragments.part(flight.round))
         pipe.correct(delta)  # eager: a_t·Δ_m^(t) replaces a_{t-1}·Δ_m^(t-1) in the local correction
         pipe.begin(self.sync, round, self.feedback.offer(delta, part), weight, self._shard_sha256())
         return outcome, None if flight is None else flight.round
@@ -315,7 +316,7 @@ class Node:
         assert flight is not None
         waited = time.perf_counter() - began
         saved = {k: v.clone() for k, v in self.outer.state_tensors().items()}  # a copy of θ and momentum
-        part = self._part(flight.round)
+        part = self.fragments.part(flight.round)
         if part is not None:  # sync.fragments: and of the part's trained weights, which the merge changes
             saved["local"] = self.outer.gather(self.layout.local_views())[part[0]:part[1]].clone()
         outcome = flight.result()
@@ -334,7 +335,7 @@ class Node:
         """overlap_merge=rebase: keep round `round`'s trained weights (its part) as its steps left them."""
         if self.pipeline is not None and self.pipeline.lands_after is not None \
                 and self.config.sync.overlap_merge == "rebase":
-            lo, hi = self._part(round) or (0, self.outer.numel)
+            lo, hi = self.fragments.part(round) or (0, self.outer.numel)
             self._ended = (round, self.outer.gather(self.layout.local_views())[lo:hi].clone())
 
     def _unland(self) -> None:
@@ -348,7 +349,7 @@ class Node:
         """θ and momentum from before round `round`'s average landed (and, under sync.fragments,
         its part's trained weights from before the merge)."""
         saved = dict(saved)
-        local, part = saved.pop("local", None), self._part(round)
+        local, part = saved.pop("local", None), self.fragments.part(round)
         self.outer.load_state_tensors(saved)
         if local is not None and part is not None:
             self.outer.write_into(self.layout.local_views(), local, part[0])
@@ -358,46 +359,7 @@ class Node:
         if outcome.average is not None:
             with self._outer_timer():
                 # outer Nesterov step, identical on every group member
-                self.outer.step(outcome.average, self._part(round))
-
-    def _full_part(self, round: int) -> Part | None:
-        """sync.fragments = P: the values [lo, hi) of the flat parameters (1-rank layout) that
-        round `round` averages, part (round − 1) mod P of P contiguous ones (Streaming DiLoCo's
-        fragments, arXiv:2501.18512, are layers; contiguous ranges of the flat layout are runs of
-        consecutive layers). None when P = 1: every round averages everything."""
-        fragments = self.config.sync.fragments
-        if fragments == 1:
-            return None
-        return partition(sum(self.layout.full_numels), fragments)[(round - 1) % fragments]
-
-    def _part(self, round: int) -> Part | None:
-        """`_full_part` in this rank's own flat layout (the same on one rank; on N, its shard's values
-        of it, contiguous: `ShardLayout.local_range`)."""
-        full = self._full_part(round)
-        return None if full is None else self.layout.local_range(*full)
-
-    def _part_to_full(self, values: torch.Tensor, round: int) -> torch.Tensor | None:
-        """Round `round`'s part of a flat vector, this rank's values of it → the part in the 1-rank
-        layout (a collective on N ranks, whose result only rank 0 gets)."""
-        (lo, hi), (full_lo, full_hi) = self._part(round), self._full_part(round)  # type: ignore[misc]
-        placed = torch.zeros(self.outer.numel)
-        placed[lo:hi] = values
-        full = self.layout.to_full(placed)
-        return None if full is None else full[full_lo:full_hi].clone()
-
-    def _part_to_local(self, values: torch.Tensor, round: int, source: str) -> torch.Tensor:
-        """Inverse of `_part_to_full`: round `round`'s part in the 1-rank layout → this rank's values."""
-        (lo, hi), (full_lo, full_hi) = self._part(round), self._full_part(round)  # type: ignore[misc]
-        if values.numel() != full_hi - full_lo:
-            raise UserError(f"{source}: the round in flight has {values.numel()} values, its part of the model "
-                            f"{full_hi - full_lo}; resume with the config that wrote it (sync.fragments)")
-        placed = torch.zeros(sum(self.layout.full_numels))
-        placed[full_lo:full_hi] = values.to(torch.float32)
-        return self.layout.to_local(placed)[lo:hi].clone()
-
-    def _part_numel(self, round: int) -> int:
-        part = self._part(round)
-        return self.outer.numel if part is None else part[1] - part[0]
+                self.outer.step(outcome.average, self.fragments.part(round))
 
     @contextmanager
     def _outer_timer(self) -> Iterator[None]:
@@ -458,7 +420,7 @@ class Node:
         self.outer.load_state_tensors(resync.tensors)
         self._carry, self._ended = False, None
         if self.pipeline is not None:  # our round in flight and correction go; the state's average in flight comes
-            self.pipeline.adopt(resync.tensors, resync.round, self._part_numel(resync.round))
+            self.pipeline.adopt(resync.tensors, resync.round, self.fragments.numel(resync.round))
         self.outer.copy_into(self.layout.local_views())
         self.feedback.reset()  # our residual belongs to the trajectory we just left (`diloco_p2p.feedback`)
         if self.step == 0 and self.joined_at_round is None:
@@ -562,15 +524,14 @@ class Node:
         params_sha256 = self.params_sha256()
         overlap: dict[str, Any] = {}
         extra: dict[str, Any] = {}
-        fragments = self.config.sync.fragments > 1
         # sync.fragments: the parts are mid-way, so the weights being trained too
         trained = self.layout.to_full(self.outer.gather(self.layout.local_views()).clone()) \
-            if fragments and self._carry else None
+            if self.fragments.on and self._carry else None
         if self.pipeline is not None:  # the pending local Δ (the round in flight) and the eager correction
             flight, to_full = self.pipeline.inflight, self.layout.to_full
-            if fragments and flight is not None:  # the Δ in flight is its round's part
+            if self.fragments.on and flight is not None:  # the Δ in flight is its round's part
                 def to_full(t: torch.Tensor, round: int = flight.round) -> torch.Tensor | None:
-                    return self._part_to_full(t, round)
+                    return self.fragments.to_full(t, round)
             extra, overlap = self.pipeline.state_tensors(to_full)
         if not leader:
             return None
@@ -614,14 +575,14 @@ class Node:
         if self.pipeline is not None:
             meta = ckpt.meta.get("overlap") or {}
             to_local = self.layout.to_local
-            if self.config.sync.fragments > 1:  # the round in flight holds its part's values
+            if self.fragments.on:  # the round in flight holds its part's values
                 def to_local(t: torch.Tensor, round: int = int(meta.get("inflight_round", 1))) -> torch.Tensor:
-                    return self._part_to_local(t, round, f"checkpoint round {ckpt.round}")
+                    return self.fragments.to_local(t, round, f"checkpoint round {ckpt.round}")
             self._resumed_flight = self.pipeline.load(ckpt.tensors, meta, to_local)
         # overlap=inner carries on from where the round in flight ended: θ − its Δ (with error
         # feedback on, less the residual it carried: `diloco_p2p.feedback`); sync.fragments from the
         # weights the checkpoint holds; otherwise from θ
-        local = ckpt.tensors.get("fragments.local") if self.config.sync.fragments > 1 else None
+        local = ckpt.tensors.get("fragments.local") if self.fragments.on else None
         if local is not None:
             if local.numel() != sum(self.layout.full_numels):
                 raise UserError(f"checkpoint round {ckpt.round}: fragments.local has {local.numel()} values, the "

@@ -229,3 +229,20 @@ def test_a_resumed_round_in_flight_is_rebased_from_where_it_ended(tmp_path):
     ended = ckpt.tensors["outer.theta"] - ckpt.tensors["overlap.inflight_delta"]  # round 2's steps ended here
     assert resumed._ended is not None and resumed._ended[0] == 2
     assert torch.equal(resumed._ended[1], flatten(resumed.params)) and torch.allclose(resumed._ended[1], ended)
+
+
+def test_a_part_goes_to_the_one_rank_layout_and_back_and_a_wrong_size_is_refused():
+    from diloco_p2p.fragments import Fragments
+    from diloco_p2p.fsdp import ShardLayout
+    from diloco_p2p.ranks import Ranks
+
+    params = _params()
+    fragments = Fragments(3, ShardLayout(params, Ranks(torch.device("cpu"))), 16)
+    assert [fragments.full_part(r) for r in (1, 2, 3, 4)] == [(0, 6), (6, 11), (11, 16), (0, 6)]
+    assert [fragments.index(r) for r in (1, 2, 3, 4)] == [0, 1, 2, 0] and fragments.numel(2) == 5
+    values = torch.arange(5, dtype=torch.float32)
+    assert torch.equal(fragments.to_local(fragments.to_full(values, 2), 2, "here"), values)
+    with pytest.raises(UserError, match="here: the round in flight has 6 values, its part of the model 5"):
+        fragments.to_local(torch.zeros(6), 2, "here")
+    whole = Fragments(1, ShardLayout(params, Ranks(torch.device("cpu"))), 16)
+    assert whole.part(3) is None and whole.index(3) is None and whole.numel(3) == 16
