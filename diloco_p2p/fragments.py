@@ -30,6 +30,10 @@ class Fragments:
     def __init__(self, count: int, layout: ShardLayout, local_numel: int):
         self.count, self.layout, self.local_numel = count, layout, local_numel
         self.full_numel = sum(layout.full_numels)
+        empty = [f for f in range(count) if self.on and self.numel(f + 1) == 0]
+        if empty:  # a round with nothing to average on this rank
+            raise UserError(f"sync.fragments={count} leaves this rank no value of part {empty[0]} "
+                            f"({local_numel:,} values held); set fewer fragments")
 
     @property
     def on(self) -> bool:

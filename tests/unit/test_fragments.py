@@ -244,5 +244,7 @@ def test_a_part_goes_to_the_one_rank_layout_and_back_and_a_wrong_size_is_refused
     assert torch.equal(fragments.to_local(fragments.to_full(values, 2), 2, "here"), values)
     with pytest.raises(UserError, match="here: the round in flight has 6 values, its part of the model 5"):
         fragments.to_local(torch.zeros(6), 2, "here")
+    with pytest.raises(UserError, match="sync.fragments=17 leaves this rank no value of part 16"):
+        Fragments(17, ShardLayout(params, Ranks(torch.device("cpu"))), 16)
     whole = Fragments(1, ShardLayout(params, Ranks(torch.device("cpu"))), 16)
     assert whole.part(3) is None and whole.index(3) is None and whole.numel(3) == 16
