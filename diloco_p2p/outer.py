@@ -131,11 +131,9 @@ class OuterOptimizer:
         """Δ = θ − θ_local, as a flat fp32 vector; from θ + offset when the round started there;
         only the values [lo, hi) of `part` (sync.fragments)."""
         local = self.gather(local_params)
-        if part is not None:
-            lo, hi = part
-            return self.theta[lo:hi] - local[lo:hi]
         start = self.theta if offset is None else self.theta + offset
-        return start - local
+        lo, hi = part or (0, self.numel)
+        return start[lo:hi] - local[lo:hi]
 
     def step(self, avg_delta: torch.Tensor, part: Part | None = None) -> None:
         """Apply one outer SGD(+Nesterov) step with the averaged pseudo-gradient Δ̄; to θ[lo:hi]
@@ -200,7 +198,7 @@ class OuterOptimizer:
 
     def write_into(self, params: Sequence[torch.Tensor], values: torch.Tensor, lo: int = 0, alpha: float = 0.0) -> None:
         """Values [lo, lo + len(values)) of the flat layout into the model's parameters (mixed:
-        θ_local ← α·θ_local + (1−α)·values). One local rank: each parameter whole and contiguous."""
+        θ_local ← α·θ_local + (1−α)·values)."""
         with torch.no_grad():
             for flat, a, b in self._spans(params, lo, lo + values.numel()):
                 chunk = values[a - lo:b - lo].to(flat)
@@ -219,7 +217,8 @@ class OuterOptimizer:
 
     def _spans(self, params: Sequence[torch.Tensor], lo: int, hi: int) -> Iterator[tuple[torch.Tensor, int, int]]:
         """For each parameter holding values of [lo, hi) of the flat layout: a writable view of
-        them and their range [a, b) in the layout (one local rank: parameters whole, contiguous)."""
+        them and their range [a, b) in the layout (a parameter's values, or on N local ranks its
+        shard's rows, are contiguous)."""
         start = 0
         for p, n in zip(params, self.numels, strict=True):
             a, b = max(lo, start), min(hi, start + n)
