@@ -192,7 +192,8 @@ def test_a_stop_after_the_landing_puts_the_parts_trained_weights_back_and_resume
         _node(tmp_path, OverlapSync(), fragments=2, rounds=3, extra=INNER, name="bad")
 
 
-@pytest.mark.parametrize("extra", [[], INNER, ["sync.compression=topk2", "sync.topk_density=0.05"],
+@pytest.mark.parametrize("extra", [[], INNER, [*INNER, "sync.overlap_merge=rebase"],
+                                   ["sync.compression=topk2", "sync.topk_density=0.05"],
                                    [*INNER, "sync.compression=int4", "sync.error_feedback=true"]])
 def test_replicas_agree_on_theta_every_round(tmp_path, extra):
     config = load_config(None, [*SMALL, "train.max_rounds=4", "sync.fragments=3", *extra])
