@@ -107,6 +107,9 @@ class OuterOptimizer:
         self.dn_steps = 0
         self.version = 0  # bumped whenever θ changes
         self._hash: tuple[int, str] | None = None
+        # Past one hash chunk: each chunk's digest, and the chunks changed since (None: all).
+        self._digests: list[bytes] = []
+        self._stale: set[int] | None = None
 
     @property
     def numel(self) -> int:
@@ -150,7 +153,14 @@ class OuterOptimizer:
             self._delayed_step(delta)
         else:
             self._momentum_step(delta, self.cfg.nesterov, lo, hi)
+        self._changed(lo, hi)
+
+    def _changed(self, lo: int, hi: int) -> None:
+        """θ[lo:hi] changed: a new version, and the hash chunks it spans are stale."""
         self.version += 1
+        if self._stale is not None and hi > lo:
+            size = self.theta.element_size()
+            self._stale.update(range(lo * size // HASH_CHUNK_BYTES, (hi * size - 1) // HASH_CHUNK_BYTES + 1))
 
     def _momentum_step(self, grad: torch.Tensor, nesterov: bool, lo: int = 0, hi: int | None = None) -> None:
         """m ← β·m + g, then θ ← θ − η·(g + β·m), or θ ← θ − η·m without Nesterov (on [lo, hi)).
@@ -227,10 +237,29 @@ class OuterOptimizer:
             start += n
 
     def params_sha256(self) -> str:
-        """sha256 of θ's bytes (cached until θ changes)."""
+        """sha256 of θ's bytes (cached until θ changes): `tensor_sha256(θ)`, where past one chunk
+        only the chunks changed since the last hash are hashed again (under sync.fragments a step
+        changes 1/P of θ)."""
         if self._hash is None or self._hash[0] != self.version:
-            self._hash = (self.version, tensor_sha256(self.theta))
+            self._hash = (self.version, self._sha256())
         return self._hash[1]
+
+    def _sha256(self) -> str:
+        data = memoryview(self.theta.detach().numpy()).cast("B")
+        if data.nbytes <= HASH_CHUNK_BYTES:
+            return tensor_sha256(self.theta)
+        count = -(-data.nbytes // HASH_CHUNK_BYTES)
+        if self._stale is None or len(self._digests) != count:
+            self._digests, self._stale = [b""] * count, set(range(count))
+        stale = sorted(self._stale)
+        if stale:
+            with ThreadPoolExecutor(min(len(stale), os.cpu_count() or 1, 16)) as pool:
+                digests = pool.map(lambda i: hashlib.sha256(data[i * HASH_CHUNK_BYTES:(i + 1) * HASH_CHUNK_BYTES]).digest(),
+                                   stale)
+                for i, digest in zip(stale, digests, strict=True):
+                    self._digests[i] = digest
+        self._stale = set()
+        return hashlib.sha256(_CHUNKED + b"".join(self._digests)).hexdigest()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         state = {"outer.theta": self.theta, "outer.momentum": self.momentum}
@@ -253,4 +282,4 @@ class OuterOptimizer:
             self.dn_buffer = buffer.to(torch.float32).clone() if ok else torch.zeros_like(self.theta)
             steps = tensors.get("outer.dn_steps")
             self.dn_steps = int(steps.reshape(-1)[0]) if ok and steps is not None and steps.numel() == 1 else 0
-        self.version += 1
+        self.version, self._stale = self.version + 1, None

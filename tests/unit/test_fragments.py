@@ -249,3 +249,19 @@ def test_a_part_goes_to_the_one_rank_layout_and_back_and_a_wrong_size_is_refused
         Fragments(17, ShardLayout(params, Ranks(torch.device("cpu"))), 16)
     whole = Fragments(1, ShardLayout(params, Ranks(torch.device("cpu"))), 16)
     assert whole.part(3) is None and whole.index(3) is None and whole.numel(3) == 16
+
+
+def test_after_a_parts_step_only_the_hash_chunks_it_touched_are_hashed_again(monkeypatch):
+    import diloco_p2p.outer as outer_module
+
+    monkeypatch.setattr(outer_module, "HASH_CHUNK_BYTES", 16)  # 4 values a chunk: θ of 16 values in 4 chunks
+    outer = OuterOptimizer(_params(), OUTER)
+    assert outer.params_sha256() == tensor_sha256(outer.theta.clone())
+    for part, stale in [((3, 9), {0, 1, 2}), ((9, 16), {2, 3}), ((4, 8), {1})]:
+        outer.step(torch.randn(part[1] - part[0]), part)
+        assert outer._stale == stale
+        assert outer.params_sha256() == tensor_sha256(outer.theta.clone()) and outer._stale == set()
+    outer.load_state_tensors({"outer.theta": torch.randn(16), "outer.momentum": torch.zeros(16)})
+    assert outer._stale is None and outer.params_sha256() == tensor_sha256(outer.theta.clone())
+    outer.step(torch.randn(16))
+    assert outer._stale == {0, 1, 2, 3} and outer.params_sha256() == tensor_sha256(outer.theta.clone())
