@@ -66,8 +66,9 @@ log = logging.getLogger("diloco_p2p.node")
 
 class Landing(NamedTuple):
     """sync.overlap=inner: round t's average, applied `step` inner steps into round t+1 after
-    `waited` seconds; θ and momentum from before it (restored if a stop drops the round), and
-    under sync.fragments the trained weights of its part from before the merge."""
+    `waited` seconds; θ and momentum from before it (`OuterOptimizer.snapshot` of its part under
+    sync.fragments, restored if a stop drops the round), and under sync.fragments the trained
+    weights of its part from before the merge ("local")."""
 
     flight: InFlight
     saved: dict[str, torch.Tensor]
@@ -245,7 +246,7 @@ class Node:
                 if self._stopping():
                     pipe.inflight = flight  # type: ignore[union-attr] - kept for the checkpoint
                     return None, None
-                saved = {k: v.clone() for k, v in self.outer.state_tensors().items()}
+                saved = self.outer.snapshot(self.fragments.part(flight.round))
                 phases.update(flight.span())
                 self._apply(flight.result(), flight.round)
                 self.feedback.settle(flight.delta, flight.result(), self.fragments.part(flight.round))
@@ -315,8 +316,8 @@ class Node:
         flight = pipe.take()
         assert flight is not None
         waited = time.perf_counter() - began
-        saved = {k: v.clone() for k, v in self.outer.state_tensors().items()}  # a copy of θ and momentum
         part = self.fragments.part(flight.round)
+        saved = self.outer.snapshot(part)  # a copy of θ and momentum (of the part)
         if part is not None:  # sync.fragments: and of the part's trained weights, which the merge changes
             saved["local"] = self.outer.gather(self.layout.local_views())[part[0]:part[1]].clone()
         outcome = flight.result()
@@ -324,7 +325,7 @@ class Node:
         pipe.learn(outcome)
         if self.config.sync.overlap_merge == "rebase":  # θ_local ← θ + (θ_local − where round t ended)
             lo, hi = part or (0, self.outer.numel)
-            ended = self._ended[1] if self._ended and self._ended[0] == flight.round else saved["outer.theta"][lo:hi]
+            ended = self._ended[1] if self._ended and self._ended[0] == flight.round else saved["theta"]
             self.outer.shift_into(self.layout.local_views(), self.outer.theta[lo:hi] - ended, part)
         else:  # θ_local ← α·θ_local + (1−α)·θ
             self.outer.mix_into(self.layout.local_views(), self.config.sync.overlap_mix, part)
@@ -348,9 +349,8 @@ class Node:
     def _restore(self, saved: dict[str, torch.Tensor], round: int) -> None:
         """θ and momentum from before round `round`'s average landed (and, under sync.fragments,
         its part's trained weights from before the merge)."""
-        saved = dict(saved)
-        local, part = saved.pop("local", None), self.fragments.part(round)
-        self.outer.load_state_tensors(saved)
+        local, part = saved.get("local"), self.fragments.part(round)
+        self.outer.restore(saved)
         if local is not None and part is not None:
             self.outer.write_into(self.layout.local_views(), local, part[0])
 

@@ -261,6 +261,19 @@ class OuterOptimizer:
         self._stale = set()
         return hashlib.sha256(_CHUNKED + b"".join(self._digests)).hexdigest()
 
+    def snapshot(self, part: Part | None = None) -> dict[str, torch.Tensor]:
+        """A copy of θ and momentum on `part` (all of them without), to `restore` if a stop drops
+        the outer step about to be taken (sync.overlap)."""
+        lo, hi = part or (0, self.numel)
+        return {"lo": torch.tensor(lo), "theta": self.theta[lo:hi].clone(), "momentum": self.momentum[lo:hi].clone()}
+
+    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+        """θ and momentum back to a `snapshot`."""
+        lo = int(snapshot["lo"])
+        hi = lo + snapshot["theta"].numel()
+        self.theta[lo:hi], self.momentum[lo:hi] = snapshot["theta"], snapshot["momentum"]
+        self._changed(lo, hi)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         state = {"outer.theta": self.theta, "outer.momentum": self.momentum}
         if self.dn_buffer is not None:

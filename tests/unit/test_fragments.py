@@ -178,6 +178,7 @@ def test_a_stop_after_the_landing_puts_the_parts_trained_weights_back_and_resume
     assert records[-1].round == 2
     ckpt = load_checkpoint(tmp_path / "run" / "checkpoints")
     assert ckpt.round == 2 and ckpt.meta["overlap"]["inflight_round"] == 2
+    assert ckpt.meta["params_sha256"] == records[-1].params_sha256  # θ of round 2, the landing undone
     # the trained weights at the stop: part 0 as trained so far, part 1 as before the landing's merge
     lo, hi = partition(node.outer.numel, 2)[1]
     local = ckpt.tensors["fragments.local"]
