@@ -30,7 +30,10 @@ class Fragments:
     def __init__(self, count: int, layout: ShardLayout, local_numel: int):
         self.count, self.layout, self.local_numel = count, layout, local_numel
         self.full_numel = sum(layout.full_numels)
-        empty = [f for f in range(count) if self.on and self.numel(f + 1) == 0]
+        # each part in the 1-rank layout and in this rank's own (the same on one rank), once
+        self.full_parts = partition(self.full_numel, count) if self.on else []
+        self.parts = [layout.local_range(*full) for full in self.full_parts]
+        empty = [f for f, (lo, hi) in enumerate(self.parts) if hi <= lo]
         if empty:  # a round with nothing to average on this rank
             raise UserError(f"sync.fragments={count} leaves this rank no value of part {empty[0]} "
                             f"({local_numel:,} values held); set fewer fragments")
@@ -39,18 +42,17 @@ class Fragments:
     def on(self) -> bool:
         return self.count > 1
 
-    def full_part(self, round: int) -> Part | None:
-        """The values [lo, hi) of the 1-rank flat layout that round `round` averages."""
-        return partition(self.full_numel, self.count)[(round - 1) % self.count] if self.on else None
-
     def index(self, round: int) -> int | None:
         """Which part round `round` averages (0-based; None: all)."""
         return (round - 1) % self.count if self.on else None
 
+    def full_part(self, round: int) -> Part | None:
+        """The values [lo, hi) of the 1-rank flat layout that round `round` averages."""
+        return self.full_parts[(round - 1) % self.count] if self.on else None
+
     def part(self, round: int) -> Part | None:
-        """`full_part` in this rank's own flat layout (the same on one rank)."""
-        full = self.full_part(round)
-        return None if full is None else self.layout.local_range(*full)
+        """`full_part` in this rank's own flat layout."""
+        return self.parts[(round - 1) % self.count] if self.on else None
 
     def numel(self, round: int) -> int:
         """How many values this rank averages in round `round`."""
