@@ -68,8 +68,9 @@ def _averaged(r: ProgressRecord) -> int:
     return -1 if r.averaged_round is None else r.averaged_round
 
 
-def reference_records(others: Mapping[str, ProgressRecord]) -> dict[str, ProgressRecord]:
-    """The records that speak for the swarm's state: those whose θ was averaged most recently.
+def reference_records(others: Mapping[str, ProgressRecord], averaged_round: int | None = None) -> dict[str, ProgressRecord]:
+    """The records that speak for the swarm's state: those whose θ was averaged most recently,
+    and not before our own θ was (`averaged_round`, None: not since we started).
 
     Each record carries `averaged_round`: the last round its θ came out of a group (committed,
     or resynced from a state that did; a node that ends rounds alone keeps the old value). A
@@ -78,8 +79,14 @@ def reference_records(others: Mapping[str, ProgressRecord]) -> dict[str, Progres
     that restarted and has not averaged yet). It does not count, even with a newer round
     number: alone rounds are often quicker than averaged ones. A node training on alone because
     every other node died is not superseded (the records those nodes left behind are no newer
-    than its last averaged round). With no averaging anywhere yet, every record counts."""
-    newest = max(map(_averaged, others.values()), default=-1)
+    than its last averaged round). With no averaging anywhere yet, every record counts.
+
+    Our own `averaged_round` supersedes too: a record whose θ was last averaged before ours is
+    never the swarm's state for us, even when it is the newest we can read (a DHT read just after
+    a partition heals may return the cut-off node's record and miss, or hold an old copy of, the
+    record of the node we averaged with)."""
+    ours = -1 if averaged_round is None else averaged_round
+    newest = max([ours, *map(_averaged, others.values())])
     return {peer: r for peer, r in others.items() if _averaged(r) >= newest}
 
 
@@ -140,7 +147,8 @@ def resync_target(
     `averaged_round` (None: not since it started), must adopt the swarm's state, and which.
 
     Only `vouched_records(others, quorum, max_round)` count. The swarm's state is that of their
-    `reference_records`; with `top` their newest round:
+    `reference_records` (none, when all of them were last averaged before our θ: we keep ours);
+    with `top` their newest round:
 
     - behind (`top` > ours): download the state of round `top` with its most reported θ hash
       (any of them if several tie: each has `quorum` backers);
@@ -164,7 +172,9 @@ def resync_target(
     vouched = vouched_records(others, quorum=quorum, max_round=max_round, on_reject=on_reject)
     if not vouched:
         return None
-    reference = reference_records(vouched)
+    reference = reference_records(vouched, averaged_round)
+    if not reference:
+        return None  # every record we read is older news than our own θ
     exclude = frozenset(others) - frozenset(reference)
     top = max(r.round for r in reference.values())
     at_top = Counter(r.params_sha256 for r in reference.values() if r.round == top)

@@ -173,7 +173,7 @@ class SwarmSync:
         averaging nodes (`resync_target`); None to train on from our own."""
         others = self.records()
         ours = node.shard_sha256
-        reference = reference_records(others)  # the nodes that speak for the swarm's state
+        reference = reference_records(others, self.averaged_round)  # the nodes that speak for the swarm's state
         self.resync_exclude = frozenset(others) - frozenset(reference)
         # For the round's record: do those at our round hold our θ, and every node our config?
         same_round = [r.params_sha256 for r in reference.values() if r.round == node.round]

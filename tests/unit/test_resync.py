@@ -130,6 +130,25 @@ def test_a_node_cut_off_and_ahead_does_not_pull_the_averaging_nodes_back():
     assert "cut off" in target.reason
 
 
+def test_records_averaged_before_our_own_theta_never_move_us():
+    """Just after a partition heals, a DHT read may return the cut-off node's record (ahead in
+    round number, last averaged at round 1) and miss the record of the node we averaged with, or
+    return an old copy of it. We averaged at round 4: neither is the swarm's state for us."""
+    lone = make(PEERS[2], round=6, params_sha256=H["e"], status="alone", group_size=1, averaged_round=1)
+    old_copy = make(PEERS[1], round=1, params_sha256=H["b"], averaged_round=1)
+    for seen in ({PEERS[2]: lone}, {PEERS[2]: lone, PEERS[1]: old_copy}):
+        assert resync_target(seen, 5, H["a"], averaged_round=4) is None
+        assert reference_records(seen, averaged_round=4) == {}
+        # the same view for a node that has not averaged since it started (a joiner): c leads
+        target = resync_target(seen, 0, H["f"])
+        assert target is not None and target.min_round == 6 and target.params_hash == H["e"]
+    # a node we averaged with, at our averaged round, still counts
+    partner = make(PEERS[1], round=6, params_sha256=H["b"], averaged_round=4)
+    target = resync_target({PEERS[2]: lone, PEERS[1]: partner}, 5, H["a"], averaged_round=4)
+    assert target is not None and target.min_round == 6 and target.params_hash == H["b"]
+    assert target.exclude == {PEERS[2]}
+
+
 def test_the_last_node_standing_is_the_swarm():
     """B died after round 2 (its committed record lingers until its TTL); A trains on alone.
     A joiner must take A's state, and A must not go back to B's."""
