@@ -45,7 +45,7 @@ from tests import netns  # noqa: E402
 args_verbose = "-v" in sys.argv
 
 
-def worker(ip: str, initial: list[str], chunk: int) -> None:
+def worker(ip: str, initial: list[str], chunk: int, pace_bytes: float | None = None) -> None:
     """One peer: print its maddrs and peer id, then run the all-reduces the coordinator sends on stdin."""
 
     import hivemind
@@ -60,7 +60,7 @@ def worker(ip: str, initial: list[str], chunk: int) -> None:
     dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=initial)
     loop = BackgroundLoop()
     p2p = loop.run(dht.replicate_p2p(), 60)
-    service = AllreduceService(p2p, prefix="bench", chunk_elements=chunk)
+    service = AllreduceService(p2p, prefix="bench", chunk_elements=chunk, pace_bytes=pace_bytes)
     loop.run(service.start(), 30)
     print(json.dumps({"maddrs": [str(a) for a in dht.get_visible_maddrs()], "peer": p2p.peer_id.to_base58()}),
           flush=True)
@@ -215,9 +215,9 @@ class _Sampler:
 
 
 class Peer:
-    def __init__(self, host: netns.Host, initial: list[str], chunk: int):
+    def __init__(self, host: netns.Host, initial: list[str], chunk: int, pace_bytes: float | None = None):
         argv = [*host.prefix(), sys.executable, __file__, "--worker", host.ip, "--chunk", str(chunk),
-                "--initial", json.dumps(initial)]
+                "--initial", json.dumps(initial), *(["--pace-bytes", str(pace_bytes)] if pace_bytes else [])]
         self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.hello = self.read()
 
@@ -244,12 +244,12 @@ class Peer:
 
 
 def measure(hosts: netns.Hosts, k: int, comps: list[str], numel: int, rounds: int, chunk: int,
-            grid: int | None = None) -> dict:
+            grid: int | None = None, pace_bytes: float | None = None) -> dict:
     peers: list[Peer] = []
     try:
         for i in range(k):
             initial = peers[0].hello["maddrs"] if peers else []
-            peers.append(Peer(hosts[i], initial, chunk))
+            peers.append(Peer(hosts[i], initial, chunk, pace_bytes))
         ids = [p.hello["peer"] for p in peers]
         out = {}
         schemes = [(comp, None) for comp in comps] + [(comp, grid) for comp in comps if grid and k > grid]
@@ -325,6 +325,9 @@ def main() -> None:
     parser.add_argument("--grid", type=int, default=None, help="also the grid all-reduce, rows of about this many")
     parser.add_argument("--json", type=Path, default=None, help="write the table's rows here")
     parser.add_argument("--initial", default="[]", help=argparse.SUPPRESS)
+    parser.add_argument("--pace", type=float, default=None,
+                        help="the peers write at most this fraction of the link rate (sync.pace); default: no cap")
+    parser.add_argument("--pace-bytes", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tcp-worker", help=argparse.SUPPRESS)
     parser.add_argument("--cc", default=None, choices=["bbr", "cubic", "reno"],
                         help="the hosts' TCP congestion control (default: the machine's)")
@@ -339,7 +342,7 @@ def main() -> None:
 
     chunk = args.chunk or wire.DEFAULT_CHUNK_ELEMENTS
     if args.worker:
-        return worker(args.worker, json.loads(args.initial), chunk)
+        return worker(args.worker, json.loads(args.initial), chunk, args.pace_bytes)
     if args.tcp_worker:
         return tcp_worker(args.tcp_worker)
     if not netns.available():
@@ -355,7 +358,8 @@ def main() -> None:
     for rate in (float(r) for r in args.rates.split(",")):
         with netns.Hosts(max(ks), rate_mbit=rate, congestion=args.cc) as hosts:
             for k in ks:
-                got = measure(hosts, k, comps, args.numel, args.rounds, chunk, args.grid)
+                pace = args.pace * rate * 1e6 / 8 if args.pace else None
+                got = measure(hosts, k, comps, args.numel, args.rounds, chunk, args.grid, pace)
                 sizes = {scheme: r["sent"] / (k - 1) for scheme, r in got.items() if "/" not in scheme}
                 tcp = {} if args.no_ceiling else tcp_ceiling(hosts, k, sizes, args.rounds)
                 for scheme, r in got.items():

@@ -181,12 +181,15 @@ class AllreduceService:
         buffer_ttl: float = 30.0,
         max_pending_sessions: int = 64,
         probe_interval: float = 1.0,
+        pace_bytes: float | None = None,
     ):
         if not 0 < chunk_elements <= wire.MAX_CHUNK_ELEMENTS:
             raise ValueError(f"chunk_elements must be in (0, {wire.MAX_CHUNK_ELEMENTS}]")
         self.p2p, self.handler_name = p2p, f"{prefix}.allreduce.v1"
         self.chunk_elements, self.buffer_ttl = chunk_elements, buffer_ttl
         self.max_pending_sessions, self.probe_interval = max_pending_sessions, probe_interval
+        # What this host's sends may write per second, all streams together (`streams.Pacer`).
+        self.pacer = streams.Pacer(pace_bytes) if pace_bytes else None
         self._sessions: dict[str, Session] = {}
         self._background: set[asyncio.Task] = set()  # sends
         self._handlers: set[asyncio.Task] = set()  # incoming streams being served
@@ -524,8 +527,8 @@ class AllreduceService:
             if go != GO:
                 return False
             async for data in _frames(frames):
-                s.bytes_sent += streams.write_frame(writer, data)
-                await writer.drain()
+                sent = await streams.write_frame_paced(writer, data, self.pacer)
+                s.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
             return await reader.readexactly(1) == GO
         finally:
             writer.close()

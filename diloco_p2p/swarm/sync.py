@@ -121,7 +121,8 @@ class SwarmSync:
             self.reach = ReachServer(self.p2p) if self.public else None  # dial-back probes of joiners
             # A reducer that lies, only when the fault tests plan it (`diloco_p2p.faults`).
             service = LyingAllreduce if self.faults.lies_as_reducer else AllreduceService
-            self.allreduce = service(self.p2p, prefix=run_id)
+            pace = cfg.link_mbit * 1e6 / 8 * cfg.pace if cfg.link_mbit and cfg.pace else None  # bytes/s
+            self.allreduce = service(self.p2p, prefix=run_id, pace_bytes=pace)
             self.state_server = StateServer(self.dht, self.p2p, run_id=run_id)
             self.datashare = DataShare(self.dht, self.p2p, self.loop)  # the corpus's shards (`datashare`)
             for service in (self.matchmaker, self.allreduce, self.state_server, self.datashare):

@@ -15,7 +15,7 @@ import uuid
 import pytest
 import torch
 
-from diloco_p2p.swarm import wire
+from diloco_p2p.swarm import streams, wire
 from tests.harness.loopback import AllreducePeers
 
 pytestmark = pytest.mark.timeout(60)
@@ -104,6 +104,28 @@ def test_bytes_sent_close_to_the_allreduce_lower_bound(swarm, compression):
           f"received {[f'{x:.4f}' for x in received]}, seconds {[f'{r.seconds:.3f}' for r in results]}")  # fmt: skip
     # headers and masks are ~1.5 KB per peer here (~0.5-2% at this size); int8 adds 4 bytes per 1024 scales
     assert all(1.0 <= x < 1.03 for x in ratios + received), (ratios, received)
+
+
+def test_a_paced_all_reduce_gives_the_same_bits_and_bytes_no_faster_than_its_rate(swarm):
+    """`sync.pace`: every member writes through a `streams.Pacer`. Pacing changes when bytes
+    leave, never which: the averages are bit-identical to an unpaced run's, the bytes equal, and
+    no member's sends beat the rate (its headers, a few hundred bytes each, are not paced)."""
+    loop, services, peers = swarm
+    xs = inputs(seed=3)
+    plain = run_group(loop, services, peers, xs, WEIGHTS, compression="fp16", timeout=TIMEOUT)
+    rate = 400_000.0  # bytes/s: about 0.4 s for the ~160 KB each member sends
+    for svc in services:
+        svc.pacer = streams.Pacer(rate)
+    try:
+        paced = run_group(loop, services, peers, xs, WEIGHTS, compression="fp16", timeout=TIMEOUT)
+    finally:
+        for svc in services:
+            svc.pacer = None
+    for p, q in zip(plain, paced, strict=True):
+        assert q.status == "ok" and q.committed_parts == [0, 1, 2]
+        assert torch.equal(q.average, plain[0].average)
+        assert q.bytes_sent == p.bytes_sent
+        assert q.seconds >= (q.bytes_sent - 4096) / rate - 0.01, (q.seconds, q.bytes_sent)
 
 
 def test_group_of_one_returns_the_exact_tensor(swarm):

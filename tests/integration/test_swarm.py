@@ -29,7 +29,9 @@ def _saved(node, round_: int) -> tuple[torch.Tensor, torch.Tensor, float]:
 def swarm(tmp_path_factory):
     with ProcessSwarm(tmp_path_factory.mktemp("swarm")) as swarm:
         overrides = [f"train.max_rounds={ROUNDS}", "sync.target_group_size=3", "sync.matchmaking_timeout=20"]
-        nodes = [swarm.node(f"node-{i}", overrides, env={"DILOCO_P2P_FAULTS": "keep@average"}) for i in range(3)]
+        # node-0 declares a 20 Mbit/s uplink: its all-reduce writes at `sync.pace` (0.97) of it
+        nodes = [swarm.node(f"node-{i}", overrides + (["sync.link_mbit=20"] if i == 0 else []),
+                            env={"DILOCO_P2P_FAULTS": "keep@average"}) for i in range(3)]
         swarm.wait_joined(*nodes)
         # A node whose config differs is refused by the nodes' `started` records, naming the field.
         refused = run_cli(["train", *set_args(TINY + ["run_id=swarm-test", "outer.lr=0.5",
@@ -84,6 +86,17 @@ def test_bytes_on_the_wire_are_at_the_all_reduce_lower_bound(swarm):
         for round_ in range(1, ROUNDS + 1):
             sent = node.by_round()[round_]["bytes_sent"]
             assert lower_bound <= sent <= 1.02 * lower_bound, (sent, lower_bound)
+
+
+def test_a_node_that_declares_its_uplink_writes_no_faster_than_its_pace(swarm):
+    """On loopback an unpaced all-reduce takes a small fraction of its bytes' time at 20 Mbit/s;
+    node-0's (paced at 0.97 of 20 Mbit/s) takes at least about 1/0.97 of it. The others (no
+    link_mbit) record no ratio; the θ they all end with is checked above."""
+    _, nodes, _ = swarm
+    for round_ in range(1, ROUNDS + 1):
+        r = nodes[0].by_round()[round_]
+        assert r["wire_ratio"] >= 0.97, r
+        assert all(n.by_round()[round_]["wire_ratio"] is None for n in nodes[1:])
 
 
 def test_a_node_with_another_config_is_refused_naming_the_field(swarm):

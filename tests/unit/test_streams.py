@@ -117,3 +117,49 @@ def test_linger_returns_when_the_peer_closes_and_otherwise_at_the_timeout():
     closed_after, timed_out_after = asyncio.run(scenario())
     assert closed_after < 5.0
     assert 0.09 <= timed_out_after < 5.0
+
+
+class _TimedWriter(_Writer):
+    """A `_Writer` that notes when (loop time) each write came, and drains at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[tuple[float, int]] = []
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self.times.append((asyncio.get_running_loop().time(), len(data)))
+
+    async def drain(self) -> None:
+        return None
+
+
+def test_a_pacer_shared_by_two_streams_holds_their_sum_to_its_rate_and_keeps_each_frame_whole():
+    rate, burst = 200_000.0, 0.005  # bytes/s: 40 KB per stream takes 0.4 s for both
+    pacer = streams.Pacer(rate, piece=4096, burst=burst)
+    payloads = [bytes(range(256)) * 160, bytes(reversed(range(256))) * 160]  # 40 KiB each
+    writers = [_TimedWriter(), _TimedWriter()]
+
+    async def both() -> list[int]:
+        paced = (streams.write_frame_paced(w, p, pacer) for w, p in zip(writers, payloads, strict=True))
+        return await asyncio.gather(*paced)
+
+    async def timed() -> tuple[float, list[int]]:
+        start = asyncio.get_running_loop().time()
+        sent = await both()
+        return asyncio.get_running_loop().time() - start, sent
+
+    elapsed, sent = asyncio.run(timed())
+    assert sent == [8 + len(p) for p in payloads]
+    for w, p in zip(writers, payloads, strict=True):  # each stream still carries one well-formed frame
+        assert bytes(w.data) == len(p).to_bytes(8, "big") + p
+        assert max(n for _, n in w.times) <= 4096
+    # whatever the scheduling, the bytes released by any instant t are at most rate * t + a burst
+    events = sorted((t, n) for w in writers for t, n in w.times)
+    start, released = events[0][0], 0
+    for t, n in events:
+        released += n
+        assert released <= rate * (t - start) + rate * burst + 4096 + 8, (t - start, released)
+    assert elapsed >= sum(sent) / rate - burst - 4096 / rate
+    with pytest.raises(ValueError):
+        streams.Pacer(0)
