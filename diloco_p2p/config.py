@@ -232,10 +232,10 @@ class SyncConfig(_Section):
         60.0, gt=0, description="Seconds the all-reduce may take; peers silent past it are left out."
     )
     link_mbit: float | None = Field(
-        None, gt=0, description="This node's uplink in Mbit/s, if known: each round record then carries `wire_ratio`, the all-reduce's seconds over the time its bytes take at this rate (1.0 = line rate). Unset: no ratio."
+        None, gt=0, description="This node's uplink in Mbit/s, if known: the all-reduce then writes at `sync.pace` of it, and each round record carries `wire_ratio`, the all-reduce's seconds over the time its bytes take at this rate (1.0 = line rate). Unset: no ratio."
     )
     pace: float = Field(
-        0.97, ge=0, le=1, description="With `sync.link_mbit` set, the all-reduce writes at most this fraction of it (all streams together), so the uplink's queue stays short and the ACKs of what the node receives are not held behind its own data: on 20-100 Mbit/s links it took the all-reduce from 1.18-1.47x the wire time to 1.07-1.23x (`benchmarks/allreduce_wan.py --pace`). 0: no cap. A link_mbit above the real uplink only makes the cap loose; one below it slows the node."
+        0.97, ge=0, le=1, description="With `sync.link_mbit` set, the all-reduce writes at most this fraction of it (all streams together), so the uplink's queue stays short and the ACKs of what the node receives are not held behind its own data: at 20 Mbit/s it took the all-reduce from 1.18-1.47x the wire time to 1.08-1.10x (README, 'Declare your uplink'). 0: no cap. A link_mbit above the real uplink only makes the cap loose; one below it slows the node."
     )
     state_timeout: float = Field(
         3600.0, gt=0, description="Seconds a resync or join may spend downloading the swarm's state (θ and momentum: 8 bytes per parameter); a donor silent for 10 s is left for the next one well before this."
