@@ -51,10 +51,10 @@ class Pacer:
     With both directions of a link loaded, the ACKs of what a host receives leave through the same
     uplink queue as its own data; when TCP keeps that queue full (a home router's is hundreds of
     ms deep) the ACKs wait behind it and the other direction slows. Writing a little below the
-    uplink's rate keeps the queue short. Plain TCP between namespaces on 20 Mbit/s token-bucket
-    links, every host sending to the others at once (`benchmarks/allreduce_wan.py`): 1.15-1.19 x
-    the wire time unpaced, 1.06 paced at 97 % of the link. Writes are cut into `piece`-byte slices,
-    each released when the rate allows it (at most `burst` seconds' worth ahead)."""
+    uplink's rate keeps the queue short: k = 2-4 peers on 20 Mbit/s token-bucket links took
+    1.18-1.47 x the wire time unpaced and 1.08-1.10 paced at 97 % of the link
+    (`benchmarks/allreduce_wan.py --pace 0.97`). Writes are cut into `piece`-byte slices, each
+    released when the rate allows it (at most `burst` seconds' worth ahead)."""
 
     def __init__(self, rate: float, *, piece: int = 16 << 10, burst: float = 0.005):
         if rate <= 0:
