@@ -77,10 +77,21 @@ def tensor_sha256(flat: torch.Tensor) -> str:
     data = memoryview(flat.detach().contiguous().numpy()).cast("B")  # no copy
     if data.nbytes <= HASH_CHUNK_BYTES:
         return hashlib.sha256(data).hexdigest()
-    chunks = [data[i : i + HASH_CHUNK_BYTES] for i in range(0, data.nbytes, HASH_CHUNK_BYTES)]
+    return _combined(_chunk_digests(data, range(-(-data.nbytes // HASH_CHUNK_BYTES))))
+
+
+def _chunk_digests(data: memoryview, chunks: Sequence[int]) -> list[bytes]:
+    """The sha256 digests of `data`'s `HASH_CHUNK_BYTES` chunks numbered `chunks`, in parallel."""
+    def digest(i: int) -> bytes:
+        return hashlib.sha256(data[i * HASH_CHUNK_BYTES:(i + 1) * HASH_CHUNK_BYTES]).digest()
+
     with ThreadPoolExecutor(min(len(chunks), os.cpu_count() or 1, 16)) as pool:
-        digests = pool.map(lambda c: hashlib.sha256(c).digest(), chunks)
-        return hashlib.sha256(_CHUNKED + b"".join(digests)).hexdigest()
+        return list(pool.map(digest, chunks))
+
+
+def _combined(digests: Iterable[bytes]) -> str:
+    """`tensor_sha256` of a tensor past one chunk, from its chunks' digests in order."""
+    return hashlib.sha256(_CHUNKED + b"".join(digests)).hexdigest()
 
 
 Part = tuple[int, int]  # [lo, hi) of the flat parameter vector (sync.fragments)
@@ -253,13 +264,10 @@ class OuterOptimizer:
             self._digests, self._stale = [b""] * count, set(range(count))
         stale = sorted(self._stale)
         if stale:
-            with ThreadPoolExecutor(min(len(stale), os.cpu_count() or 1, 16)) as pool:
-                digests = pool.map(lambda i: hashlib.sha256(data[i * HASH_CHUNK_BYTES:(i + 1) * HASH_CHUNK_BYTES]).digest(),
-                                   stale)
-                for i, digest in zip(stale, digests, strict=True):
-                    self._digests[i] = digest
+            for i, digest in zip(stale, _chunk_digests(data, stale), strict=True):
+                self._digests[i] = digest
         self._stale = set()
-        return hashlib.sha256(_CHUNKED + b"".join(self._digests)).hexdigest()
+        return _combined(self._digests)
 
     def snapshot(self, part: Part | None = None) -> dict[str, torch.Tensor]:
         """A copy of θ and momentum on `part` (all of them without), to `restore` if a stop drops
