@@ -279,6 +279,7 @@ class AllreduceService:
         clean = False
         try:
             tasks += self._scatter(s, tensor, float(weight))
+            s.mark("prepared", started)  # our norms and own part done: the scatter streams open from here
             scatter_tasks = list(tasks)
             reducer = self._spawn(self._pipeline(s, max_weight_ratio, on_phase, started, tasks) if s.public[s.me]
                                   else _reduced_nothing(s, on_phase))  # a private member reduces no part
