@@ -75,11 +75,21 @@ def worker(ip: str, initial: list[str], chunk: int, pace_bytes: float | None = N
         r = loop.run(hierarchy.average(service, job["group"], peers, x, 1.0, butterfly_max=bmax,
                                        compression=job["comp"], timeout=120), 180)
         print(json.dumps({"status": r.status, "seconds": r.seconds, "sent": r.bytes_sent,
-                          "received": r.bytes_received, "phases": r.phases}), flush=True)
+                          "received": r.bytes_received, "phases": r.phases,
+                          "error": relative_error(r.average, len(peers), job["numel"])}), flush=True)
     loop.run(service.stop(), 30)
     loop.run(p2p.shutdown(), 30)
     loop.close()
     dht.shutdown()
+
+
+def relative_error(average, k: int, numel: int) -> float:
+    """||average - exact mean|| / ||exact mean|| of the k peers' vectors (peer i's is `randn` with seed i):
+    what the codec costs, and a check that an all-reduce reporting success averaged everything."""
+    import torch
+
+    exact = sum(torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(k)) / k
+    return float((average.reshape(-1) - exact).norm() / exact.norm())
 
 
 def tcp_worker(ip: str) -> None:
