@@ -3,8 +3,9 @@
 Why our own all-reduce. hivemind 1.1.12's `DecentralizedAverager` does not leave the members of
 a group with the same values under FP16: each reducer sends every peer
 ``fp16(average - that peer's own part)`` and the peer adds it to its own part, while the reducer
-keeps its own part in exact fp32. Three peers averaging N(0,1) vectors ended up to 2.7e-3 apart,
-and DiLoCo needs every member to apply the *same* Δ̄ to the same θ (bit-identical θ, checked by
+keeps its own part in exact fp32. Three peers averaging N(0,1) vectors ended up to 2.7e-3 apart
+(and in 3 of 36 rounds of `benchmarks/hivemind_compare.py` one peer's average missed part of the
+results, 39-47% off, while its step reported success), and DiLoCo needs every member to apply the *same* Δ̄ to the same θ (bit-identical θ, checked by
 hash each round). Here the reducer of a part quantizes the averaged part once and sends exactly
 those bytes to every member; every member, the reducer included, uses the dequantized values.
 We keep hivemind's transport (p2pd streams, NAT traversal, peer ids) and write only the protocol.
