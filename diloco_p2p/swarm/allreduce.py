@@ -279,8 +279,7 @@ class AllreduceService:
         scatter_tasks: list[asyncio.Task] = []
         clean = False
         try:
-            tasks += self._scatter(s, tensor, float(weight))
-            s.mark("prepared", started)  # our norms and own part done: the scatter streams open from here
+            tasks += self._scatter(s, tensor, float(weight), started)
             scatter_tasks = list(tasks)
             reducer = self._spawn(self._pipeline(s, max_weight_ratio, on_phase, started, tasks) if s.public[s.me]
                                   else _reduced_nothing(s, on_phase))  # a private member reduces no part
@@ -336,7 +335,7 @@ class AllreduceService:
         s.mask_sent = True
         return own
 
-    def _scatter(self, s: Session, tensor: torch.Tensor, weight: float) -> list[asyncio.Task]:
+    def _scatter(self, s: Session, tensor: torch.Tensor, weight: float, started: float) -> list[asyncio.Task]:
         # A sender whose vector is non-finite anywhere says so, and every reducer drops it, not just the
         # one whose part holds the NaN; a sender that lies about it is still caught part by part.
         finite, tasks = wire.is_finite(tensor), []
@@ -356,6 +355,7 @@ class AllreduceService:
         own = [wire.encode(tensor[lo + a : lo + b], s.compression) for a, b in ranges]
         s.accept_own(weight, own, finite, lambda: (wire.decode(data, b - a, s.compression)
                                                    for (a, b), data in zip(ranges, own, strict=True)))
+        s.mark("prepared", started)  # our norms and own part done: the scatter streams open from here
         return tasks
 
     async def _pipeline(
