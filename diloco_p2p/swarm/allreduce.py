@@ -5,10 +5,11 @@ a group with the same values under FP16: each reducer sends every peer
 ``fp16(average - that peer's own part)`` and the peer adds it to its own part, while the reducer
 keeps its own part in exact fp32. Three peers averaging N(0,1) vectors ended up to 2.7e-3 apart
 (and in 3 of 36 rounds of `benchmarks/hivemind_compare.py` one peer's average missed part of the
-results, 39-47% off, while its step reported success), and DiLoCo needs every member to apply the *same* Δ̄ to the same θ (bit-identical θ, checked by
-hash each round). Here the reducer of a part quantizes the averaged part once and sends exactly
-those bytes to every member; every member, the reducer included, uses the dequantized values.
-We keep hivemind's transport (p2pd streams, NAT traversal, peer ids) and write only the protocol.
+results, 39-47% off, while its step reported success), and DiLoCo needs every member to apply the
+*same* Δ̄ to the same θ (bit-identical θ, checked by hash each round). Here the reducer of a
+part quantizes the averaged part once and sends exactly those bytes to every member; every
+member, the reducer included, uses the dequantized values. We keep hivemind's transport (p2pd
+streams, NAT traversal, peer ids) and write only the protocol.
 
 This module is long (about 750 lines, a sixth of it this description) because the sender and the
 receiver sides of one protocol read best side by side; its pure parts (the commit rule, the
@@ -274,12 +275,12 @@ class AllreduceService:
         s.part_hook, s.robust = part_hook, robust
         if compression in wire.SPARSE:  # topk2 keeping `density` of the values: `allgather` on this session
             return await allgather.run(self, s, tensor, float(weight), density, max_weight_ratio, on_phase, on_scattered)
-        tensor = tensor.detach()
         tasks: list[asyncio.Task] = []
         scatter_tasks: list[asyncio.Task] = []
         clean = False
         try:
-            tasks += self._scatter(s, tensor, float(weight), started)
+            tasks += self._scatter(s, tensor.detach(), float(weight))
+            s.mark("prepared", started)  # our norms and own part done: the scatter streams open from here
             scatter_tasks = list(tasks)
             reducer = self._spawn(self._pipeline(s, max_weight_ratio, on_phase, started, tasks) if s.public[s.me]
                                   else _reduced_nothing(s, on_phase))  # a private member reduces no part
@@ -335,7 +336,7 @@ class AllreduceService:
         s.mask_sent = True
         return own
 
-    def _scatter(self, s: Session, tensor: torch.Tensor, weight: float, started: float) -> list[asyncio.Task]:
+    def _scatter(self, s: Session, tensor: torch.Tensor, weight: float) -> list[asyncio.Task]:
         # A sender whose vector is non-finite anywhere says so, and every reducer drops it, not just the
         # one whose part holds the NaN; a sender that lies about it is still caught part by part.
         finite, tasks = wire.is_finite(tensor), []
@@ -355,7 +356,6 @@ class AllreduceService:
         own = [wire.encode(tensor[lo + a : lo + b], s.compression) for a, b in ranges]
         s.accept_own(weight, own, finite, lambda: (wire.decode(data, b - a, s.compression)
                                                    for (a, b), data in zip(ranges, own, strict=True)))
-        s.mark("prepared", started)  # our norms and own part done: the scatter streams open from here
         return tasks
 
     async def _pipeline(
