@@ -4,7 +4,7 @@ Why our own all-reduce. hivemind 1.1.12's `DecentralizedAverager` does not leave
 a group with the same values under FP16: each reducer sends every peer
 ``fp16(average - that peer's own part)`` and the peer adds it to its own part, while the reducer
 keeps its own part in exact fp32. Three peers averaging N(0,1) vectors ended up to 2.7e-3 apart
-(and in 3 of 36 rounds of `benchmarks/hivemind_compare.py` one peer's average missed part of the
+(and in 3 of 48 rounds of `benchmarks/hivemind_compare.py` one peer's average missed part of the
 results, 39-47% off, while its step reported success), and DiLoCo needs every member to apply the
 *same* Δ̄ to the same θ (bit-identical θ, checked by hash each round). Here the reducer of a
 part quantizes the averaged part once and sends exactly those bytes to every member; every
