@@ -337,3 +337,43 @@ def test_sigterm_stops_a_swarm_node_of_two_ranks_cleanly(swarm):
         latest = json.loads((swarm["root"] / name / "checkpoints" / "latest.json").read_text())["meta"]
         saved = json.loads((swarm["root"] / name / "checkpoints" / latest).read_text())
         assert saved["round"] == read_records(swarm["root"] / name)[-1]["round"]
+
+
+# -- fragments on nodes of 2 ranks: each rank averages its shard's values of the round's part ------
+
+FRAGMENT_ROUNDS = 4
+
+
+@pytest.fixture(scope="module")
+def fragment_swarm(tmp_path_factory):
+    """Two 2-rank nodes with `sync.fragments=2` under `inner` with `rebase` (the recipe of the
+    README's "Fragments"): every round averages half of the parameters, each local rank the values
+    of that half its shard holds (`ShardLayout.local_range`) with the same rank of the other node."""
+    root = tmp_path_factory.mktemp("fsdp-fragments")
+    with ProcessSwarm(root) as swarm:
+        gate = {"DILOCO_P2P_START_GATE": str(root / "gate")}
+        extra = ["sync.fragments=2", "sync.overlap=inner", "sync.overlap_steps=1", "sync.overlap_merge=rebase",
+                 f"train.max_rounds={FRAGMENT_ROUNDS}"]
+        nodes = {name: _launch(swarm.procs, root / name, [*_swarm_overrides(swarm.maddr, name), *extra], gate)
+                 for name in ("a", "b")}
+        wait_until(lambda: len(list(root.glob("gate.ready-*"))) == 4, 180, "both ranks of A and B to join",
+                   *nodes.values())
+        (root / "gate").touch()
+        for proc in nodes.values():
+            assert proc.wait(timeout=300) == 0, proc.output()
+        yield {name: {r["round"]: r for r in read_records(root / name)} for name in nodes}
+
+
+def test_two_rank_nodes_average_fragments_shard_by_shard_and_agree_every_round(fragment_swarm):
+    a, b = fragment_swarm["a"], fragment_swarm["b"]
+    for round_ in range(FRAGMENT_ROUNDS + 1):
+        assert a[round_]["params_sha256"] == b[round_]["params_sha256"], f"round {round_}"
+    for records in (a, b):
+        assert [records[r]["fragment"] for r in range(1, FRAGMENT_ROUNDS + 1)] == [0, 1, 0, 1]  # its half
+        landings = [records[r] for r in range(2, FRAGMENT_ROUNDS + 1)]  # round r records round r-1's landing
+        assert all(r["status"] == "committed" and r["group_size"] == 2 and r["shards_committed"] == 2
+                   for r in landings)
+        assert [r["landed_step"] for r in landings] == [1] * (FRAGMENT_ROUNDS - 1)  # τ = 1
+        assert [r["applied_round"] for r in landings] == [1, 2, FRAGMENT_ROUNDS]  # the last lands at the stop
+    hashes = [a[r]["params_sha256"] for r in range(FRAGMENT_ROUNDS + 1)]
+    assert hashes[1] == hashes[0] and len(set(hashes[1:])) == FRAGMENT_ROUNDS  # every landing moved θ
