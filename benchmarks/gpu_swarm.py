@@ -1,4 +1,4 @@
-"""A real swarm on one GPU box: a seed and N nodes (processes, loopback, fp16 wire) sharing the GPU.
+"""A real swarm on one GPU box: a seed and N nodes (processes, loopback; fp16 wire unless --set says otherwise) sharing the GPU.
 
 Each round of each node is split from its own record: inner steps (`compute_seconds`),
 matchmaking (the exposed time less the all-reduce), the all-reduce, the outer work
@@ -65,8 +65,10 @@ def main() -> None:
 
     smi = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
     name = subprocess.run(smi, capture_output=True, text=True).stdout.strip() if shutil.which(smi[0]) else "no GPU"
+    settings = dict(o.split("=", 1) for o in common)  # a later --set wins
+    sync = ", ".join(f"{k}={v}" for k, v in settings.items() if k.startswith("sync.") and not k.endswith(("timeout", "size")))
     print(f"{name}: seed + {args.nodes} nodes ({', '.join(devices)}), preset {args.preset}, H={args.inner_steps}, "
-          f"batch {args.batch} x {args.seq}, fp16 wire, {args.rounds} rounds, {os.cpu_count()} CPU cores; {wall:.0f} s")
+          f"batch {args.batch} x {args.seq}, {sync}, {args.rounds} rounds, {os.cpu_count()} CPU cores; {wall:.0f} s")
     print(f"{'round':>5} {'node':>4} {'device':>6} {'inner s':>8} {'matchm. s':>9} {'allred. s':>9} {'outer s':>8} "
           f"{'other s':>8} {'round s':>8} {'group':>5}  θ sha256")
     agree = True
