@@ -127,6 +127,14 @@ def encode(x: torch.Tensor, compression: str) -> bytes:
         return x.to(torch.float16).numpy().astype("<f2", copy=False).tobytes()
     if compression == "int4":
         return codecs.encode_int4(x)
+    scale, codes = _int8_blocks(x)
+    codes = codes.to(torch.int8).view(-1)[: x.numel()]
+    return scale.numpy().astype("<f4", copy=False).tobytes() + codes.numpy().tobytes()
+
+
+def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8's quantization of a flat float32 tensor, per block of `INT8_BLOCK` values (the last one
+    zero-padded): each block's scale (absmax / 127) and its codes (as float32, NaN coded 0)."""
     numel = x.numel()
     blocks = math.ceil(numel / INT8_BLOCK)
     if numel == blocks * INT8_BLOCK:  # whole blocks (every chunk but a vector's last): no padded copy
@@ -137,9 +145,17 @@ def encode(x: torch.Tensor, compression: str) -> bytes:
         padded = padded.view(blocks, INT8_BLOCK)
     scale = padded.abs().amax(dim=1).div_(127.0)  # NaN/inf propagate into the scale: caught on decode
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.div(padded, safe[:, None]).round_().clamp_(-127, 127).nan_to_num_(nan=0.0)
-    codes = codes.to(torch.int8).view(-1)[:numel]
-    return scale.numpy().astype("<f4", copy=False).tobytes() + codes.numpy().tobytes()
+    return scale, torch.div(padded, safe[:, None]).round_().clamp_(-127, 127).nan_to_num_(nan=0.0)
+
+
+def int8_sumsq(x: torch.Tensor) -> float:
+    """Sum of squares (fp64) of what `decode(encode(x, "int8"))` gives, without the bytes: per block
+    scale² · Σ code² (each block's Σ code² is an integer below 2^24, exact in float32). Equal to the
+    decoded values' sum up to their float32 rounding (relative 2^-24 per value); non-finite if a
+    value of `x` is. The same blocks as chunk-by-chunk encoding when chunks are whole blocks."""
+    scale, codes = _int8_blocks(x.detach().reshape(-1).to(torch.float32))
+    per_block = codes.mul_(codes).sum(dim=1).double()
+    return float(scale.double().square_().mul_(per_block).sum())
 
 
 def decode(data: bytes | bytearray | memoryview, numel: int, compression: str) -> torch.Tensor:

@@ -110,6 +110,32 @@ def test_claimed_norm_is_checked_against_the_data():
     assert math.isclose(norm, float(x.double().norm()), rel_tol=1e-3)
 
 
+def _norm_of_the_bytes(x: torch.Tensor, chunk: int, compression: str) -> float:
+    """The definition: encode chunk by chunk, decode, sum squares in float64 (plain Python)."""
+    total = 0.0
+    for a, b in wire.chunk_ranges(x.numel(), chunk):
+        total += sum(v * v for v in wire.decode(wire.encode(x[a:b], compression), b - a, compression).double().tolist())
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+@pytest.mark.parametrize("compression", ["fp32", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("chunk", [2048, 1000])  # whole int8 blocks, and chunks that cut blocks (int8's slow path)
+def test_a_stated_norm_is_the_norm_of_what_the_receiver_decodes(compression, chunk):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5000, generator=g) * torch.logspace(-6, 2, 5000)  # 8 decades: int8 blocks differ in scale
+    x[1234] = 0.0
+    norm = aggregate.encoded_norm(x, chunk, compression)
+    assert math.isclose(norm, _norm_of_the_bytes(x, chunk, compression), rel_tol=1e-6)  # claims: 1e-4
+    assert aggregate.norm_matches(aggregate.stated(norm), _norm_of_the_bytes(x, chunk, compression) ** 2)
+    assert aggregate.encoded_norm(torch.zeros(3000), chunk, compression) == 0.0
+    for bad in (math.nan, math.inf, -math.inf):
+        y = x.clone()
+        y[4321] = bad
+        assert aggregate.encoded_norm(y, chunk, compression) == math.inf
+    if compression == "fp16":  # finite here, infinite on the wire: the receiver would refuse it
+        assert aggregate.encoded_norm(torch.full((10,), 1e5), chunk, compression) == math.inf
+
+
 def contributions(xs, weights, compression, chunk):
     ranges = wire.chunk_ranges(xs[0].numel(), chunk)
     return {i: (w, [wire.encode(x[a:b], compression) for a, b in ranges])
