@@ -19,6 +19,7 @@ medians over `--rounds` all-reduces (after one warm-up that opens the connection
     sudo python benchmarks/allreduce_wan.py [--rates 20,100,200] [--ks 2,3,4]
                                             [--compressions fp16,int8] [--numel 3500000] [--rounds 3]
                                             [--grid B] [--json OUT] [--cc cubic] [--no-ceiling]
+                                            [--pace 0.97] [--threads N] [-v]
 
 With ``--grid B`` every k > B is also measured on the grid all-reduce (`swarm/hierarchy.py`, rows
 of about B members: the scheme a round of more than `sync.target_group_size` nodes runs).
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.net
 from tests import netns  # noqa: E402
 
 args_verbose = "-v" in sys.argv
+THREADS_ENV = "ALLREDUCE_WAN_THREADS"  # --threads, read by each member process
 
 
 def worker(ip: str, initial: list[str], chunk: int, pace_bytes: float | None = None) -> None:
@@ -56,7 +59,9 @@ def worker(ip: str, initial: list[str], chunk: int, pace_bytes: float | None = N
     from diloco_p2p.swarm.allreduce import AllreduceService
     from diloco_p2p.swarm.runner import BackgroundLoop
 
-    torch.set_num_threads(1)  # as a node does (train.num_threads): OpenMP spinning on busy cores costs seconds
+    # One thread by default: several members share this machine's cores, and OpenMP spinning on busy
+    # cores costs seconds; --threads gives each member more, as a volunteer's node has its host's cores.
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
     dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=initial)
     loop = BackgroundLoop()
     p2p = loop.run(dht.replicate_p2p(), 60)
@@ -341,6 +346,8 @@ def main() -> None:
     parser.add_argument("--tcp-worker", help=argparse.SUPPRESS)
     parser.add_argument("--cc", default=None, choices=["bbr", "cubic", "reno"],
                         help="the hosts' TCP congestion control (default: the machine's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of each member (default 1; a volunteer's node uses its host's cores)")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the plain-TCP ceiling")
     parser.add_argument("--plot", type=Path, default=None,
                         help="draw the runs in --from (files written by --json) into this PNG, and stop")
@@ -357,10 +364,12 @@ def main() -> None:
         return tcp_worker(args.tcp_worker)
     if not netns.available():
         raise SystemExit("benchmarks/allreduce_wan.py needs root and iproute2 (ip, tc) to make network namespaces")
+    os.environ[THREADS_ENV] = str(args.threads)  # the members inherit it
     ks = [int(k) for k in args.ks.split(",")]
     comps = args.compressions.split(",")
     cc = args.cc or netns.congestion()
-    print(f"{args.numel:,} values per peer; medians over {args.rounds} all-reduces; chunk {chunk} values; TCP {cc}")
+    print(f"{args.numel:,} values per peer; medians over {args.rounds} all-reduces; chunk {chunk} values; TCP {cc}; "
+          f"{args.threads} torch thread(s) per member")
     print("ratio: all-reduce / wire time; tcp: plain TCP moving the same bytes between the same hosts, all at once")
     print(f"{'Mbit/s':>6} {'k':>2} {'wire':>10} {'sent MB':>8} {'bound MB':>8} {'all-reduce s':>12} "
           f"{'wire-time s':>11} {'ratio':>6} {'tcp s':>6} {'tcp ratio':>9} {'vs tcp':>6}")
@@ -376,7 +385,7 @@ def main() -> None:
                     bound = 2 * (k - 1) / k * args.numel * wire.bytes_per_element(scheme.split("/")[0])
                     wire_s = r["sent"] * 8 / (rate * 1e6)
                     rows.append({"rate_mbit": rate, "k": k, "scheme": scheme, "grid": args.grid, "numel": args.numel,
-                                 "congestion": cc, "bound": bound, "wire_seconds": wire_s,
+                                 "congestion": cc, "threads": args.threads, "bound": bound, "wire_seconds": wire_s,
                                  "tcp_seconds": tcp.get(scheme), **r})
                     ceiling = (f"{tcp[scheme]:>6.3f} {tcp[scheme] / wire_s:>9.2f} {r['seconds'] / tcp[scheme]:>6.2f}"
                                if scheme in tcp else f"{'-':>6} {'-':>9} {'-':>6}")
