@@ -152,7 +152,7 @@ def int8_sumsq(x: torch.Tensor) -> float:
     """Sum of squares (fp64) of what `decode(encode(x, "int8"))` gives, without the bytes: per block
     scale² · Σ code² (each block's Σ code² is an integer below 2^24, exact in float32). Equal to the
     decoded values' sum up to their float32 rounding (relative 2^-24 per value); non-finite if a
-    value of `x` is. The same blocks as chunk-by-chunk encoding when chunks are whole blocks."""
+    value of `x` is."""
     scale, codes = _int8_blocks(x.detach().reshape(-1).to(torch.float32))
     per_block = codes.mul_(codes).sum(dim=1).double()
     return float(scale.double().square_().mul_(per_block).sum())

@@ -119,7 +119,7 @@ def _norm_of_the_bytes(x: torch.Tensor, chunk: int, compression: str) -> float:
 
 
 @pytest.mark.parametrize("compression", ["fp32", "fp16", "int8", "int4"])
-@pytest.mark.parametrize("chunk", [2048, 1000])  # whole int8 blocks, and chunks that cut blocks (int8's slow path)
+@pytest.mark.parametrize("chunk", [2048, 1000])  # whole int8 blocks, and chunks that end in a part-block
 def test_a_stated_norm_is_the_norm_of_what_the_receiver_decodes(compression, chunk):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(5000, generator=g) * torch.logspace(-6, 2, 5000)  # 8 decades: int8 blocks differ in scale
