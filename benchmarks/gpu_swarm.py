@@ -1,4 +1,4 @@
-"""A real swarm on one GPU box: a seed and N nodes (processes, loopback; fp16 wire unless --set says otherwise) sharing the GPU.
+"""A real swarm on one GPU box: a seed and N nodes (processes, loopback, fp16 unless --set) sharing the GPU.
 
 Each round of each node is split from its own record: inner steps (`compute_seconds`),
 matchmaking (the exposed time less the all-reduce), the all-reduce, the outer work
