@@ -127,24 +127,12 @@ def encoded_norm(x: torch.Tensor, chunk: int, compression: str) -> float:
     """L2 norm of `x` as a receiver decodes it (chunked as the protocol does), summed chunk by chunk
     as the reducer does when it checks the claim; inf if not finite. Every member computes it for
     every part before its first scatter header leaves, so it avoids building the bytes where it can
-    (`decoded_sumsq`), one chunk at a time (small temporaries stay in cache)."""
+    (`wire.decoded_sumsq`), one chunk at a time (small temporaries stay in cache)."""
+    x = x.detach().reshape(-1)
     total = 0.0
     for a, b in wire.chunk_ranges(x.numel(), chunk):
-        total += decoded_sumsq(x[a:b], compression)
+        total += wire.decoded_sumsq(x[a:b], compression)
     return math.sqrt(total) if math.isfinite(total) else math.inf
-
-
-def decoded_sumsq(x: torch.Tensor, compression: str) -> float:
-    """Sum of squares (fp64) of `decode(encode(x))` for one chunk: fp32 and fp16 by one fp64 norm of
-    the rounded values (fp16 -> fp64 is exact), int8 from its codes (`wire.int8_sumsq`: within 1e-7,
-    where a claim's tolerance is `NORM_TOLERANCE`), int4 through the bytes."""
-    x = x.detach().reshape(-1)
-    if compression in ("fp32", "fp16"):
-        values = x.to(torch.float16 if compression == "fp16" else torch.float32)
-        return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
-    if compression == "int8":
-        return wire.int8_sumsq(x)
-    return sumsq(wire.decode(wire.encode(x, compression), x.numel(), compression))
 
 
 def norm_matches(claimed: float | None, sum_of_squares: float) -> bool:

@@ -148,14 +148,20 @@ def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, torch.div(padded, safe[:, None]).round_().clamp_(-127, 127).nan_to_num_(nan=0.0)
 
 
-def int8_sumsq(x: torch.Tensor) -> float:
-    """Sum of squares (fp64) of what `decode(encode(x, "int8"))` gives, without the bytes: per block
-    scale² · Σ code² (each block's Σ code² is an integer below 2^24, exact in float32). Equal to the
-    decoded values' sum up to their float32 rounding (relative 2^-24 per value); non-finite if a
-    value of `x` is."""
-    scale, codes = _int8_blocks(x.detach().reshape(-1).to(torch.float32))
-    per_block = codes.mul_(codes).sum(dim=1).double()
-    return float(scale.double().square_().mul_(per_block).sum())
+def decoded_sumsq(x: torch.Tensor, compression: str) -> float:
+    """Sum of squares (fp64) of `decode(encode(x))` for one flat float32 chunk, without the bytes where
+    the format allows: fp32 and fp16 by one fp64 norm of the rounded values (fp16 -> fp64 is exact);
+    int8 per block as scale² · Σ code² (each block's Σ code² is an integer below 2^24, exact in
+    float32), equal to the decoded values' sum up to their float32 rounding (relative 2^-24 per
+    value); other formats through the bytes. Non-finite if a value of `x` is (or overflows fp16)."""
+    if compression in ("fp32", "fp16"):
+        values = x.to(torch.float16 if compression == "fp16" else torch.float32)
+        return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+    if compression == "int8":
+        scale, codes = _int8_blocks(x.to(torch.float32))
+        per_block = codes.mul_(codes).sum(dim=1).double()
+        return float(scale.double().square_().mul_(per_block).sum())
+    return float(decode(encode(x, compression), x.numel(), compression).double().square().sum())
 
 
 def decode(data: bytes | bytearray | memoryview, numel: int, compression: str) -> torch.Tensor:
