@@ -144,7 +144,7 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import suppress
 from typing import Any
 
@@ -298,7 +298,7 @@ class AllreduceService:
             s.mark("gathered", started)
             await _phase(on_phase, "gathered")
 
-            await self._agree(s, tasks, heard)
+            await self._agree(s, tasks, heard, tensor)
             result = conclude(s, time.perf_counter() - started)
             clean = True
             return result
@@ -307,9 +307,10 @@ class AllreduceService:
             for task in scatter_tasks if clean else tasks:
                 task.cancel()  # gather/mask sends of a clean run finish in the background by d_end
 
-    async def _agree(self, s: Session, tasks: list[asyncio.Task], heard: bool) -> None:
+    async def _agree(self, s: Session, tasks: list[asyncio.Task], heard: bool, tensor: torch.Tensor) -> None:
         """Step 5: send our mask (with our part digests and norms) and wait for the others'."""
         s.mask_fixed = True
+        s.own_norms = self._own_norms(s, tensor)
         s.masks[s.me] = await self._relay_masks(s)
         s.mask_lists[s.me] = ([s.part_digests.get(p) if held else None for p, held in enumerate(s.masks[s.me])],
                               s.own_norms)
@@ -338,25 +339,67 @@ class AllreduceService:
 
     def _scatter(self, s: Session, tensor: torch.Tensor, weight: float) -> list[asyncio.Task]:
         # A sender whose vector is non-finite anywhere says so, and every reducer drops it, not just the
-        # one whose part holds the NaN; a sender that lies about it is still caught part by part.
+        # one whose part holds the NaN; a sender that lies about it is still caught part by part. That
+        # check is all that precedes the first header: each part's norm is summed as its chunks are
+        # encoded and leaves in the stream's last frame, and our own part is encoded beside the sends.
         finite, tasks = wire.is_finite(tensor), []
-        norms = [aggregate.encoded_norm(tensor[lo:hi], s.chunk, s.compression) for lo, hi in s.bounds]
-        s.own_norms = [aggregate.stated(x) for x in norms]
-        s.norms[s.me] = s.own_norms[s.me]
         for j in s.others:
             if not s.public[j]:
                 continue  # a private member reduces no part
             lo, hi = s.bounds[j]
             fields = {"part": j, "n": s.n, "numel": hi - lo, "chunk": s.chunk, "comp": s.compression}
-            header = s.header("scatter", **fields, weight=weight, finite=finite, norm=s.own_norms[j])
-            frames = _encoded_chunks(tensor[lo:hi], s.chunk, s.compression)
+            header = s.header("scatter", **fields, weight=weight, finite=finite)
+            frames = self._part_frames(s, j, tensor[lo:hi])
             tasks.append(self._spawn(self._send(s, j, header, frames, s.d_gather)))
-        lo, hi = s.bounds[s.me]  # our own part: same encoding, same checks as anyone's
-        ranges = wire.chunk_ranges(hi - lo, s.chunk)
-        own = [wire.encode(tensor[lo + a : lo + b], s.compression) for a, b in ranges]
-        s.accept_own(weight, own, finite, lambda: (wire.decode(data, b - a, s.compression)
-                                                   for (a, b), data in zip(ranges, own, strict=True)))
+        reason = wire.weight_problem(weight, None, math.inf) or (None if finite else "nan")
+        if reason is not None:  # our own contribution is refused under its reason, like anyone's
+            s.rejected[s.me] = reason
+        else:
+            s.contribs[s.me] = (weight, [])
+            lo, hi = s.bounds[s.me]
+            tasks.append(self._spawn(self._own_part(s, tensor[lo:hi])))
         return tasks
+
+    def _part_frames(self, s: Session, j: int, part: torch.Tensor) -> Iterator[bytes]:
+        """Part j's scatter payload: its encoded chunks, then the norm we state for it (what the
+        reducer will sum from the decoded chunks; `aggregate.norm_matches` holds us to it)."""
+        total = 0.0
+        for a, b in wire.chunk_ranges(part.numel(), s.chunk):
+            data, sumsq = wire.encode_sumsq(part[a:b], s.compression)
+            total += sumsq
+            yield data
+        s.part_norms[j] = math.sqrt(total)
+        yield wire.pack_norm(self._stated_norm(s.part_norms[j]))
+
+    async def _own_part(self, s: Session, part: torch.Tensor) -> None:
+        """Our contribution to our own part: the same encoding and checks as anyone's, a chunk at a
+        time beside the scatter sends (the pipeline reduces chunk c once ours is in too). A chunk that
+        decodes to a non-finite value (fp16 overflow) voids it as a NaN would anyone's."""
+        frames, total = s.contribs[s.me][1], 0.0
+        for a, b in wire.chunk_ranges(part.numel(), s.chunk):
+            data, sumsq = wire.encode_sumsq(part[a:b], s.compression)
+            if not math.isfinite(sumsq):
+                s.failed[s.me] = "nan"
+                await s.notify()
+                return
+            frames.append(data)
+            total += sumsq
+            await s.notify()  # lets the sends and the pipeline run between our chunks
+        s.part_norms[s.me] = math.sqrt(total)
+        s.norms[s.me] = self._stated_norm(s.part_norms[s.me])
+        s.complete.add(s.me)
+        await s.notify()
+
+    def _stated_norm(self, norm: float) -> float | None:
+        """The norm we state for a part of our contribution (a lying test sender overrides it)."""
+        return aggregate.stated(norm)
+
+    def _own_norms(self, s: Session, tensor: torch.Tensor) -> list[float | None]:
+        """Our mask's norms: each part's as its scatter stated it; a part whose stream never reached
+        its end (the reducer refused or was gone) computed now."""
+        return [self._stated_norm(s.part_norms[p] if p in s.part_norms
+                                  else aggregate.encoded_norm(tensor[lo:hi], s.chunk, s.compression))
+                for p, (lo, hi) in enumerate(s.bounds)]
 
     async def _pipeline(
         self, s: Session, max_ratio: float, on_phase: PhaseHook | None, started: float, tasks: list[asyncio.Task]
@@ -373,8 +416,6 @@ class AllreduceService:
                 s.rejected[j] = "timeout"
         candidates, heavy = wire.accept_weights({j: w for j, (w, _) in s.contribs.items()}, max_ratio)
         s.rejected.update({j: "weight" for j in heavy})
-        candidates, far = aggregate.accept_norms({j: s.norms.get(j) for j in candidates}, s.robust.max_norm_ratio)
-        s.rejected.update({j: "norm" for j in far})
         weights = aggregate.capped_weights({j: s.contribs[j][0] for j in candidates}, s.robust.weight_cap)
         await _phase(on_phase, "reduced")
         lo, hi = s.bounds[s.me]
@@ -406,10 +447,13 @@ class AllreduceService:
             s.out.append(out[0])
             s.result[lo + a : lo + b] = out[1]
             await s.notify()
-        if ok:  # a stated norm is checked once the whole contribution is in: a lie voids the part
+        if ok:  # norms are stated at the end of each contribution: a lie, or one past the bound, voids the part
             await self._wait(s, lambda: [j for j in candidates if j not in s.complete | s.failed.keys()
                                          and j not in s.gone], s.d_scatter)
             ok = all(j in s.complete and j not in s.failed for j in candidates)
+            far = aggregate.accept_norms({j: s.norms.get(j) for j in candidates}, s.robust.max_norm_ratio)[1]
+            s.failed.update({j: "norm" for j in far})
+            ok = ok and not far
         if ok:
             s.gathered[s.me] = s.gather_header
             s.part_digests[s.me] = _digest(candidates, s.out)
@@ -486,7 +530,8 @@ class AllreduceService:
         loop = asyncio.get_running_loop()
         while pending() and loop.time() < deadline:
             await s.wait_until(lambda: not pending(), min(deadline, loop.time() + self.probe_interval))
-            for j in set(pending()) - s.probing - {j for j in s.others if not s.public[j] and j not in s.heard}:
+            unreachable = {j for j in s.others if not s.public[j] and j not in s.heard}
+            for j in set(pending()) - s.probing - unreachable - {s.me}:  # our own part is no one to ping
                 s.probing.add(j)
                 ping = self._send(
                     s, j, s.header("ping"), [], min(deadline, loop.time() + self.probe_interval)
@@ -629,7 +674,6 @@ class AllreduceService:
         writer.write(GO)
         frames: list[bytes] = []
         s.contribs[j] = (float(h["weight"]), frames)  # the pipeline reduces chunks as they land here
-        s.norms[j] = h.get("norm")
         squares = [0.0]
 
         def store(a: int, b: int, values: torch.Tensor, data: bytes) -> None:
@@ -638,8 +682,8 @@ class AllreduceService:
 
         try:
             reason = await self._read_payload(s, h, reader, store)
-            if reason is None and not aggregate.norm_matches(h.get("norm"), squares[0]):
-                reason = "norm"  # it stated another norm than its data has
+            if reason is None:
+                reason = await self._read_norm(s, j, reader, squares[0])
         except BaseException:
             s.failed.setdefault(j, "timeout")
             raise
@@ -699,6 +743,17 @@ class AllreduceService:
                 s.relayed[j] = {int(q): v for q, v in (h.get("relayed_norms") or {}).items() if not s.public[int(q)]}
             s.mask_digests[j] = h.get("contrib_digests", [])
         return accepted
+
+    async def _read_norm(self, s: Session, j: int, reader: asyncio.StreamReader, sumsq: float) -> str | None:
+        """A scatter's last frame: the norm member j states for its contribution, which must be what
+        its data has (`sumsq`, as decoded); None, or "norm"."""
+        raw = await streams.read_frame(reader, wire.NORM_FRAME_BYTES)
+        s.bytes_received += streams.LENGTH_PREFIX + len(raw)
+        try:
+            s.norms[j] = wire.unpack_norm(raw)
+        except wire.WireError:
+            return "norm"
+        return None if aggregate.norm_matches(s.norms[j], sumsq) else "norm"
 
     async def _read_payload(self, s: Session, h: dict, reader, store: Callable) -> str | None:
         """Read, decode and check the chunks announced by `h`, handing each to

@@ -77,7 +77,9 @@ class Session:
             t0 + RELAY_FRACTION * T,
             t0 + T,
         )
-        self.result: torch.Tensor | None = torch.zeros(n, dtype=torch.float32)
+        # Not zeroed (27 ms for 20M values, before the first byte leaves): every committed part is
+        # written whole before it is held, and `conclude` zeroes the others.
+        self.result: torch.Tensor | None = torch.empty(n, dtype=torch.float32)
         self.contribs: dict[int, tuple[float, list[bytes]]] = {}  # accepted scatter header -> chunks so far
         self.complete: set[int] = set()  # contributions whose every chunk arrived and checked out
         self.failed: dict[int, str] = {}  # accepted contributions that broke off mid-part (reason)
@@ -103,7 +105,8 @@ class Session:
         # Robust aggregation and reducer checks (`diloco_p2p.swarm.aggregate`): set by allreduce().
         self.robust = aggregate.MEAN
         self.norms: dict[int, float | None] = {}  # stated norms of the contributions to our part
-        self.own_norms: list[float | None] = []  # our contribution's norm, per part
+        self.part_norms: dict[int, float] = {}  # our contribution's norm per part, summed as it was sent
+        self.own_norms: list[float | None] = []  # the norms our mask states, per part
         self.part_digests: dict[int, str] = {}  # part -> sha256 of its gathered bytes (ours included)
         self.mask_lists: dict[int, tuple[list, list]] = {}  # member -> its mask's (part_digests, norms)
         self.relayed: dict[int, dict[int, list]] = {}  # public member -> private member -> norms it relayed

@@ -2,7 +2,7 @@
 group can do as a sender and as a reducer, so that the members' checks meet it on real streams.
 
 `LyingAllreduce` is an `AllreduceService` that lies as its `lie` says (None: honest):
-``understate-norm`` (its scatter headers state 1e-6 of its contributions' norms),
+``understate-norm`` (its scatter streams and masks state 1e-6 of its contributions' norms),
 ``scale-output`` (its averaged part × 1000, the same bytes to every member), ``split-output``
 (its averaged part changed for one member only, `victim`: a member index; with no victim, each
 other member gets its own changed copy). A node uses it only when ``DILOCO_P2P_FAULTS`` plans a lie as a
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco_p2p.swarm import aggregate, wire
+from diloco_p2p.swarm import wire
 from diloco_p2p.swarm.allreduce import AllreduceService, _frames
 
 SCALE = 1000.0  # scale-output's factor
@@ -26,15 +26,9 @@ class LyingAllreduce(AllreduceService):
     lie: str | None = None
     victim: int | None = None
 
-    def _scatter(self, s, tensor, weight):
-        if self.lie != "understate-norm":
-            return super()._scatter(s, tensor, weight)
-        honest = aggregate.encoded_norm
-        aggregate.encoded_norm = lambda x, chunk, comp: honest(x, chunk, comp) * 1e-6
-        try:  # _scatter has no await: the lie covers its headers only
-            return super()._scatter(s, tensor, weight)
-        finally:
-            aggregate.encoded_norm = honest
+    def _stated_norm(self, norm):
+        stated = super()._stated_norm(norm)
+        return stated * 1e-6 if stated is not None and self.lie == "understate-norm" else stated
 
     def _reduce_chunk(self, s, contribs, numel):
         out = super()._reduce_chunk(s, contribs, numel)

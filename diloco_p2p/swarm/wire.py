@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,8 +48,9 @@ INT8_BLOCK = 1024
 DEFAULT_CHUNK_ELEMENTS = 1 << 16  # 256 KiB of fp32, 128 KiB of fp16, ~64 KiB of int8 per frame: the pipeline's step
 MAX_CHUNK_ELEMENTS = 1 << 24
 MAX_HEADER_BYTES = 1 << 16
-PROTOCOL_VERSION = 2  # 2: pipelined gather (stream flag, trailer frame)
+PROTOCOL_VERSION = 3  # 2: pipelined gather (stream flag, trailer frame); 3: a scatter's norm as its last frame
 TRAILER_OK, TRAILER_VOID = b"\x01", b"\x00"  # the last frame of a streamed gather
+NORM_FRAME_BYTES = 8  # the last frame of a scatter: the sender's norm of the part, float64 (NaN: none stated)
 REJECT_REASONS = ("nan", "shape", "weight", "timeout", "compression", "group", "norm")
 KINDS = ("scatter", "gather", "mask", "ping", "contrib")
 
@@ -127,8 +129,11 @@ def encode(x: torch.Tensor, compression: str) -> bytes:
         return x.to(torch.float16).numpy().astype("<f2", copy=False).tobytes()
     if compression == "int4":
         return codecs.encode_int4(x)
-    scale, codes = _int8_blocks(x)
-    codes = codes.to(torch.int8).view(-1)[: x.numel()]
+    return _int8_bytes(*_int8_blocks(x), x.numel())
+
+
+def _int8_bytes(scale: torch.Tensor, codes: torch.Tensor, numel: int) -> bytes:
+    codes = codes.to(torch.int8).view(-1)[:numel]
     return scale.numpy().astype("<f4", copy=False).tobytes() + codes.numpy().tobytes()
 
 
@@ -148,6 +153,44 @@ def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, torch.div(padded, safe[:, None]).round_().clamp_(-127, 127).nan_to_num_(nan=0.0)
 
 
+def encode_sumsq(x: torch.Tensor, compression: str) -> tuple[bytes, float]:
+    """`encode(x)` and `decoded_sumsq(x)` in one pass over the chunk: int8 quantizes its blocks
+    once for both, fp16 rounds once. What a sender states as its norm is summed from these, chunk
+    by chunk as its scatter stream leaves (the receiver sums the same from what it decodes)."""
+    x = x.detach().reshape(-1).to(torch.float32)
+    if compression == "fp16":
+        half = x.to(torch.float16)
+        sumsq = float(torch.linalg.vector_norm(half, dtype=torch.float64)) ** 2
+        return half.numpy().astype("<f2", copy=False).tobytes(), sumsq
+    if compression != "int8":
+        return encode(x, compression), decoded_sumsq(x, compression)
+    scale, codes = _int8_blocks(x)
+    data = _int8_bytes(scale, codes, x.numel())  # before the sum of squares squares the codes in place
+    return data, _int8_sumsq(scale, codes)
+
+
+def _int8_sumsq(scale: torch.Tensor, codes: torch.Tensor) -> float:
+    per_block = codes.mul_(codes).sum(dim=1).double()  # integers below 2^24: exact in float32
+    return float(scale.double().square_().mul_(per_block).sum())
+
+
+def pack_norm(norm: float | None) -> bytes:
+    """A scatter's last frame: the norm its sender states for the part (None: not finite, none stated)."""
+    return struct.pack("<d", math.nan if norm is None else norm)
+
+
+def unpack_norm(data: bytes) -> float | None:
+    """The norm in a scatter's last frame; None when it states none. WireError when it is no norm."""
+    if len(data) != NORM_FRAME_BYTES:
+        raise WireError(f"a scatter's norm frame has {NORM_FRAME_BYTES} bytes, got {len(data)}")
+    (norm,) = struct.unpack("<d", data)
+    if math.isnan(norm):
+        return None
+    if not _is_norm(norm):
+        raise WireError(f"a stated norm must be a finite number >= 0, got {norm}")
+    return norm
+
+
 def decoded_sumsq(x: torch.Tensor, compression: str) -> float:
     """Sum of squares (fp64) of `decode(encode(x))` for one flat float32 chunk, without the bytes where
     the format allows: fp32 and fp16 by one fp64 norm of the rounded values (fp16 -> fp64 is exact);
@@ -158,9 +201,7 @@ def decoded_sumsq(x: torch.Tensor, compression: str) -> float:
         values = x.to(torch.float16 if compression == "fp16" else torch.float32)
         return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
     if compression == "int8":
-        scale, codes = _int8_blocks(x.to(torch.float32))
-        per_block = codes.mul_(codes).sum(dim=1).double()
-        return float(scale.double().square_().mul_(per_block).sum())
+        return _int8_sumsq(*_int8_blocks(x.to(torch.float32)))
     return float(decode(encode(x, compression), x.numel(), compression).double().square().sum())
 
 
@@ -199,8 +240,12 @@ def roundtrip(x: torch.Tensor, compression: str, chunk_elements: int = DEFAULT_C
 
 
 def is_finite(x: torch.Tensor) -> bool:
-    """Whether every value of a CPU tensor is finite (numpy's check: ~15x faster than torch's here)."""
-    return bool(np.isfinite(x.detach().numpy()).all())
+    """Whether every value of a CPU tensor is finite. A sum is finite only if every term is (NaN and
+    ±inf survive any order of additions), so one vectorized sum answers for most tensors (3 ms for
+    20M values here, against 10 for numpy's per-value check, 15x faster than torch's); only a sum
+    that overflowed goes on to the per-value check."""
+    x = x.detach()
+    return math.isfinite(float(x.sum())) or bool(np.isfinite(x.numpy()).all())
 
 
 def lower_median(values: Sequence[float]) -> float:
@@ -308,8 +353,6 @@ def parse_header(raw: bytes) -> dict[str, Any]:
             raise WireError("weight must be a number")
         if not isinstance(h.get("finite"), bool):
             raise WireError("finite must be a boolean")
-        if h.get("norm") is not None and not _is_norm(h["norm"]):
-            raise WireError("norm must be a finite number >= 0")
         return h
     contributors, rejected = h.get("contributors"), h.get("rejected")
     if not (

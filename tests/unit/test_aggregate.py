@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import struct
 
 import pytest
 import torch
@@ -127,6 +128,9 @@ def test_a_stated_norm_is_the_norm_of_what_the_receiver_decodes(compression, chu
     norm, defined = aggregate.encoded_norm(x, chunk, compression), _norm_of_the_bytes(x, chunk, compression)
     assert math.isclose(norm, defined, rel_tol=1e-6)  # a claim is checked to 1e-4
     assert aggregate.norm_matches(aggregate.stated(norm), defined**2)
+    sent = [wire.encode_sumsq(x[a:b], compression) for a, b in wire.chunk_ranges(x.numel(), chunk)]
+    assert [data for data, _ in sent] == [wire.encode(x[a:b], compression) for a, b in wire.chunk_ranges(5000, chunk)]
+    assert math.isclose(math.sqrt(sum(sq for _, sq in sent)), defined, rel_tol=1e-6)  # what a scatter states
     assert aggregate.encoded_norm(torch.zeros(3000), chunk, compression) == 0.0
     for bad in (math.nan, math.inf, -math.inf):
         y = x.clone()
@@ -233,14 +237,15 @@ def test_the_norm_check_holds_for_every_rule():
             assert float(out.double().norm()) <= bound * (1 + 1e-6)
 
 
-def test_headers_carry_norms_and_part_digests():
-    base = {"group": "g", "digest": "d"}
-    scatter = {**base, "kind": "scatter", "part": 0, "n": 4, "numel": 2, "chunk": 2, "comp": "fp32",
-               "weight": 1.0, "finite": True}
-    assert wire.parse_header(wire.pack_header({**scatter, "norm": 1.5}))["norm"] == 1.5
-    for bad in (-1.0, "x", True):
+def test_scatter_norm_frames_and_masks_carry_norms_and_part_digests():
+    assert wire.unpack_norm(wire.pack_norm(1.5)) == 1.5
+    assert wire.unpack_norm(wire.pack_norm(0.0)) == 0.0
+    assert wire.unpack_norm(wire.pack_norm(None)) is None  # a sender whose part is not finite states none
+    assert len(wire.pack_norm(2.0)) == wire.NORM_FRAME_BYTES
+    for bad in (struct.pack("<d", -1.0), struct.pack("<d", math.inf), b"\x00" * 7, b"\x00" * 9):
         with pytest.raises(WireError, match="norm"):
-            wire.parse_header(wire.pack_header({**scatter, "norm": bad}))
+            wire.unpack_norm(bad)
+    base = {"group": "g", "digest": "d"}
     mask = {**base, "kind": "mask", "mask": [1, 0], "part_digests": ["f" * 32, None], "norms": [0.5, None]}
     assert wire.parse_header(wire.pack_header(mask))["norms"] == [0.5, None]
     with pytest.raises(WireError, match="part_digests"):

@@ -88,6 +88,13 @@ def test_non_finite_input_stays_visible_after_decoding(compression, bad):
     assert not wire.is_finite(wire.roundtrip(x, compression))
 
 
+def test_is_finite_answers_per_value_even_when_the_sum_overflows():
+    huge = torch.full((8,), 3e38)  # finite values whose float32 sum is inf
+    assert wire.is_finite(huge) and wire.is_finite(-huge) and wire.is_finite(torch.zeros(0))
+    for bad in ([math.inf, -math.inf], [math.nan], [1.0, math.inf], [3e38, 3e38, math.nan]):
+        assert not wire.is_finite(torch.tensor(bad + [0.5] * 1000))
+
+
 def test_fp16_overflow_is_non_finite():
     assert not wire.is_finite(wire.roundtrip(torch.tensor([1e5]), "fp16"))
 
