@@ -22,8 +22,10 @@ unique to this all-reduce):
    function of n and k); member j reduces part j. Each part streams in chunks of
    `chunk_elements` values (one frame each).
 2. Scatter: every member streams its part j, compressed (`wire`), with its weight (tokens) to
-   member j. The reducer's own part goes through the same encode/decode, so every contribution
-   has the same precision.
+   member j, and ends the stream with the norm it states for that part (summed as the chunks
+   are encoded: nothing but one finiteness check of the vector precedes the first header, so
+   the link starts at once). The reducer's own part goes through the same encode/decode, a
+   chunk at a time beside the sends, so every contribution has the same precision.
 3. Reduce, pipelined. The reducer fixes the part's contributors once the scatter header of every
    live member is in (or at the scatter deadline): weights checked, late ones "timeout". Then,
    for chunk i = 0, 1, ..., as soon as chunk i of every contributor has arrived it sums
@@ -82,12 +84,14 @@ Robust aggregation and reducer checks (`diloco_p2p.swarm.aggregate`, `robust=`):
 
 - A part is reduced by ``aggregate.reduce_chunk`` / ``aggregate.reduce_part`` (``mean`` is
   ``wire.reduce_chunk`` bit for bit), pure functions of the complete, ordered per-sender
-  contributions. Each scatter header states the sender's norm of that part; the reducer fixes
-  the contributors from the headers (weight bound, then norm bound, then the weight cap), sums
-  squares as the chunks land and, when a claim was a lie ("norm"), waits for every contribution
-  to complete before its trailer, voids the streamed part and reduces it again, whole, without
-  that sender (step 3). A coordinatewise rule (trimmed mean) streams chunk by chunk; centered
-  clipping needs whole-part norms, so its part goes out once, unstreamed.
+  contributions. Each scatter ends with the sender's norm of that part; the reducer fixes the
+  contributors from the headers (weight bound, then the weight cap), sums squares as the chunks
+  land and, once every contribution is complete, checks each claim against its data (a lie:
+  "norm") and the norm bound (``max_norm_ratio`` × the lower median of the claims: "norm").
+  Either voids the streamed part before its trailer, and the part is reduced again, whole,
+  without that sender (step 3): honest rounds keep the pipeline, a refusal costs a resend.
+  A coordinatewise rule (trimmed mean) streams chunk by chunk; centered clipping needs
+  whole-part norms, so its part goes out once, unstreamed.
 - Step 5: each mask carries ``part_digests`` (sha256 of the announced contributors and the
   encoded bytes of each part gathered) and ``norms`` (our contribution's norm per part).
   `allreduce_state.conclude` drops a part whose digests differ among the masks heard, or whose
