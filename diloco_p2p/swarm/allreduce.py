@@ -11,7 +11,7 @@ part quantizes the averaged part once and sends exactly those bytes to every mem
 member, the reducer included, uses the dequantized values. We keep hivemind's transport (p2pd
 streams, NAT traversal, peer ids) and write only the protocol.
 
-This module is long (about 750 lines, a sixth of it this description) because the sender and the
+This module is long (about 810 lines, a sixth of it this description) because the sender and the
 receiver sides of one protocol read best side by side; its pure parts (the commit rule, the
 reduce) already live in `allreduce_state.py` and `wire.py`.
 
@@ -72,13 +72,16 @@ faults never raise out of `allreduce()`: they end up in the result (`rejected`, 
 
 Cost per member: it sends (k-1) parts in the scatter and its averaged part to k-1 members in
 the gather, 2(k-1)/k · n · bytes/element, the all-reduce lower bound, plus ~200-byte headers,
-8-byte frame prefixes per chunk and k-1 masks; int8 adds a 4-byte scale per 1024 elements. Time:
-with the gather pipelined behind the scatter the link does not idle between the phases; what is
-left above the wire time (1.15-1.66x on tbf-shaped links, `benchmarks/allreduce_wan.py`) is mostly
-TCP's with both directions of every link loaded: plain TCP moving the same bytes between the same
-hosts at once takes 1.0-1.5x, and fp16 all-reduces take 0.8-1.2x that (int8: 1.0-1.4x). Stream
-setup is one libp2p stream per message over the connection p2pd keeps open between the peers (no
-TCP or TLS handshake per round).
+8-byte frame prefixes per chunk, an 8-byte norm frame per scatter and k-1 masks; int8 adds a
+4-byte scale per 1024 elements. Time: the first byte leaves at once (only one finiteness sum of
+the vector precedes it), the gather is pipelined behind the scatter so the link does not idle
+between the phases, and nothing proportional to the vector runs between the last chunk and the
+return but sliced norms. On tbf-shaped links, paced (`sync.link_mbit`), 3.5M values, k = 2-4:
+1.06-1.15x the wire time at 20 and 100 Mbit/s, fp16 1.08-1.13x and int8 1.14-1.30x at 200
+(`benchmarks/allreduce_wan.py`; int8 at k = 4 there is CPU-bound on a 2-core host). Unpaced it
+is 1.15-1.66x, mostly TCP's with both directions of every link loaded: plain TCP moving the same
+bytes between the same hosts at once takes 1.0-1.5x. Stream setup is one libp2p stream per
+message over the connection p2pd keeps open between the peers (no TCP or TLS handshake per round).
 
 Robust aggregation and reducer checks (`diloco_p2p.swarm.aggregate`, `robust=`):
 

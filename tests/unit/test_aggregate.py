@@ -99,6 +99,15 @@ def test_weight_cap():
     assert aggregate.capped_weights({0: 1.0, 1: 9.0}, None) == {0: 1.0, 1: 9.0}
 
 
+def test_sumsq_of_a_whole_part_is_the_plain_fp64_sum_of_squares():
+    x = torch.randn(3 * aggregate.SUMSQ_SLICE + 123, generator=torch.Generator().manual_seed(5)) * 40
+    plain = math.fsum(v * v for v in x.double().tolist())
+    assert math.isclose(aggregate.sumsq(x), plain, rel_tol=1e-12)
+    assert aggregate.sumsq(torch.zeros(0)) == 0.0
+    x[aggregate.SUMSQ_SLICE + 7] = math.nan
+    assert math.isnan(aggregate.sumsq(x))
+
+
 def test_claimed_norm_is_checked_against_the_data():
     x = vectors(1, 5000, 4)[0]
     norm = aggregate.encoded_norm(x, 1024, "fp16")
