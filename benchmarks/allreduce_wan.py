@@ -80,12 +80,27 @@ def worker(ip: str, initial: list[str], chunk: int, pace_bytes: float | None = N
         r = loop.run(hierarchy.average(service, job["group"], peers, x, 1.0, butterfly_max=bmax,
                                        compression=job["comp"], timeout=120), 180)
         print(json.dumps({"status": r.status, "seconds": r.seconds, "sent": r.bytes_sent,
-                          "received": r.bytes_received, "phases": r.phases,
-                          "error": relative_error(r.average, len(peers), job["numel"])}), flush=True)
+                          "received": r.bytes_received, "phases": r.phases}), flush=True)
+        await_check(r.average, len(peers), job["numel"])
     loop.run(service.stop(), 30)
     loop.run(p2p.shutdown(), 30)
     loop.close()
     dht.shutdown()
+
+
+def await_check(average, k: int, numel: int) -> None:
+    """Print the round's `relative_error` once the coordinator says every member has returned
+    (`check_errors`): it takes seconds of CPU for large vectors, which it would otherwise take from
+    the members still finishing their all-reduce on the same cores."""
+    json.loads(sys.stdin.readline())
+    print(json.dumps({"error": relative_error(average, k, numel)}), flush=True)
+
+
+def check_errors(peers: list[Peer]) -> list[float]:
+    """Each member's `error` for the round all of them have just reported (`await_check`)."""
+    for p in peers:
+        p.send({"check": True})
+    return [p.read()["error"] for p in peers]
 
 
 def relative_error(average, k: int, numel: int) -> float:
@@ -279,6 +294,7 @@ def measure(hosts: netns.Hosts, k: int, comps: list[str], numel: int, rounds: in
                 results = [p.read() for p in peers]
                 if sampler is not None:
                     sampler.stop(at)
+                check_errors(peers)
                 assert all(x["status"] == "ok" for x in results), results
                 if r:
                     runs.append(results)
