@@ -458,9 +458,9 @@ class AllreduceService:
             await self._wait(s, lambda: [j for j in candidates if j not in s.complete | s.failed.keys()
                                          and j not in s.gone], s.d_scatter)
             ok = all(j in s.complete and j not in s.failed for j in candidates)
-            far = aggregate.accept_norms({j: s.norms.get(j) for j in candidates}, s.robust.max_norm_ratio)[1]
+            far = aggregate.accept_norms({j: s.norms.get(j) for j in candidates if ok}, s.robust.max_norm_ratio)[1]
             s.failed.update({j: "norm" for j in far})
-            ok = ok and not far
+            ok = ok and not far  # (when one failed, `reduce_part` bounds the complete ones)
         if ok:
             s.gathered[s.me] = s.gather_header
             s.part_digests[s.me] = _digest(candidates, s.out)
