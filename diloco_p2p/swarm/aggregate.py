@@ -292,7 +292,8 @@ def part_digest(contributors: Sequence[int]) -> hashlib._Hash:
 
 
 def stated(norm: float) -> float | None:
-    """A norm as headers state it: 7 significant digits (well inside `NORM_TOLERANCE`), None if not finite."""
+    """A norm as a scatter's last frame and a mask state it: 7 significant digits (well inside
+    `NORM_TOLERANCE`), None if not finite."""
     return float(f"{norm:.7g}") if math.isfinite(norm) else None
 
 

@@ -123,7 +123,8 @@ class Session:
         """Our own contribution passes the checks anyone's does: a weight that is no positive finite
         number, or a value that is not finite as `decoded` (our encoded `chunks`) reads back, and it
         is refused under its reason like anyone's; else it is complete. `finite`: what our headers
-        say about the whole vector. The butterfly and the all-gather share this."""
+        say about the whole vector. The all-gather's (`allgather`); the butterfly checks its own part
+        the same way a chunk at a time, beside its sends (`AllreduceService._own_part`)."""
         reason = wire.weight_problem(weight, None, math.inf)
         if reason is None and not (finite and all(wire.is_finite(values) for values in decoded())):
             reason = "nan"
