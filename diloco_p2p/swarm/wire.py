@@ -25,7 +25,9 @@ The sparse ``topk2`` (top-k + 2-bit values, `codecs`) does not go through a redu
 its messages (kind ``contrib``) are the all-gather of `diloco_p2p.swarm.allgather`.
 
 Messages are length-prefixed frames (`diloco_p2p.swarm.streams`): the first frame of a message
-is a small JSON header (never pickle); the following frames are the compressed chunks.
+is a small JSON header (never pickle); the following frames are the compressed chunks, then for
+a scatter the sender's norm of its part (`pack_norm`: 8 bytes) and for a streamed gather a
+one-byte trailer (ok or void).
 """
 
 from __future__ import annotations
