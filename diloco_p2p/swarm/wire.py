@@ -156,14 +156,10 @@ def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def encode_sumsq(x: torch.Tensor, compression: str) -> tuple[bytes, float]:
-    """`encode(x)` and `decoded_sumsq(x)` in one pass over the chunk: int8 quantizes its blocks
-    once for both, fp16 rounds once. What a sender states as its norm is summed from these, chunk
-    by chunk as its scatter stream leaves (the receiver sums the same from what it decodes)."""
+    """`encode(x)` and `decoded_sumsq(x)` of one chunk; int8 quantizes its blocks once for both.
+    What a sender states as its norm is summed from these, chunk by chunk as its scatter stream
+    leaves (the receiver sums the same from what it decodes)."""
     x = x.detach().reshape(-1).to(torch.float32)
-    if compression == "fp16":
-        half = x.to(torch.float16)
-        sumsq = float(torch.linalg.vector_norm(half, dtype=torch.float64)) ** 2
-        return half.numpy().astype("<f2", copy=False).tobytes(), sumsq
     if compression != "int8":
         return encode(x, compression), decoded_sumsq(x, compression)
     scale, codes = _int8_blocks(x)
