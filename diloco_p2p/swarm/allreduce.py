@@ -128,10 +128,12 @@ Where later schemes plug in (keep these properties when changing this module):
 
 
 
-Each message is one libp2p stream: header frame (JSON) -> receiver answers GO/NO_GO once its
-session for that group_id has started -> payload frames -> receiver answers GO (accepted) or NO_GO.
-A message for a group_id that has not started locally waits (in its stream, so the payload stays
-in the sender's buffers, not our memory) up to `buffer_ttl` for the local `allreduce()` call.
+Each message is one libp2p stream: header frame (JSON) and payload frames, written at once ->
+receiver answers GO/NO_GO to the header once its session for that group_id has started, reads the
+payload, answers GO (accepted) or NO_GO. The sender listens while it writes: an answer before its
+last byte (a refusal) stops the payload. A message for a group_id that has not started locally
+waits (in its stream, so the payload stays in the daemons' and kernel's buffers under the stream's
+flow control, not our memory) up to `buffer_ttl` for the local `allreduce()` call.
 
 Fault-injection hooks (tests and the node's `--fault` plans): `allreduce(..., on_phase=hook)` calls
 ``hook(phase)`` (awaited if it returns an awaitable) at "scattered" (after our scatter sends have
@@ -571,21 +573,34 @@ class AllreduceService:
             _, reader, writer = await self.p2p.call_binary_stream_handler(s.peer_ids[j], self.handler_name)
         except NETWORK_ERRORS as e:
             raise _PeerGone() from e
-        try:
+        payload = asyncio.ensure_future(self._write_payload(s, writer, header, frames))
+        answers: list[asyncio.Future] = []
+        try:  # the payload follows the header at once: waiting for the go first cost a round trip
             try:
-                s.bytes_sent += streams.write_frame(writer, wire.pack_header(header))
-                await writer.drain()
                 go = await reader.readexactly(1)
             except NETWORK_ERRORS as e:  # the remote daemon could not hand the stream to a live handler
                 raise _PeerGone() from e
             if go != GO:
                 return False
-            async for data in _frames(frames):
-                sent = await streams.write_frame_paced(writer, data, self.pacer)
-                s.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
-            return await reader.readexactly(1) == GO
+            answers.append(asyncio.ensure_future(reader.readexactly(1)))
+            await asyncio.wait((payload, answers[0]), return_when=asyncio.FIRST_COMPLETED)
+            if not payload.done():  # the receiver answered before our last byte: it stopped reading
+                return False
+            await payload
+            return await answers[0] == GO
         finally:
+            for task in (payload, *answers):
+                task.cancel()
+                if task.done() and not task.cancelled():
+                    task.exception()  # a payload cut by the receiver's refusal or death: no error of ours
             writer.close()
+
+    async def _write_payload(self, s: Session, writer: asyncio.StreamWriter, header: dict, frames: Frames) -> None:
+        s.bytes_sent += streams.write_frame(writer, wire.pack_header(header))
+        await writer.drain()
+        async for data in _frames(frames):
+            sent = await streams.write_frame_paced(writer, data, self.pacer)
+            s.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
 
     # ------------------------------------------------------------------------- receiving
 
@@ -613,7 +628,7 @@ class AllreduceService:
             if self.admit is not None and not await self.admit(info.peer_id.to_base58(), "all-reduce"):
                 return
             await self._serve(info.peer_id.to_base58(), reader, writer)
-            await streams.linger(reader, _LINGER_TIMEOUT)  # until the sender has read our last byte
+            await streams.linger(reader, _LINGER_TIMEOUT, drain=True)  # until the sender has read our last byte
         except (*NETWORK_ERRORS, TimeoutError, wire.WireError) as e:
             log.debug("allreduce: dropped a message from %s: %r", info.peer_id, e)
         except Exception:

@@ -135,11 +135,15 @@ async def read_json(
     return load_json(await read_frame(reader, max_len, prefix=prefix), version=version)
 
 
-async def linger(reader: asyncio.StreamReader, timeout: float) -> None:
+async def linger(reader: asyncio.StreamReader, timeout: float, *, drain: bool = False) -> None:
     """Keep the stream open until the peer closes it (or sends anything), at most `timeout`
-    seconds; the caller closes its end afterwards. See the module docstring for why."""
+    seconds; the caller closes its end afterwards. See the module docstring for why. With `drain`,
+    what the peer still sends is read and dropped until it closes: a sender that streams its
+    payload without waiting for our answer stops when the answer reaches it."""
     with suppress(TimeoutError, *NETWORK_ERRORS):
-        await asyncio.wait_for(reader.read(1), timeout)
+        async with asyncio.timeout(timeout):
+            while await reader.read(1 << 16) and drain:
+                pass
 
 
 class AnnouncedHandler:

@@ -16,8 +16,9 @@ import uuid
 import pytest
 import torch
 
-from diloco_p2p.swarm import aggregate, wire
-from diloco_p2p.swarm.allreduce import AllreduceResult
+from diloco_p2p.swarm import aggregate, streams, wire
+from diloco_p2p.swarm.allreduce import GO, NO_GO, AllreduceResult, AllreduceService
+from diloco_p2p.swarm.allreduce_state import Session
 from tests.harness.loopback import AllreducePeers
 
 pytestmark = pytest.mark.timeout(60)
@@ -112,6 +113,45 @@ def test_member_without_a_handler_is_not_waited_for(swarm):
         assert r.status == "partial" and r.committed_parts == [0, 1]
         assert r.seconds < 0.4 * T  # no deadline was waited for
         assert_weighted_mean(r, xs, swarm.names)
+
+
+@pytest.mark.parametrize("frames_read", [0, 2])
+def test_a_refusal_stops_the_payload_and_is_not_taken_for_death(swarm, frames_read):
+    """A sender writes its payload right after the header, without waiting for the go. A refusal,
+    at the header or after some frames (as of a NaN mid-part), must reach it while it writes: it
+    stops the payload well before its end, and the refuser is not taken for gone (a gone member
+    is sent nothing more that round). The payload is paced to 4 s so "before its end" is clear."""
+    prefix, frame, frames = f"refuse-{uuid.uuid4().hex[:8]}", 1 << 20, 32
+    sender = AllreduceService(swarm.p2ps[0], prefix=prefix, chunk_elements=CHUNK, pace_bytes=frames * frame / 4.0)
+    read: list[int] = []
+
+    async def refuse(_info, reader, writer):
+        await streams.read_frame(reader, wire.MAX_HEADER_BYTES)
+        if frames_read:
+            writer.write(GO)
+            for _ in range(frames_read):
+                read.append(len(await streams.read_frame(reader, frame)))
+        writer.write(NO_GO)
+        await writer.drain()
+        await streams.linger(reader, 5.0, drain=True)
+        writer.close()
+
+    async def scenario():
+        await swarm.p2ps[1].add_binary_stream_handler(sender.handler_name, refuse)
+        try:
+            loop = asyncio.get_running_loop()
+            s = Session("refused", loop.time())
+            s.start(swarm.peers, 0, N, "fp16", CHUNK, loop.time(), T)
+            started = time.monotonic()
+            accepted = await sender._send(s, 1, s.header("scatter"), [bytes(frame)] * frames, loop.time() + 10)
+            return accepted, time.monotonic() - started, s
+        finally:
+            await swarm.p2ps[1].remove_binary_stream_handler(sender.handler_name)
+
+    accepted, seconds, s = swarm.loop.run(scenario(), 30)
+    assert accepted is False and 1 not in s.gone
+    assert read == [frame] * frames_read
+    assert seconds < 2.0 and s.bytes_sent < frames * frame / 2
 
 
 def run_three(swarm, xs, weights, **kwargs) -> list[AllreduceResult]:
