@@ -119,16 +119,7 @@ def robust_of(sync: Any) -> Robust:
 # ----------------------------------------------------------------------------- norms
 
 
-SUMSQ_SLICE = 1 << 16  # values per fp64 norm in `sumsq`: its temporaries stay in cache
-
-
-def sumsq(values: torch.Tensor) -> float:
-    """Sum of squares in fp64 (a chunk's share of a norm, or a whole part's), a slice at a time:
-    17x faster than one fp64 copy of a 5M-value part (2 ms against 33), which a member paid for
-    every part's norm after the gather, before its all-reduce could return."""
-    flat = values.detach().reshape(-1)
-    slices = (flat[a : a + SUMSQ_SLICE] for a in range(0, flat.numel(), SUMSQ_SLICE))
-    return sum((float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2 for x in slices), 0.0)
+sumsq = wire.sumsq  # the sum of squares every norm here is made of
 
 
 def encoded_norm(x: torch.Tensor, chunk: int, compression: str) -> float:

@@ -189,15 +189,40 @@ def unpack_norm(data: bytes) -> float | None:
     return norm
 
 
+SUMSQ_SLICE = 1 << 16  # values per fp64 norm in `sumsq`: its temporaries stay in cache
+FAST_SUMSQ_RANGE = (1e-25, 1e37)  # a float32 dot inside this range neither overflowed nor lost underflowed terms
+
+
+def sumsq(values: torch.Tensor, *, exact: bool = True) -> float:
+    """Sum of squares in fp64 (a chunk's share of a norm, or a whole part's), a slice at a time:
+    17x faster than one fp64 copy of a 5M-value part (2 ms against 33), which a member paid for
+    every part's norm after the gather, before its all-reduce could return.
+
+    ``exact=False``, for a norm that is checked against another within `aggregate.NORM_TOLERANCE` (a stated
+    norm, as sent and as received): each slice's float32 dot, relative error ~1e-7 here, 7x faster
+    (3 µs against 22 for 65,536 values, which the all-reduce pays per chunk on both ends); a slice
+    whose dot falls outside `FAST_SUMSQ_RANGE` (overflow, underflowed squares, zeros, NaN) is
+    summed exactly."""
+    flat = values.detach().reshape(-1)
+    total = 0.0
+    for a in range(0, flat.numel(), SUMSQ_SLICE):
+        x = flat[a : a + SUMSQ_SLICE]
+        fast = math.nan if exact or x.dtype != torch.float32 else float(torch.dot(x, x))
+        low, high = FAST_SUMSQ_RANGE
+        total += fast if low <= fast <= high else float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+    return total
+
+
 def decoded_sumsq(x: torch.Tensor, compression: str) -> float:
-    """Sum of squares (fp64) of `decode(encode(x))` for one flat float32 chunk, without the bytes where
-    the format allows: fp32 and fp16 by one fp64 norm of the rounded values (fp16 -> fp64 is exact);
+    """Sum of squares of `decode(encode(x))` for one flat float32 chunk, without the bytes where the
+    format allows: fp32 and fp16 by `sumsq(exact=False)` of the rounded values (what a receiver
+    sums to check the stated norm);
     int8 per block as scale² · Σ code² (each block's Σ code² is an integer below 2^24, exact in
     float32), equal to the decoded values' sum up to their float32 rounding (relative 2^-24 per
     value); other formats through the bytes. Non-finite if a value of `x` is (or overflows fp16)."""
     if compression in ("fp32", "fp16"):
-        values = x.to(torch.float16 if compression == "fp16" else torch.float32)
-        return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+        values = x.to(torch.float16).float() if compression == "fp16" else x.to(torch.float32)
+        return sumsq(values, exact=False)
     if compression == "int8":
         return _int8_sumsq(*_int8_blocks(x.to(torch.float32)))
     return float(decode(encode(x, compression), x.numel(), compression).double().square().sum())
