@@ -163,3 +163,19 @@ def test_a_pacer_shared_by_two_streams_holds_their_sum_to_its_rate_and_keeps_eac
     assert elapsed >= sum(sent) / rate - burst - 4096 / rate
     with pytest.raises(ValueError):
         streams.Pacer(0)
+
+
+@pytest.mark.parametrize("rate", [1e6, 25e6])
+def test_a_pacer_slices_writes_into_2_ms_of_its_rate_but_no_less_than_16_kib(rate):
+    """Each slice costs an event-loop turn: at 200 Mbit/s (25 MB/s) a 1 MB frame goes in 21
+    writes of 2 ms each (50 kB), at 8 Mbit/s in 16 KiB ones (each 16 ms of that link)."""
+    writer, frame = _TimedWriter(), bytes(1 << 20)
+    slice_bytes = max(16 << 10, int(rate * 0.002))
+
+    async def one() -> int:
+        return await streams.write_frame_paced(writer, frame, streams.Pacer(rate, burst=10.0))  # no waits
+
+    assert asyncio.run(one()) == 8 + len(frame)
+    assert bytes(writer.data) == len(frame).to_bytes(8, "big") + frame
+    assert [n for _, n in writer.times[1:]] == [slice_bytes] * (len(frame) // slice_bytes) + (
+        [len(frame) % slice_bytes] if len(frame) % slice_bytes else [])
