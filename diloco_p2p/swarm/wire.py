@@ -13,7 +13,7 @@ bounded memory:
   contribution that is non-finite after decoding (a pseudo-gradient that large means the
   sender diverged; clamping would hide that).
 - ``int8``: per-block absmax scaling, blocks of `INT8_BLOCK` elements: one float32 scale
-  (absmax/127) per block, then one int8 code per element, round-to-nearest. Error per element
+  (absmax/127) per block, then one int8 code per element, x · (127/absmax) rounded to nearest. Error per element
   <= absmax(block)/254. We do not use hivemind's `Uniform8BitQuantization`: it builds one
   quantile codebook over the whole tensor (needs the full tensor before the first byte goes
   out) and its error is not bounded per element; per-block absmax streams and keeps an outlier

@@ -54,7 +54,8 @@ def test_int8_error_is_bounded_by_each_blocks_absmax():
 @pytest.mark.parametrize("numel", [2 * 1024, 2 * 1024 - 1, 1])
 def test_int8_bytes_are_the_blockwise_absmax_code_computed_independently(numel):
     """Whole blocks (quantized in place) and a ragged last block (padded) give the bytes a plain
-    numpy blockwise absmax quantizer gives: float32 scale = absmax / 127, codes = round-half-even."""
+    numpy blockwise absmax quantizer gives: float32 scale = absmax / 127, codes = x · (127 / absmax)
+    rounded half-even (at most 127 · (1 + 2^-23) before rounding: no clamp)."""
     import numpy as np
 
     x = vector(numel, seed=3)
@@ -65,8 +66,11 @@ def test_int8_bytes_are_the_blockwise_absmax_code_computed_independently(numel):
     scales, codes = [], []
     for start in range(0, numel, b):
         block = v[start : start + b]
-        scale = np.float32(np.abs(block).max()) / np.float32(127)
-        codes.append(np.clip(np.rint(block / (scale if scale > 0 else np.float32(1))), -127, 127).astype(np.int8))
+        absmax = np.float32(np.abs(block).max())
+        scale = absmax / np.float32(127)
+        code = np.rint(block * (np.float32(127) / absmax if absmax > 0 else np.float32(0)))
+        assert np.abs(code).max() <= 127
+        codes.append(code.astype(np.int8))
         scales.append(scale)
     assert data == np.array(scales, dtype="<f4").tobytes() + np.concatenate(codes).tobytes()
     decoded = wire.decode(data, numel, "int8")
