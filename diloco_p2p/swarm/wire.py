@@ -152,11 +152,13 @@ def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         padded = padded.view(blocks, INT8_BLOCK)
     absmax = torch.maximum(padded.amax(dim=1), padded.amin(dim=1).neg_())  # no |x| copy; NaN propagates
     scale = absmax / 127.0  # NaN/inf propagate into the scale: caught on decode
-    # x · (127 / absmax) is at most 127 · (1 + 2^-23): it rounds to 127, no clamp needed
-    codes = torch.mul(padded, torch.where(absmax > 0, 127.0 / absmax, 0.0)[:, None]).round_()
-    if not math.isfinite(float(scale.sum())):  # a block with NaN/inf: its codes coded 0
-        codes.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    return scale, codes
+    inverse = torch.where(absmax > 0, 127.0 / absmax, 0.0)
+    if math.isfinite(float(scale.sum())) and math.isfinite(float(inverse.sum())):
+        # x · (127 / absmax) is at most 127 · (1 + 2^-23): it rounds to 127, no clamp needed
+        return scale, torch.mul(padded, inverse[:, None]).round_()
+    # a block with NaN/inf, or values so small (< 4e-37) that 127 / absmax overflows: by the division
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, torch.div(padded, safe[:, None]).round_().clamp_(-127, 127).nan_to_num_(nan=0.0)
 
 
 def encode_sumsq(x: torch.Tensor, compression: str) -> tuple[bytes, float]:

@@ -78,6 +78,20 @@ def test_int8_bytes_are_the_blockwise_absmax_code_computed_independently(numel):
     assert decoded.numpy().tobytes() == expected.astype(np.float32).tobytes()
 
 
+@pytest.mark.parametrize("magnitude", [1e-36, 1e-39, 1e30])
+def test_int8_codes_blocks_of_tiny_or_huge_values_within_their_bound(magnitude):
+    """127 / absmax overflows float32 for a block below ~4e-37 (1e-39 is subnormal): such a block is
+    coded by the division, not the reciprocal, and keeps the per-block error bound."""
+    x = vector(3 * wire.INT8_BLOCK, seed=4) / 4
+    x[: wire.INT8_BLOCK] *= magnitude
+    x[2 * wire.INT8_BLOCK :] = 0.0  # a zero block beside them
+    y = wire.roundtrip(x, "int8")
+    for start in range(0, x.numel(), wire.INT8_BLOCK):
+        block, approx = x[start : start + wire.INT8_BLOCK].double(), y[start : start + wire.INT8_BLOCK].double()
+        assert (approx - block).abs().max() <= block.abs().max() / 254 * (1 + 1e-5) + 1e-45
+    assert torch.equal(y[2 * wire.INT8_BLOCK :], x[2 * wire.INT8_BLOCK :])
+
+
 def test_int8_keeps_zero_blocks_exact():
     x = torch.zeros(3000)
     x[2500] = 1.0
