@@ -261,16 +261,8 @@ class SwarmSync:
                 log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
                 return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement))
             self.faults.fire("group", round)
-            result = self._interruptible(  # one butterfly, or the grid past target_group_size (`hierarchy`)
-                hierarchy.average(self.allreduce, group.group_id, group.peers, delta, weight,
-                                  butterfly_max=self.cfg.target_group_size,
-                                  compression=self.cfg.compression, timeout=self.cfg.allreduce_timeout,
-                                  max_weight_ratio=self.cfg.max_weight_ratio, robust=robust_of(self.cfg),
-                                  density=self.cfg.topk_density,
-                                  public=group.public_flags(),
-                                  on_scattered=lambda: self.faults.fire("allreduce", round)),
-                timeout=self.cfg.allreduce_timeout + 30,
-            )
+            result = self._interruptible(self._average(round, group, delta, weight),
+                                         timeout=self.cfg.allreduce_timeout + 30)
         except Interrupted as e:
             log.warning("round %d: averaging interrupted (%s)", round, e)
             return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement, interrupted=True))
@@ -279,6 +271,19 @@ class SwarmSync:
             self.last_group = frozenset(p.to_base58() for p in group.peers)
         blame(self.guard, round, result)
         return self._seen(round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement))
+
+    async def _average(self, round: int, group: Any, delta: torch.Tensor, weight: float) -> AllreduceResult:
+        """The group's all-reduce: one butterfly, or the grid past target_group_size (`hierarchy`);
+        then our matchmaking registration is withdrawn (held back meanwhile: `Matchmaker.release`)."""
+        try:
+            return await hierarchy.average(
+                self.allreduce, group.group_id, group.peers, delta, weight, butterfly_max=self.cfg.target_group_size,
+                compression=self.cfg.compression, timeout=self.cfg.allreduce_timeout,
+                max_weight_ratio=self.cfg.max_weight_ratio, robust=robust_of(self.cfg), density=self.cfg.topk_density,
+                public=group.public_flags(), on_scattered=lambda: self.faults.fire("allreduce", round),
+            )
+        finally:
+            self.matchmaker.release()
 
     def _seen(self, outcome: RoundOutcome) -> RoundOutcome:
         """The round's refusals of peers go into its record (`diloco_p2p.swarm.guard`), and the
@@ -317,7 +322,7 @@ class SwarmSync:
         return await self.matchmaker.form_group(round, params_hash, weight, min_group_size=self.cfg.min_group_size,
                                                 target_group_size=hierarchy.MAX_MEMBERS,
                                                 timeout=self.cfg.matchmaking_timeout, expected=expected,
-                                                refresh_expected=refresh,
+                                                refresh_expected=refresh, hold_withdrawal=True,
                                                 speed=weight / computing if computing > 0 else 0.0)
 
     def _check_public(self, records: dict[str, ProgressRecord]) -> None:

@@ -263,6 +263,31 @@ def test_registration_is_withdrawn(swarm: MatchmakingPeers) -> None:
     assert all(v["t"] <= get_dht_time() for v in entries.values())
 
 
+def test_a_held_withdrawal_waits_for_release(swarm: MatchmakingPeers) -> None:
+    """With `hold_withdrawal` the registrations stay live until `release()` (the caller's
+    all-reduce runs meanwhile), then become the same ``done`` markers."""
+
+    async def entries(mms: list[Matchmaker]) -> dict:
+        await asyncio.gather(*mms[0]._background, *mms[1]._background)  # withdrawal stores, if any
+        key = mm.matchmaking_key(mms[0].run_id, 1, HASH_A)
+        found = await swarm.dhts[0].get(key, latest=True, return_future=True)
+        return {p: v.value for p, v in found.value.items()}
+
+    async def scenario():
+        async with swarm.matchmakers(2) as mms:
+            groups = await asyncio.gather(*[_form(m, target_group_size=2, hold_withdrawal=True) for m in mms])
+            held = await entries(mms)
+            for m in mms:
+                m.release()
+            return groups, held, await entries(mms), mms
+
+    groups, held, released, mms = swarm.loop.run(scenario(), timeout=30)
+    _assert_same_group(groups, mms)
+    assert set(held) == set(released) == {m.me for m in mms}
+    assert not any("done" in v for v in held.values()), held
+    assert all(v["done"] == "full" for v in released.values()), released
+
+
 def test_leader_forfeits_to_an_earlier_registration(swarm: MatchmakingPeers) -> None:
     """`early` takes its registration time first but stores it last: `a` leads `c` meanwhile, then
     sees `early`, forfeits, redirects `c`, and all three end in `early`'s group."""
