@@ -122,6 +122,16 @@ def robust_of(sync: Any) -> Robust:
 sumsq = wire.sumsq  # the sum of squares every norm here is made of
 
 
+def part_sumsq(values: torch.Tensor, chunk: int) -> float:
+    """Σx² of a part's values as the members sum it for the reducer check (`suspect_parts`): exactly,
+    chunk by chunk in order, as the chunks land. The same float on every member, whichever way the
+    part reached it (streamed, or whole)."""
+    total = 0.0
+    for a, b in wire.chunk_ranges(values.numel(), chunk):
+        total += sumsq(values[a:b])
+    return total
+
+
 def encoded_norm(x: torch.Tensor, chunk: int, compression: str) -> float:
     """L2 norm of `x` as a receiver decodes it (chunked as the protocol does), summed chunk by chunk
     as the reducer does when it checks the claim; inf if not finite. A scatter sums the same as it

@@ -438,25 +438,7 @@ class AllreduceService:
                 rejected={str(j): r for j, r in sorted(s.rejected.items())},
             )
             tasks += [self._spawn(self._gather_to(s, j)) for j in s.others]
-        ok = bool(candidates) and not whole
-        for c, (a, b) in enumerate(wire.chunk_ranges(hi - lo, s.chunk)):
-            if not ok:
-                break
-
-            def missing(c=c) -> list[int]:
-                return [j for j in candidates if len(s.contribs[j][1]) <= c and j not in s.failed]
-
-            await self._wait(s, lambda: [j for j in missing() if j not in s.gone], s.d_scatter)
-            s.failed.update({j: "timeout" for j in missing()})
-            out = None if any(j in s.failed for j in candidates) else self._reduce_chunk(
-                s, [(weights[j], s.contribs[j][1][c]) for j in candidates], b - a
-            )
-            if out is None or s.result is None:
-                ok = False
-                break
-            s.out.append(out[0])
-            s.result[lo + a : lo + b] = out[1]
-            await s.notify()
+        ok = bool(candidates) and not whole and await self._reduce_streamed(s, candidates, weights)
         if ok:  # norms are stated at the end of each contribution: a lie, or one past the bound, voids the part
             await self._wait(s, lambda: [j for j in candidates if j not in s.complete | s.failed.keys()
                                          and j not in s.gone], s.d_scatter)
@@ -466,7 +448,6 @@ class AllreduceService:
             ok = ok and not far  # (when one failed, `reduce_part` bounds the complete ones)
         if ok:
             s.gathered[s.me] = s.gather_header
-            s.part_digests[s.me] = _digest(candidates, s.out)
         else:  # reduce again over the complete contributions, without those that failed
             s.rejected.update(s.failed)
             await self._wait(s, lambda: [j for j in s.contribs if j not in s.complete | s.failed.keys()
@@ -479,6 +460,7 @@ class AllreduceService:
                 fields["comp"], frames, values = await self._next_level(s, values, list(capped.values()))
             if values is not None and s.result is not None:
                 s.result[lo:hi] = values
+                s.part_sumsq[s.me] = aggregate.part_sumsq(values, s.chunk)
             rejected = {str(j): r for j, r in sorted(s.rejected.items())}
             header = s.header(
                 "gather", **fields, empty=frames is None, stream=False, contributors=accepted, rejected=rejected
@@ -491,6 +473,33 @@ class AllreduceService:
             log.debug("allreduce %s: part %d reduced again without %s", s.group_id, s.me, sorted(s.failed))
         s.out_final = wire.TRAILER_OK if ok else wire.TRAILER_VOID
         await s.notify()
+
+    async def _reduce_streamed(self, s: Session, candidates: list[int], weights: dict[int, float]) -> bool:
+        """Reduce our part chunk by chunk as the contributions land, each chunk queued (`s.out`) for
+        the gather streams at once; its digest and sum of squares (the members' check of our part)
+        summed as it goes, so nothing proportional to the part follows the last chunk. False when a
+        contributor failed or a chunk did not reduce to finite values."""
+        lo, hi = s.bounds[s.me]
+        digest, squares = aggregate.part_digest(candidates), 0.0
+        for c, (a, b) in enumerate(wire.chunk_ranges(hi - lo, s.chunk)):
+
+            def missing(c=c) -> list[int]:
+                return [j for j in candidates if len(s.contribs[j][1]) <= c and j not in s.failed]
+
+            await self._wait(s, lambda: [j for j in missing() if j not in s.gone], s.d_scatter)
+            s.failed.update({j: "timeout" for j in missing()})
+            out = None if any(j in s.failed for j in candidates) else self._reduce_chunk(
+                s, [(weights[j], s.contribs[j][1][c]) for j in candidates], b - a
+            )
+            if out is None or s.result is None:
+                return False
+            s.out.append(out[0])
+            s.result[lo + a : lo + b] = out[1]
+            digest.update(out[0])
+            squares += aggregate.sumsq(out[1])
+            await s.notify()
+        s.part_digests[s.me], s.part_sumsq[s.me] = digest.hexdigest()[: aggregate.DIGEST_HEX], squares
+        return True
 
     async def _next_level(self, s: Session, values: torch.Tensor, weights: list[float]):
         """(compression, encoded chunks, decoded values) of what `s.part_hook` makes of our reduced
@@ -734,11 +743,12 @@ class AllreduceService:
             writer.write(NO_GO)
             return False
         writer.write(GO)
-        digest = aggregate.part_digest(h["contributors"])
+        digest, squares = aggregate.part_digest(h["contributors"]), [0.0]
         if not h["empty"]:
 
             def store(a: int, b: int, values: torch.Tensor, data: bytes) -> None:
                 digest.update(data)
+                squares[0] += aggregate.sumsq(values)  # the reducer check's norm, chunk by chunk as the reducer sums it
                 if not s.mask_fixed and s.result is not None:  # no await between this check and the write
                     s.result[lo + a : lo + b] = values
 
@@ -750,7 +760,7 @@ class AllreduceService:
             if reason is not None or s.mask_fixed or s.finished:
                 return False
         s.gathered[j] = h
-        s.part_digests[j] = digest.hexdigest()[: aggregate.DIGEST_HEX]
+        s.part_digests[j], s.part_sumsq[j] = digest.hexdigest()[: aggregate.DIGEST_HEX], squares[0]
         return True
 
     async def _recv_mask(self, s: Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:

@@ -108,6 +108,7 @@ class Session:
         self.part_norms: dict[int, float] = {}  # our contribution's norm per part, summed as it was sent
         self.own_norms: list[float | None] = []  # the norms our mask states, per part
         self.part_digests: dict[int, str] = {}  # part -> sha256 of its gathered bytes (ours included)
+        self.part_sumsq: dict[int, float] = {}  # part -> Σx² of its gathered values, summed as they landed
         self.mask_lists: dict[int, tuple[list, list]] = {}  # member -> its mask's (part_digests, norms)
         self.relayed: dict[int, dict[int, list]] = {}  # public member -> private member -> norms it relayed
         self.started.set()
@@ -205,7 +206,9 @@ def _check_reducers(s: Session, committed: list[int], masks: dict[int, list[int]
     lists = {j: s.mask_lists[j] for j in masks if j in s.mask_lists}
     if s.part_hook is not None:  # a hierarchy's row: a part is the column's average, not bounded by our row's norms
         lists = {j: (d, [None] * s.k) for j, (d, _) in lists.items()}
-    norms = {p: math.sqrt(aggregate.sumsq(s.result[s.bounds[p][0] : s.bounds[p][1]])) for p in committed}
+    norms = {p: math.sqrt(s.part_sumsq[p] if p in s.part_sumsq
+                          else aggregate.part_sumsq(s.result[s.bounds[p][0] : s.bounds[p][1]], s.chunk))
+             for p in committed}  # summed as each part landed; an empty (private member's) part here
     stated = {j: n for j, (_, n) in lists.items()}
     for j in sorted(s.relayed, reverse=True):  # private members we did not hear: the lowest public relay
         if j in masks and s.part_hook is None:

@@ -109,6 +109,19 @@ def test_sumsq_of_a_whole_part_is_the_plain_fp64_sum_of_squares():
     assert math.isnan(aggregate.sumsq(x)) and math.isnan(aggregate.sumsq(x, exact=False))
 
 
+@pytest.mark.parametrize("chunk", [1000, wire.SUMSQ_SLICE, 3 * wire.SUMSQ_SLICE // 2])
+def test_a_parts_sum_of_squares_is_the_same_summed_as_chunks_land_or_whole(chunk):
+    """The reducer check's Σx² of a part: a member that received it in streamed chunks (summing each
+    chunk as it landed) and one that holds it whole get the same float, and it is the part's."""
+    x = torch.randn(2 * wire.SUMSQ_SLICE + 4321, generator=torch.Generator().manual_seed(9)) * 3
+    landed = 0.0
+    for a, b in wire.chunk_ranges(x.numel(), chunk):
+        landed += aggregate.sumsq(x[a:b].clone())  # a chunk as decoded from its own frame
+    assert aggregate.part_sumsq(x, chunk) == landed
+    assert math.isclose(landed, math.fsum(v * v for v in x.double().tolist()), rel_tol=1e-12)
+    assert aggregate.part_sumsq(torch.zeros(0), chunk) == 0.0
+
+
 @pytest.mark.parametrize("scale", [1e20, 1e-22, 3e38])
 def test_the_fast_sumsq_is_exact_where_float32_squares_overflow_or_underflow(scale):
     """1e20² overflows float32 and 1e-22² underflows it: those slices take the fp64 sum, so a claim
