@@ -76,11 +76,11 @@ the gather, 2(k-1)/k · n · bytes/element, the all-reduce lower bound, plus ~20
 4-byte scale per 1024 elements. Time: the first byte leaves at once (only one finiteness sum of
 the vector precedes it), the gather is pipelined behind the scatter so the link does not idle
 between the phases, and nothing proportional to the vector runs between the last chunk and the
-return but sliced norms. On tbf-shaped links, paced (`sync.link_mbit`), 3.5M values, k = 2-4:
+return (each part's digest and sum of squares are summed as its chunks land). On tbf-shaped links, paced (`sync.link_mbit`), 3.5M values, k = 2-4:
 1.06-1.12x the wire time at 20 and 100 Mbit/s, fp16 1.06-1.12x and int8 1.11-1.20x at 200; 20M
 values 1.07-1.12x at 100 and 200 (`benchmarks/allreduce_wan.py`; int8 at k = 4 and 200 Mbit/s is
-CPU-bound on a 2-core host running all four members). Unpaced it
-is 1.15-1.66x, mostly TCP's with both directions of every link loaded: plain TCP moving the same
+CPU-bound on a 2-core host running all four members); in training nodes (`benchmarks/wan.py`,
+3.5M parameters) 1.05-1.15x in 17 of 18 cells at 20-200 Mbit/s. Unpaced it is 1.15-1.66x, mostly TCP's with both directions of every link loaded: plain TCP moving the same
 bytes between the same hosts at once takes 1.0-1.5x. Stream setup is one libp2p stream per
 message over the connection p2pd keeps open between the peers (no TCP or TLS handshake per round).
 
