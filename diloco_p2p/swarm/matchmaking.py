@@ -51,9 +51,10 @@ Protocol
    marker (same subkey, later expiration, hivemind's newest-wins rule), so later arrivals stop
    contacting it. A caller about to all-reduce with its group may hold that write back until the
    all-reduce is over (``hold_withdrawal``, then `release`): every member's DHT store, and the
-   DHT peers answering it, would otherwise share the all-reduce's first milliseconds (on 2
-   cores running 4 nodes, 200 Mbit/s links, int8: 1.46-1.52x the wire time against 1.35). A late
-   arrival that contacts a held leader meanwhile is answered ``closed``, as it would be anyway.
+   DHT peers answering it, would otherwise share the all-reduce's first milliseconds (4 nodes on
+   2 cores, 200 Mbit/s links, int8: 1.49-1.57x the wire time against 1.29-1.40 held,
+   `benchmarks/results/wan_line_rate.txt`). A late arrival that contacts a held member meanwhile
+   is answered ``closed`` with the group's close reason, as it would be anyway.
 
 This module is long (about 540 lines, a fifth of it this description) because the leader's and
 the follower's sides of one protocol read best side by side; the pure rules live in `grouping`.
