@@ -3,7 +3,7 @@ over a small grid of outer settings, at equal tokens.
 
 Every run is one `benchmarks/compression.py` run (`diloco-p2p simulate`, M replicas in one
 process, the swarm's arithmetic) on `configs/tiny-cpu.yaml` with the same rounds x H and
-held-out eval set. A setting is WIRE:DECAY:OUTER_LR:MOMENTUM: ``fp32:-:0.7:0.3`` is the dense
+held-out eval set. A setting is WIRE:DECAY:OUTER_LR:MOMENTUM[:CARRY]: ``fp32:-:0.7:0.3`` is the dense
 reference, ``topk2:0.95:1.0:0`` topk2 + error feedback with β = 0.95, outer lr 1.0 and no outer
 momentum (SparseLoCo, Sarfi et al. 2025: the decaying buffer stands in for outer momentum).
 Each topk2 run is compared with the fp32 run of the same outer setting (when in the grid) and
@@ -33,9 +33,10 @@ DEFAULT = ["fp32:-:0.7:0.3", "fp32:-:0.7:0", "fp32:-:1.0:0", "fp32:-:1.0:0.3",
 
 
 def overrides(setting: str) -> list[str]:
-    wire, decay, lr, mom = setting.split(":")
+    wire, decay, lr, mom, *carry = setting.split(":")
     sets = [f"sync.compression={wire}", f"outer.lr={lr}", f"outer.momentum={mom}"]
-    return sets + (["sync.error_feedback=true", f"sync.feedback_decay={decay}"] if wire == "topk2" else [])
+    feedback = ["sync.error_feedback=true", f"sync.feedback_decay={decay}", *(f"sync.feedback_carry={c}" for c in carry)]
+    return sets + (feedback if wire == "topk2" else [])
 
 
 def main() -> None:
@@ -46,7 +47,7 @@ def main() -> None:
     p.add_argument("--density", type=float, default=0.015)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0, help="the runs' seed (initial parameters and data order)")
-    p.add_argument("--settings", nargs="+", default=DEFAULT, help="WIRE:DECAY:OUTER_LR:MOMENTUM, run in this order")
+    p.add_argument("--settings", nargs="+", default=DEFAULT, help="WIRE:DECAY:OUTER_LR:MOMENTUM[:CARRY] (CARRY: sync.feedback_carry), run in this order")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --json, run the missing ones")
     p.add_argument("--report", action="store_true", help="only print the table from --json")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/compression_topk_decay.json"))
@@ -87,7 +88,7 @@ def report(results: dict, replicas: int, density: float) -> str:
     for name in order:
         r = results[name]
         setting, schedule = name.split("@")
-        wire, _, lr, mom = setting.split(":")
+        wire, _, lr, mom, *_ = setting.split(":")
         fp32 = {k: v for k, v in results.items() if k.startswith("fp32:") and k.endswith("@" + schedule)}
         same = fp32.get(f"fp32:-:{lr}:{mom}@{schedule}")
         top = min(fp32.values(), key=lambda v: v["final"]) if fp32 else None

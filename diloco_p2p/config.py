@@ -219,6 +219,12 @@ class SyncConfig(_Section):
         "buffer, meant with outer.momentum 0); 1 = everything unsent is owed in full. Only what a node offers "
         "changes, so nodes of a run may differ."
     )
+    feedback_carry: float = Field(
+        0.0, ge=0, le=1, description="γ: each round's inner steps start from θ − γ·β·e instead of θ, so the "
+        "node's model keeps that share of the progress it has not sent yet and does not learn it again "
+        "(the offer is then θ − θ_local + (1−γ)·β·e). 0 = every round from θ. With error feedback on, sync.overlap "
+        "none and sync.fragments 1. Only what a node offers changes, so nodes of a run may differ."
+    )
     min_group_size: int = Field(2, ge=1, description="Fewest peers that make a group; fewer = the round ends alone.")
     target_group_size: int = Field(
         16, ge=1,
@@ -401,6 +407,9 @@ class Config(_Section):
         if self.sync.fragments > 1 and self.sync.overlap not in ("none", "inner"):
             raise ValueError(f"sync.fragments={self.sync.fragments} runs with sync.overlap none or inner, not "
                              f"{self.sync.overlap}")
+        if self.sync.feedback_carry > 0 and (self.sync.overlap != "none" or self.sync.fragments > 1):
+            raise ValueError("sync.feedback_carry > 0 runs with sync.overlap=none and sync.fragments=1 (their rounds "
+                             "start from weights of their own); set sync.feedback_carry=0")
         if self.sync.fragments > 1 and self.outer.delayed_nesterov:
             raise ValueError("sync.fragments > 1 needs outer.delayed_nesterov unset (each part takes its own step)")
         return self

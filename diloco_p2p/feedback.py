@@ -18,7 +18,16 @@ momentum (outer momentum 0, outer lr about 1): the buffer then holds, decayed, t
 a node has not sent yet, as a momentum buffer holds, decayed, the ones already applied.
 β = 1 is the plain rule above, bit for bit.
 
-Bit-identical θ is untouched: e only changes what this node *offers*; θ moves by the agreed
+With ``sync.feedback_carry`` γ > 0 a round's inner steps start from θ − γ·β·e instead of θ: the
+node's model keeps (a share γ of) the progress it has not sent yet. Plain error feedback restarts
+every round from θ, so a coordinate that was not sent is trained again from where it was and its
+Δ is owed once more, round after round (on a coordinate that H steps take to a nearby optimum the
+residual grows by that distance each round, not by the distance once); with γ = 1 the offer is
+θ − θ_local, the model's whole distance from θ, owed once. Δ is taken from the round's start
+(`OuterState.pseudo_gradient`'s offset), so the offer stays Δ + β·e = θ − θ_local + (1−γ)·β·e.
+Only with sync.overlap none and sync.fragments 1, whose rounds start from weights of their own.
+
+Bit-identical θ is untouched: e only changes what this node *offers* (and where it trains from); θ moves by the agreed
 average, which every member computes from the same bytes.
 
 After a round: committed, e as above (even if a reducer dropped a part or our contribution:
@@ -63,7 +72,7 @@ class ErrorFeedback:
 
     def __init__(self, numel: int, cfg: SyncConfig, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS):
         self.compression, self.density, self.chunk = cfg.compression, cfg.topk_density, chunk
-        self.decay = cfg.feedback_decay
+        self.decay, self.carry = cfg.feedback_decay, cfg.feedback_carry
         on = cfg.compression in wire.SPARSE if cfg.error_feedback is None else cfg.error_feedback
         self.error: torch.Tensor | None = torch.zeros(numel) if on and cfg.compression in LOSSY else None
         self._owed: torch.Tensor | None = None  # the e inside the offer not settled yet
@@ -71,6 +80,13 @@ class ErrorFeedback:
     @property
     def enabled(self) -> bool:
         return self.error is not None
+
+    def start_offset(self) -> torch.Tensor | None:
+        """Where this round's inner steps start, relative to θ: −γ·β·e (``sync.feedback_carry`` γ, see
+        above); None at γ = 0 or with feedback off (from θ)."""
+        if self.error is None or self.carry == 0.0:
+            return None
+        return self.error * (-self.carry * self.decay)
 
     def offer(self, delta: torch.Tensor, part: tuple[int, int] | None = None) -> torch.Tensor:
         """Δ + β·e: what this node hands to the all-reduce. e moves into the offer until `settle`

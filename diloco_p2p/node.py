@@ -164,7 +164,8 @@ class Node:
                 continue
             start, steps, round_tokens = time.perf_counter(), [], 0
             compute_start = time.time()
-            offset = self.pipeline.local_offset() if self.pipeline else None
+            # where the inner steps start, relative to θ: an eager node's correction, or our unsent residual's share
+            offset = self.pipeline.local_offset() if self.pipeline else self.feedback.start_offset()
             if not self._carry:  # every round starts from θ (+ eager c); under overlap=inner, where the last ended
                 with self._outer_timer():
                     self.outer.copy_into(self.layout.local_views(), offset)

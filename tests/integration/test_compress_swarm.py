@@ -1,6 +1,6 @@
 """Two real nodes and a seed on loopback with ``sync.compression: topk2`` (sparse all-gather,
-error feedback on by default) and the outer setting the README recommends for it (decaying
-feedback, outer lr 2, no outer momentum): the same θ every round, and the θ `simulate` reaches
+error feedback on by default) and the setting the README recommends for it (decaying feedback
+whose residual the nodes' models half keep, outer lr 2, no outer momentum): the same θ every round, and the θ `simulate` reaches
 with the nodes' peer ids (so its quality sweeps are this swarm's), the applied average is the
 mean of the offered Δ + β·e as every member decodes them, the bytes are >= 50x below the fp16
 butterfly, and the error-feedback buffer in the last checkpoint is what the last round did not
@@ -28,7 +28,7 @@ ROUNDS = 3
 DENSITY = 0.01
 OVERRIDES = [f"train.max_rounds={ROUNDS}", "sync.target_group_size=2", "sync.matchmaking_timeout=20",
              "sync.compression=topk2", f"sync.topk_density={DENSITY}", f"train.checkpoint_every={ROUNDS}",
-             "sync.feedback_decay=0.9", "outer.lr=2.0", "outer.momentum=0"]
+             "sync.feedback_decay=0.9", "sync.feedback_carry=0.5", "outer.lr=2.0", "outer.momentum=0"]
 
 
 def _saved(node, round_: int) -> tuple[torch.Tensor, torch.Tensor, float]:

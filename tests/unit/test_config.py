@@ -116,9 +116,15 @@ def test_compression_options_are_checked_and_topk_density_joins_the_swarm_view_u
     assert decayed.sync.feedback_decay == 0.95
     # only what a node offers changes (`feedback`): members may differ, the swarm hash does not
     assert decayed.swarm_hash() == load_config(None, ["sync.compression=topk2"]).swarm_hash()
+    carried = load_config(None, ["sync.compression=topk2", "sync.feedback_carry=0.5"])
+    assert carried.sync.feedback_carry == 0.5 and load_config(None, []).sync.feedback_carry == 0.0
+    assert carried.swarm_hash() == decayed.swarm_hash()  # where a node trains from is its own affair
     for bad in ("sync.topk_density=0", "sync.topk_density=1.5", "sync.compression=int2", "sync.feedback_decay=1.5",
-                "sync.feedback_decay=-0.1"):
+                "sync.feedback_decay=-0.1", "sync.feedback_carry=1.5", "sync.feedback_carry=-0.1"):
         with pytest.raises(UserError):
             load_config(None, [bad])
+    for rounds_of_their_own in ("sync.overlap=eager", "sync.fragments=2"):  # they start from weights of their own
+        with pytest.raises(UserError, match="feedback_carry"):
+            load_config(None, ["sync.compression=topk2", "sync.feedback_carry=0.5", rounds_of_their_own])
     with pytest.raises(UserError, match="aggregation=mean"):
         load_config(None, ["sync.compression=topk2", "sync.aggregation=trimmed_mean"])

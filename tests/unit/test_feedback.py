@@ -162,3 +162,48 @@ def test_adopting_the_swarms_state_resets_the_error(tmp_path):
     assert e1.abs().max() > 0
     assert [r.status for _, r in sync.after] == ["committed", "resynced", "alone"]
     assert torch.equal(sync.deltas[6], torch.full_like(e1, 0.25))  # after the resync: Δ alone, nothing owed
+
+
+def test_carry_starts_the_round_from_theta_less_its_share_of_the_residual_and_offers_once(tmp_path):
+    """sync.feedback_carry γ = 1: round 2's inner steps start from θ − β·e (the offset handed to the copy
+    and to Δ), and the offer Δ + β·e is the model's whole distance from θ, θ − θ_local."""
+    sync = ScriptedSync({r: (lambda d: RoundOutcome(status="committed", average=d / 2, group_size=2))
+                         for r in (1, 2)})
+    config = load_config(None, [*SMALL, "train.max_rounds=2", "sync.compression=topk2", "sync.topk_density=0.05",
+                                "sync.feedback_decay=0.9", "sync.feedback_carry=1"])
+    node = Node(config, tmp_path / "run", sync, progress=False)
+    starts, ends = [], []
+    copy_into, pseudo_gradient = node.outer.copy_into, node.outer.pseudo_gradient
+
+    def copy(params, offset=None, part=None):
+        starts.append(None if offset is None else offset.clone())
+        return copy_into(params, offset, part)
+
+    def delta(views, offset=None, part=None):
+        ends.append((node.outer.theta.clone(), node.outer.gather(views), offset))
+        return pseudo_gradient(views, offset, part)
+
+    node.outer.copy_into, node.outer.pseudo_gradient = copy, delta
+    node.run()
+    e1 = sync.deltas[1] - sent_values(sync.deltas[1], "topk2", 2, density=0.05)
+    assert e1.abs().max() > 0
+    round_starts = [s for s in starts if s is not None]  # the others: θ itself (the records' eval)
+    assert len(round_starts) == 2 and not round_starts[0].any()  # round 1 from θ: nothing owed yet
+    assert torch.equal(round_starts[1], e1 * -0.9)  # round 2 from θ − β·e
+    theta, local, offset = ends[1]
+    assert offset is not None and torch.equal(offset, round_starts[1])
+    assert torch.allclose(sync.deltas[2], theta - local, atol=1e-6)  # offered once: θ − θ_local
+
+
+def test_carry_zero_is_the_plain_rule_and_replicas_that_carry_agree_on_theta(tmp_path):
+    common = [*SMALL, "train.max_rounds=3", "sync.compression=topk2", "sync.topk_density=0.05",
+              "sync.feedback_decay=0.9", "outer.momentum=0", "outer.lr=2.0"]
+    plain = simulate(load_config(None, common), tmp_path / "plain", ["a", "b"])
+    zero = simulate(load_config(None, [*common, "sync.feedback_carry=0"]), tmp_path / "zero", ["a", "b"])
+    carry = simulate(load_config(None, [*common, "sync.feedback_carry=1"]), tmp_path / "carry", ["a", "b"])
+    hashes = {name: [[r.params_sha256 for r in run[k]] for k in ("a", "b")]
+              for name, run in (("plain", plain), ("zero", zero), ("carry", carry))}
+    assert hashes["zero"] == hashes["plain"]
+    assert hashes["carry"][0] == hashes["carry"][1] and len(set(hashes["carry"][0])) == 4
+    assert hashes["carry"][0][:2] == hashes["plain"][0][:2]  # round 1: nothing owed yet, the same start
+    assert hashes["carry"][0][2] != hashes["plain"][0][2]  # round 2 started from θ − β·e
