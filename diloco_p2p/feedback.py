@@ -33,7 +33,8 @@ average, which every member computes from the same bytes.
 After a round: committed, e as above (even if a reducer dropped a part or our contribution:
 a simplification, the error of a dropped contribution is then lost, as without feedback);
 alone or failed with our own Δ + e applied whole (``alone_policy: apply``), e = 0; with nothing
-applied, e keeps its value (undecayed: for e that round did not happen). Under ``sync.overlap``
+applied, e keeps its value (undecayed: for e that round did not happen), and so with a stop
+while the round averages (the round is dropped, the checkpoint holds e: `withdraw`). Under ``sync.overlap``
 the offer of round t is settled when its average arrives, before round t+1's offer: e lives in
 the offer in between, so it is never offered twice. In a grid all-reduce (`swarm.hierarchy`) a member's parts are those of its row,
 not of the whole membership, so for int8/int4 the residual is computed with slightly different
@@ -105,13 +106,22 @@ class ErrorFeedback:
         """Update e once the round in which we offered `offered` (= Δ + e, of `part`) has its outcome."""
         if self.error is None:
             return
-        owed, self._owed = self._owed, None
-        lo, hi = part or (0, self.error.numel())
+        if outcome.status != "committed" and outcome.average is None:  # nothing applied: we still owe the old e
+            self.withdraw(part)
+            return
+        self._owed = None  # applied: by the group (e is what it did not receive) or whole, alone (e = 0)
         if outcome.status == "committed":
+            lo, hi = part or (0, self.error.numel())
             sent = sent_values(offered, self.compression, outcome.group_size, density=self.density, chunk=self.chunk)
             # a non-finite Δ was refused by every member: owe nothing of it
             self.error[lo:hi] += (offered - sent).nan_to_num_(0.0, 0.0, 0.0)
-        elif outcome.average is None and owed is not None:  # nothing applied: we still owe the old e
+
+    def withdraw(self, part: tuple[int, int] | None = None) -> None:
+        """The last offer will never be settled (a stop dropped its round): the e inside it is owed
+        again, undecayed, and goes into the checkpoint."""
+        owed, self._owed = self._owed, None
+        if self.error is not None and owed is not None:
+            lo, hi = part or (0, self.error.numel())
             self.error[lo:hi] += owed
 
     def reset(self) -> None:

@@ -254,6 +254,7 @@ class Node:
             delta = self.feedback.offer(delta, part)  # + what earlier rounds' lossy wire did not send (`feedback`)
             outcome = self.sync.average(round, delta, weight, self._shard_sha256())
             if self._stopping():
+                self.feedback.withdraw(part)  # the round is dropped: its e is owed again (and checkpointed)
                 if saved is not None:  # back to the round before: its average in flight, not applied
                     self._restore(saved, flight.round)  # type: ignore[union-attr]
                     pipe.inflight = flight  # type: ignore[union-attr]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diloco_p2p.config import SyncConfig, load_config
-from diloco_p2p.contract import RoundOutcome, SwarmState
+from diloco_p2p.contract import RoundOutcome, StopRequested, SwarmState
 from diloco_p2p.feedback import ErrorFeedback, sent_values
 from diloco_p2p.node import Node
 from diloco_p2p.simulate import simulate
@@ -207,3 +207,38 @@ def test_carry_zero_is_the_plain_rule_and_replicas_that_carry_agree_on_theta(tmp
     assert hashes["carry"][0] == hashes["carry"][1] and len(set(hashes["carry"][0])) == 4
     assert hashes["carry"][0][:2] == hashes["plain"][0][:2]  # round 1: nothing owed yet, the same start
     assert hashes["carry"][0][2] != hashes["plain"][0][2]  # round 2 started from θ − β·e
+
+
+def test_a_stopped_node_keeps_its_residual_and_resumes_round_two_from_the_same_start(tmp_path):
+    """A node stopped while round 2 averages drops the round and checkpoints round 1, with the e it
+    had offered (owed again, not lost with the dropped offer); resumed, it starts round 2 from the
+    same θ − γ·β·e as the round it dropped."""
+    stop, starts = StopRequested(), []
+
+    def average(d):
+        stop.requested = len(sync.deltas) == 2
+        return RoundOutcome(status="committed", average=d / 2, group_size=2)
+
+    def watched(node):
+        copy_into = node.outer.copy_into
+
+        def copy(params, offset=None, part=None):
+            if offset is not None:
+                starts.append((node.outer.theta.clone(), offset.clone()))
+            copy_into(params, offset, part)
+        node.outer.copy_into = copy
+        return node
+
+    sync = ScriptedSync({r: average for r in (1, 2)})
+    config = load_config(None, [*SMALL, "train.max_rounds=2", "sync.compression=topk2", "sync.topk_density=0.05",
+                                "train.checkpoint_every=1", "sync.feedback_decay=0.9", "sync.feedback_carry=0.5"])
+    stopped = watched(Node(config, tmp_path / "run", sync, stop=stop, progress=False))
+    stopped.run()
+    e1 = sync.deltas[1] - sent_values(sync.deltas[1], "topk2", 2, density=0.05)
+    assert stopped.round == 1 and e1.abs().max() > 0 and torch.equal(stopped.feedback.error, e1)
+    resumed = watched(Node(config, tmp_path / "run", sync, progress=False))
+    assert torch.equal(resumed.feedback.error, e1)
+    resumed.run()
+    (_, first), (theta, dropped), (theta_again, again) = starts
+    assert not first.any() and torch.equal(dropped, e1 * -0.45)
+    assert torch.equal(theta, theta_again) and torch.equal(dropped, again)
