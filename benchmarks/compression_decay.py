@@ -5,7 +5,8 @@ Every run is one `benchmarks/compression.py` run (`diloco-p2p simulate`, M repli
 process, the swarm's arithmetic) on `configs/tiny-cpu.yaml` with the same rounds x H and
 held-out eval set. A setting is WIRE:DECAY:OUTER_LR:MOMENTUM[:CARRY]: ``fp32:-:0.7:0.3`` is the dense
 reference, ``topk2:0.95:1.0:0`` topk2 + error feedback with β = 0.95, outer lr 1.0 and no outer
-momentum (SparseLoCo, Sarfi et al. 2025: the decaying buffer stands in for outer momentum).
+momentum (SparseLoCo, Sarfi et al. 2025: the decaying buffer stands in for outer momentum);
+``topk2:0.9:2.0:0:0.5`` adds ``sync.feedback_carry`` γ = 0.5 (each round starts from θ − γ·β·e).
 Each topk2 run is compared with the fp32 run of the same outer setting (when in the grid) and
 with the best fp32 run of the grid. Runs are kept in --json and skipped when present (--resume),
 so a grid can be grown run by run; --report only prints the table from --json.

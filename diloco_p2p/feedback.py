@@ -27,15 +27,15 @@ residual grows by that distance each round, not by the distance once); with γ =
 (`OuterState.pseudo_gradient`'s offset), so the offer stays Δ + β·e = θ − θ_local + (1−γ)·β·e.
 Only with sync.overlap none and sync.fragments 1, whose rounds start from weights of their own.
 
-Bit-identical θ is untouched: e only changes what this node *offers* (and where it trains from); θ moves by the agreed
-average, which every member computes from the same bytes.
+Bit-identical θ is untouched: e only changes what this node *offers* (and where it trains
+from); θ moves by the agreed average, which every member computes from the same bytes.
 
 After a round: committed, e as above (even if a reducer dropped a part or our contribution:
 a simplification, the error of a dropped contribution is then lost, as without feedback);
 alone or failed with our own Δ + e applied whole (``alone_policy: apply``), e = 0; with nothing
 applied, e keeps its value (undecayed: for e that round did not happen), and so with a stop
-while the round averages (the round is dropped, the checkpoint holds e: `withdraw`). Under ``sync.overlap``
-the offer of round t is settled when its average arrives, before round t+1's offer: e lives in
+while the round averages (the round is dropped, the checkpoint holds e: `withdraw`). Under
+``sync.overlap`` the offer of round t is settled when its average arrives, before round t+1's offer: e lives in
 the offer in between, so it is never offered twice. In a grid all-reduce (`swarm.hierarchy`) a member's parts are those of its row,
 not of the whole membership, so for int8/int4 the residual is computed with slightly different
 block boundaries than were sent (topk2 always runs as one all-gather: exact). e is per process: on N local ranks each rank keeps its shard's e,
