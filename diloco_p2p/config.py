@@ -313,12 +313,21 @@ class SyncConfig(_Section):
         "the same.",
     )
 
+    @property
+    def feedback_on(self) -> bool:
+        """Whether error feedback runs (`diloco_p2p.feedback`): a lossy wire, and unset = topk2 only."""
+        on = self.compression == "topk2" if self.error_feedback is None else self.error_feedback
+        return on and self.compression in ("int8", "int4", "topk2")
+
     @model_validator(mode="after")
     def _group_bounds(self) -> SyncConfig:
         if self.target_group_size < self.min_group_size:
             raise ValueError("sync.target_group_size must be >= sync.min_group_size")
         if self.compression == "topk2" and self.aggregation != "mean":  # every member reduces by itself (`allgather`)
             raise ValueError("sync.compression topk2 averages by all-gather with the mean only; set sync.aggregation=mean")
+        if self.feedback_carry > 0 and not self.feedback_on:
+            raise ValueError("sync.feedback_carry carries the error feedback's residual: it needs sync.compression "
+                             "topk2 (or int8/int4 with sync.error_feedback=true); set sync.feedback_carry=0")
         return self
 
 

@@ -54,8 +54,6 @@ from diloco_p2p.config import SyncConfig
 from diloco_p2p.contract import RoundOutcome
 from diloco_p2p.swarm import codecs, wire
 
-LOSSY = ("int8", "int4", "topk2")
-
 
 def sent_values(x: torch.Tensor, compression: str, group_size: int, *, density: float = 0.01,
                 chunk: int = wire.DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
@@ -74,8 +72,7 @@ class ErrorFeedback:
     def __init__(self, numel: int, cfg: SyncConfig, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS):
         self.compression, self.density, self.chunk = cfg.compression, cfg.topk_density, chunk
         self.decay, self.carry = cfg.feedback_decay, cfg.feedback_carry
-        on = cfg.compression in wire.SPARSE if cfg.error_feedback is None else cfg.error_feedback
-        self.error: torch.Tensor | None = torch.zeros(numel) if on and cfg.compression in LOSSY else None
+        self.error: torch.Tensor | None = torch.zeros(numel) if cfg.feedback_on else None
         self._owed: torch.Tensor | None = None  # the e inside the offer not settled yet
 
     @property

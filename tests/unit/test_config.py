@@ -123,6 +123,11 @@ def test_compression_options_are_checked_and_topk_density_joins_the_swarm_view_u
                 "sync.feedback_decay=-0.1", "sync.feedback_carry=1.5", "sync.feedback_carry=-0.1"):
         with pytest.raises(UserError):
             load_config(None, [bad])
+    for nothing_to_carry in (["sync.compression=fp16"], ["sync.compression=topk2", "sync.error_feedback=false"],
+                             ["sync.compression=int4"]):
+        with pytest.raises(UserError, match="feedback_carry"):
+            load_config(None, [*nothing_to_carry, "sync.feedback_carry=0.5"])
+    assert load_config(None, ["sync.compression=int4", "sync.error_feedback=true", "sync.feedback_carry=1"])
     for rounds_of_their_own in ("sync.overlap=eager", "sync.fragments=2"):  # they start from weights of their own
         with pytest.raises(UserError, match="feedback_carry"):
             load_config(None, ["sync.compression=topk2", "sync.feedback_carry=0.5", rounds_of_their_own])
