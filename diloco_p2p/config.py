@@ -219,11 +219,12 @@ class SyncConfig(_Section):
         "buffer, meant with outer.momentum 0); 1 = everything unsent is owed in full. Only what a node offers "
         "changes, so nodes of a run may differ."
     )
-    feedback_carry: float = Field(
-        0.0, ge=0, le=1, description="γ: each round's inner steps start from θ − γ·β·e instead of θ, so the "
+    feedback_carry: float | None = Field(
+        None, ge=0, le=1, description="γ: each round's inner steps start from θ − γ·β·e instead of θ, so the "
         "node's model keeps that share of the progress it has not sent yet and does not learn it again "
-        "(the offer is then θ − θ_local + (1−γ)·β·e). 0 = every round from θ. With error feedback on, sync.overlap "
-        "none and sync.fragments 1. Only what a node offers changes, so nodes of a run may differ."
+        "(the offer is then θ − θ_local + (1−γ)·β·e); 0 = every round from θ. Needs error feedback, sync.overlap "
+        "none and sync.fragments 1; unset = 0.5 where those hold under topk2, else 0. Only what a node offers "
+        "changes, so nodes of a run may differ."
     )
     min_group_size: int = Field(2, ge=1, description="Fewest peers that make a group; fewer = the round ends alone.")
     target_group_size: int = Field(
@@ -325,10 +326,25 @@ class SyncConfig(_Section):
             raise ValueError("sync.target_group_size must be >= sync.min_group_size")
         if self.compression == "topk2" and self.aggregation != "mean":  # every member reduces by itself (`allgather`)
             raise ValueError("sync.compression topk2 averages by all-gather with the mean only; set sync.aggregation=mean")
-        if self.feedback_carry > 0 and not self.feedback_on:
+        if self.feedback_carry and not self.feedback_on:
             raise ValueError("sync.feedback_carry carries the error feedback's residual: it needs sync.compression "
                              "topk2 (or int8/int4 with sync.error_feedback=true); set sync.feedback_carry=0")
+        if self.feedback_carry and not self._starts_from_theta:
+            raise ValueError("sync.feedback_carry > 0 runs with sync.overlap=none and sync.fragments=1 (their rounds "
+                             "start from weights of their own); set sync.feedback_carry=0")
         return self
+
+    @property
+    def _starts_from_theta(self) -> bool:
+        return self.overlap == "none" and self.fragments == 1
+
+    @property
+    def carry(self) -> float:
+        """γ in force (`sync.feedback_carry`): as set, or unset 0.5 under topk2 with error feedback
+        where rounds start from θ (`benchmarks/results/compression_topk_carry.txt`), else 0."""
+        if self.feedback_carry is not None:
+            return self.feedback_carry
+        return 0.5 if self.compression == "topk2" and self.feedback_on and self._starts_from_theta else 0.0
 
 
 class P2PConfig(_Section):
@@ -416,9 +432,6 @@ class Config(_Section):
         if self.sync.fragments > 1 and self.sync.overlap not in ("none", "inner"):
             raise ValueError(f"sync.fragments={self.sync.fragments} runs with sync.overlap none or inner, not "
                              f"{self.sync.overlap}")
-        if self.sync.feedback_carry > 0 and (self.sync.overlap != "none" or self.sync.fragments > 1):
-            raise ValueError("sync.feedback_carry > 0 runs with sync.overlap=none and sync.fragments=1 (their rounds "
-                             "start from weights of their own); set sync.feedback_carry=0")
         if self.sync.fragments > 1 and self.outer.delayed_nesterov:
             raise ValueError("sync.fragments > 1 needs outer.delayed_nesterov unset (each part takes its own step)")
         return self

@@ -25,7 +25,9 @@ every round from θ, so a coordinate that was not sent is trained again from whe
 residual grows by that distance each round, not by the distance once); with γ = 1 the offer is
 θ − θ_local, the model's whole distance from θ, owed once. Δ is taken from the round's start
 (`OuterState.pseudo_gradient`'s offset), so the offer stays Δ + β·e = θ − θ_local + (1−γ)·β·e.
-Only with sync.overlap none and sync.fragments 1, whose rounds start from weights of their own.
+Only with sync.overlap none and sync.fragments 1, whose rounds start from weights of their own;
+unset, γ is 0.5 there under topk2 (below γ = 0 on every seed of every schedule measured:
+`benchmarks/results/compression_topk_carry.txt`) and 0 otherwise.
 
 Bit-identical θ is untouched: e only changes what this node *offers* (and where it trains
 from); θ moves by the agreed average, which every member computes from the same bytes.
@@ -71,7 +73,7 @@ class ErrorFeedback:
 
     def __init__(self, numel: int, cfg: SyncConfig, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS):
         self.compression, self.density, self.chunk = cfg.compression, cfg.topk_density, chunk
-        self.decay, self.carry = cfg.feedback_decay, cfg.feedback_carry
+        self.decay, self.carry = cfg.feedback_decay, cfg.carry
         self.error: torch.Tensor | None = torch.zeros(numel) if cfg.feedback_on else None
         self._owed: torch.Tensor | None = None  # the e inside the offer not settled yet
 

@@ -116,9 +116,14 @@ def test_compression_options_are_checked_and_topk_density_joins_the_swarm_view_u
     assert decayed.sync.feedback_decay == 0.95
     # only what a node offers changes (`feedback`): members may differ, the swarm hash does not
     assert decayed.swarm_hash() == load_config(None, ["sync.compression=topk2"]).swarm_hash()
-    carried = load_config(None, ["sync.compression=topk2", "sync.feedback_carry=0.5"])
-    assert carried.sync.feedback_carry == 0.5 and load_config(None, []).sync.feedback_carry == 0.0
+    carried = load_config(None, ["sync.compression=topk2", "sync.feedback_carry=0.25"])
+    assert carried.sync.carry == 0.25 and load_config(None, []).sync.carry == 0.0
     assert carried.swarm_hash() == decayed.swarm_hash()  # where a node trains from is its own affair
+    # unset: 0.5 under topk2 where rounds start from θ, else 0 (never a refusal)
+    assert decayed.sync.feedback_carry is None and decayed.sync.carry == 0.5
+    for elsewhere in (["sync.overlap=eager"], ["sync.fragments=2"], ["sync.error_feedback=false"]):
+        assert load_config(None, ["sync.compression=topk2", *elsewhere]).sync.carry == 0.0
+    assert load_config(None, ["sync.compression=int4", "sync.error_feedback=true"]).sync.carry == 0.0
     for bad in ("sync.topk_density=0", "sync.topk_density=1.5", "sync.compression=int2", "sync.feedback_decay=1.5",
                 "sync.feedback_decay=-0.1", "sync.feedback_carry=1.5", "sync.feedback_carry=-0.1"):
         with pytest.raises(UserError):

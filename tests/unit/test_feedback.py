@@ -195,18 +195,17 @@ def test_carry_starts_the_round_from_theta_less_its_share_of_the_residual_and_of
     assert torch.allclose(sync.deltas[2], theta - local, atol=1e-6)  # offered once: θ − θ_local
 
 
-def test_carry_zero_is_the_plain_rule_and_replicas_that_carry_agree_on_theta(tmp_path):
+def test_replicas_that_carry_agree_on_theta_and_unset_carries_half_under_topk2(tmp_path):
     common = [*SMALL, "train.max_rounds=3", "sync.compression=topk2", "sync.topk_density=0.05",
               "sync.feedback_decay=0.9", "outer.momentum=0", "outer.lr=2.0"]
-    plain = simulate(load_config(None, common), tmp_path / "plain", ["a", "b"])
-    zero = simulate(load_config(None, [*common, "sync.feedback_carry=0"]), tmp_path / "zero", ["a", "b"])
-    carry = simulate(load_config(None, [*common, "sync.feedback_carry=1"]), tmp_path / "carry", ["a", "b"])
-    hashes = {name: [[r.params_sha256 for r in run[k]] for k in ("a", "b")]
-              for name, run in (("plain", plain), ("zero", zero), ("carry", carry))}
-    assert hashes["zero"] == hashes["plain"]
-    assert hashes["carry"][0] == hashes["carry"][1] and len(set(hashes["carry"][0])) == 4
-    assert hashes["carry"][0][:2] == hashes["plain"][0][:2]  # round 1: nothing owed yet, the same start
-    assert hashes["carry"][0][2] != hashes["plain"][0][2]  # round 2 started from θ − β·e
+    runs = {name: simulate(load_config(None, [*common, *sets]), tmp_path / name, ["a", "b"])
+            for name, sets in (("unset", []), ("half", ["sync.feedback_carry=0.5"]), ("zero", ["sync.feedback_carry=0"]))}
+    hashes = {name: [[r.params_sha256 for r in run[k]] for k in ("a", "b")] for name, run in runs.items()}
+    assert hashes["unset"] == hashes["half"]
+    for a, b in hashes.values():
+        assert a == b and len(set(a)) == 4  # every replica the same θ, every round
+    assert hashes["half"][0][:2] == hashes["zero"][0][:2]  # round 1: nothing owed yet, the same start
+    assert hashes["half"][0][2] != hashes["zero"][0][2]  # round 2 started from θ − γ·β·e
 
 
 def test_a_stopped_node_keeps_its_residual_and_resumes_round_two_from_the_same_start(tmp_path):
