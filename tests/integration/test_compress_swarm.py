@@ -1,11 +1,10 @@
 """Two real nodes and a seed on loopback with ``sync.compression: topk2`` (sparse all-gather,
 error feedback on by default) and the setting the README recommends for it (decaying feedback
 whose residual the nodes' models half keep, outer lr 2, no outer momentum): the same θ every
-round, and the θ `simulate` reaches
-with the nodes' peer ids (so its quality sweeps are this swarm's), the applied average is the
-mean of the offered Δ + β·e as every member decodes them, the bytes are >= 50x below the fp16
-butterfly, and the error-feedback buffer in the last checkpoint is what the last round did not
-send.
+round, and the θ `simulate` reaches with the nodes' peer ids (so its quality sweeps are this
+swarm's), the applied average is the mean of the offered Δ + β·e as every member decodes them,
+the bytes are >= 50x below the fp16 butterfly, and the error-feedback buffer in the last
+checkpoint is what the last round did not send.
 
 The nodes save each round's offered Δ and the average they applied (keep@average).
 """
