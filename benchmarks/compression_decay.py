@@ -6,7 +6,8 @@ process, the swarm's arithmetic) on `configs/tiny-cpu.yaml` with the same rounds
 held-out eval set. A setting is WIRE:DECAY:OUTER_LR:MOMENTUM[:CARRY]: ``fp32:-:0.7:0.3`` is the dense
 reference, ``topk2:0.95:1.0:0`` topk2 + error feedback with β = 0.95, outer lr 1.0 and no outer
 momentum (SparseLoCo, Sarfi et al. 2025: the decaying buffer stands in for outer momentum);
-``topk2:0.9:2.0:0:0.5`` adds ``sync.feedback_carry`` γ = 0.5 (each round starts from θ − γ·β·e).
+``topk2:0.9:2.0:0:0.5`` adds ``sync.feedback_carry`` γ = 0.5 (each round starts from θ − γ·β·e;
+without the fifth field γ is 0, the plain feedback, as in every run recorded before γ existed).
 Each topk2 run is compared with the fp32 run of the same outer setting (when in the grid) and
 with the best fp32 run of the grid. Runs are kept in --json and skipped when present (--resume),
 so a grid can be grown run by run; --report only prints the table from --json.
@@ -36,7 +37,8 @@ DEFAULT = ["fp32:-:0.7:0.3", "fp32:-:0.7:0", "fp32:-:1.0:0", "fp32:-:1.0:0.3",
 def overrides(setting: str) -> list[str]:
     wire, decay, lr, mom, *carry = setting.split(":")
     sets = [f"sync.compression={wire}", f"outer.lr={lr}", f"outer.momentum={mom}"]
-    feedback = ["sync.error_feedback=true", f"sync.feedback_decay={decay}", *(f"sync.feedback_carry={c}" for c in carry)]
+    # no fifth field: γ 0, the plain feedback every earlier run of a four-field setting had (unset is 0.5 now)
+    feedback = ["sync.error_feedback=true", f"sync.feedback_decay={decay}", f"sync.feedback_carry={(carry or ['0'])[0]}"]
     return sets + (feedback if wire == "topk2" else [])
 
 
