@@ -1,31 +1,31 @@
-"""Quality at equal total tokens: tuned data-parallel AdamW vs DiLoCo with M = 1, 2, 4 replicas.
+"""Quality at equal tokens: tuned data-parallel AdamW against DiLoCo with M replicas, and compute efficiency.
 
-Every run is `diloco-p2p simulate` (the swarm's arithmetic in one process) on the embedded corpus
-with `configs/tiny-cpu.yaml`, the same number of inner steps per replica (`--steps`, a cosine
-schedule over them) and the same held-out eval set:
+Every run is `diloco-p2p simulate` (the swarm's arithmetic in one process) of one config (`--config`:
+configs/tiny-cpu.yaml, configs/small-cpu.yaml, configs/35m.yaml, with `--set` on top) over the same
+horizon, T = `--rounds` x `--h` inner steps per replica, and the same held-out eval set:
 
-- data-parallel AdamW with global batch M x b: one replica with batch M x b whose outer step is the
-  identity (outer.lr=1, outer.momentum=0: θ ← θ_local, fp32 wire), inner lr γ from a small sweep;
-  at M = 1 over `--adamw-lr`, at M > 1 over γ* · √M · `--adamw-scales` (γ* the best at M = 1;
-  default {1/√2, 1}: the square-root batch rule and one √2 step below it, the DiLoCo scaling-laws
-  paper's lr grid);
-- DiLoCo with M replicas of batch b (same total tokens), one run per `--diloco` setting
-  M:outer_lr:momentum:H[:inner_lr] (inner lr default `--inner-lr`, else γ*);
-- a lone node given 1/M of the tokens: the best AdamW run at batch b (M = 1) has, after the same
-  steps, exactly 1/M of the tokens of an M-replica run, so it is read from that run, not rerun.
+- data-parallel AdamW with global batch M x b: one replica of batch M x b whose outer step is the
+  identity (outer.lr=1, outer.momentum=0, fp32 wire), its lr swept over `--dp-lr` (at M = 1) and
+  γ* · √M · {1/√2, 1} at M > 1 (γ* the best at M = 1: the square-root batch rule and one √2 step
+  below it, the DiLoCo scaling-laws paper's lr grid);
+- DiLoCo, one run per `--run` setting, written M[:key=value...] with keys `lr` (outer.lr), `mom`
+  (outer.momentum), `nest` (outer.nesterov 0/1), `H` (outer.inner_steps), `sched` (outer.h_schedule),
+  `h0` (outer.h_start), `warm` (outer.warmup_rounds), `lr0` (outer.lr_start), `ilr` (inner.lr),
+  `opt` (inner.optimizer), `recipe` (outer.recipe; its outer.nodes is M); e.g. `4:recipe=auto` or
+  `4:lr=0.7:mom=0.3`. Unnamed fields come from the config.
 
-Runs go one after another on one core (torch threads 1), the cheap and most telling first; each
-result is written to `--json` as it finishes, so an interrupted run keeps what it has and
-`--resume` runs only the missing ones. `--report` prints the table and writes the PNG (eval loss
-against total tokens, best run of each kind) from the json alone.
+For every DiLoCo run the table gives its final eval loss, its gap over the best data-parallel run
+of its M at equal tokens, its *compute efficiency* (the tokens data-parallel needed to reach the
+run's final loss, interpolated on that data-parallel curve in log tokens, divided by the tokens
+the run spent: 100% means every volunteer's token counted), and its number of all-reduces.
 
-`--seed N` repeats runs with another initial θ (`seed`) and other data orders (order keys
-sN-replica-i); their names end in @sN. A seed's AdamW baseline is its best run at that seed. The
-table's DiLoCo row per M is the setting measured at the most seeds, then with the lowest mean gap;
-every setting measured at several seeds is listed with its gap at each.
+Runs go `--jobs` at a time (one torch thread each on a CPU; on a GPU every run shares it), the
+data-parallel runs first; each result is written to `--json` as it finishes, so `--resume` runs
+only the missing ones and `--report` prints the table and writes the PNG (eval loss against tokens
+per replica: the x axis of a run of M replicas is its tokens / M, the compute of one volunteer).
 
-    python benchmarks/quality.py [--steps 1500] [--batch 8] [--diloco 2:0.7:0.3:25[:0.0015] ...]
-                                 [--seed 0] [--set a.b=v ...] [--resume] [--report]
+    python benchmarks/quality.py --config configs/tiny-cpu.yaml --rounds 16 --h 30 \\
+        --run 4:lr=0.7:mom=0.3 4:recipe=auto --seeds 0 1 2 --jobs 2 --json benchmarks/results/quality_tiny.json
 """
 
 from __future__ import annotations
@@ -37,174 +37,201 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-CONFIG = "configs/tiny-cpu.yaml"
-DILOCO = ["1:0.7:0.3:25", "2:0.7:0.3:25", "2:0.7:0.5:25", "4:1.0:0.3:25", "4:0.7:0.3:25"]
+KEYS = {"lr": "outer.lr", "mom": "outer.momentum", "nest": "outer.nesterov", "H": "outer.inner_steps",
+        "sched": "outer.h_schedule", "h0": "outer.h_start", "warm": "outer.warmup_rounds", "lr0": "outer.lr_start",
+        "ilr": "inner.lr", "opt": "inner.optimizer", "recipe": "outer.recipe"}
 
 
-def run(name: str, root: Path, keys: list[str], sets: list[str]) -> dict:
-    out, replicas = root / name, len(keys)
-    cmd = [sys.executable, "-m", "diloco_p2p", "simulate", "--order-keys", *keys, "--config", CONFIG,
-           "--dir", str(out), *[a for s in sets for a in ("--set", s)]]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    lines = (out / keys[0] / "metrics.jsonl").read_text().splitlines()
-    curve = [(r["tokens"] * replicas, r["eval_loss"]) for r in map(json.loads, lines) if r["eval_loss"] is not None]
-    return {"name": name, "curve": curve, "final": curve[-1][1], "seconds": time.perf_counter() - start}
+def simulate(cfg: str, keys: list[str], sets: list[str]) -> dict:
+    """One `simulate` run: its eval curve (tokens of all replicas, loss) and its all-reduces."""
+    with tempfile.TemporaryDirectory(prefix="diloco-quality-") as tmp:
+        cmd = [sys.executable, "-m", "diloco_p2p", "simulate", "--order-keys", *keys, "--config", cfg, "--dir", tmp,
+               *[a for s in sets for a in ("--set", s)]]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        records = [json.loads(line) for line in (Path(tmp) / keys[0] / "metrics.jsonl").read_text().splitlines()]
+    curve = [(r["tokens"] * len(keys), r["eval_loss"]) for r in records if r["eval_loss"] is not None]
+    allreduces = sum(1 for r in records if r.get("status") == "committed")
+    return {"curve": curve, "final": curve[-1][1], "allreduces": allreduces, "seconds": time.perf_counter() - start}
 
 
-def schedule(steps: int, h: int, eval_steps: int) -> list[str]:
-    if steps % h or eval_steps % h:
-        raise SystemExit(f"--steps {steps} and --eval-steps {eval_steps} must be multiples of H={h}")
-    return [f"train.max_rounds={steps // h}", f"outer.inner_steps={h}", f"train.eval_every={eval_steps // h}",
-            f"train.checkpoint_every={steps // h}"]
+def parse_run(spec: str) -> tuple[int, list[str]]:
+    m, *pairs = spec.split(":")
+    sets = []
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in KEYS or not value:
+            raise SystemExit(f"--run {spec}: {pair!r} is not key=value with a key of {sorted(KEYS)}")
+        sets.append(f"{KEYS[key]}={value}")
+        if key == "recipe":
+            sets.append(f"outer.nodes={m}")
+    return int(m), sets
 
 
-def best(results: dict, prefix: str, seed: int = 0) -> dict | None:
-    runs = [r for n, r in results.items() if n.startswith(prefix) and r.get("seed", 0) == seed]
-    return min(runs, key=lambda r: r["final"]) if runs else None
+def interpolate_tokens(curve: list[tuple[float, float]], loss: float) -> float:
+    """The tokens at which a (decreasing) eval curve reaches `loss`, linear in log tokens; past the
+    curve's end the last segment's slope extrapolates (an efficiency above 100%)."""
+    pts = [(math.log(t), v) for t, v in curve if t > 0]
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False):
+        if v1 <= loss <= v0 and v0 != v1:
+            return math.exp(t0 + (t1 - t0) * (v0 - loss) / (v0 - v1))
+    if loss >= pts[0][1]:
+        return math.exp(pts[0][0])
+    (t0, v0), (t1, v1) = pts[-2], pts[-1]
+    return math.exp(t1 + (t1 - t0) * (v1 - loss) / (v0 - v1)) if v0 > v1 else math.exp(t1)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=1500, help="inner steps per replica (every run)")
-    p.add_argument("--eval-steps", type=int, default=150, help="evaluate every this many inner steps")
-    p.add_argument("--batch", type=int, default=8, help="b, one replica's batch")
-    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--adamw-lr", type=float, nargs="+", default=[0.0015, 0.003], help="γ swept at batch b")
-    p.add_argument("--adamw-scales", type=float, nargs="+", default=[1 / math.sqrt(2), 1.0],
-                   help="at M > 1 the AdamW lrs are γ* · √M · each of these")
-    p.add_argument("--adamw-h", type=int, default=50, help="round length of the AdamW runs (no effect on θ)")
-    p.add_argument("--diloco", nargs="*", default=DILOCO, help="M:outer_lr:momentum:H settings, run in this order")
-    p.add_argument("--inner-lr", type=float, help="DiLoCo's inner lr where a setting names none, and the γ* of "
-                   "--adamw-scales (default: the best AdamW lr at batch b)")
-    p.add_argument("--seed", type=int, default=0, help="initial θ and data orders of every run (names end @sN)")
-    p.add_argument("--resume", action="store_true", help="keep the runs already in --json and run the missing ones")
-    p.add_argument("--report", action="store_true", help="only print the table and write the PNG from --json")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="configs/tiny-cpu.yaml")
+    p.add_argument("--rounds", type=int, default=16, help="horizon: rounds of --h inner steps (T = rounds x h)")
+    p.add_argument("--h", type=int, default=30, help="H of the horizon, and of every run that names none")
+    p.add_argument("--batch", type=int, help="b, one replica's batch (default: the config's inner.batch_size)")
+    p.add_argument("--eval-steps", type=int, help="data-parallel runs evaluate every this many steps (default: h)")
+    p.add_argument("--dp-lr", type=float, nargs="+", help="data-parallel lrs at M = 1 (default: the config's inner.lr "
+                   "and 2x it)")
+    p.add_argument("--run", nargs="*", default=[], help="DiLoCo settings M[:key=value...], see the docstring")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--jobs", type=int, default=2, help="runs at once")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
-                   help="extra config override for every run (e.g. inner.seq_len=64)")
-    p.add_argument("--png", type=Path, default=Path("benchmarks/results/quality.png"))
+                   help="config override for every run")
+    p.add_argument("--resume", action="store_true", help="keep the runs in --json, run the missing ones")
+    p.add_argument("--report", action="store_true", help="only print the table and write the PNG from --json")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/quality.json"))
+    p.add_argument("--png", type=Path, help="default: --json with .png")
     args = p.parse_args()
     state = json.loads(args.json.read_text()) if (args.resume or args.report) and args.json.exists() else {}
-    results: dict = state.get("results", {})
     if not args.report:
-        train(args, results)
-    report(json.loads(args.json.read_text()), args.png)
+        state = train(args, state.get("results", {}))
+    report(state, args.png or args.json.with_suffix(".png"))
 
 
-def train(args: argparse.Namespace, results: dict) -> None:
-    common = ["train.num_threads=1", f"seed={args.seed}", *args.overrides]
-    adamw = schedule(args.steps, args.adamw_h, args.eval_steps)
-    tag, prefix = (f"@s{args.seed}", f"s{args.seed}-") if args.seed else ("", "")
+def train(args: argparse.Namespace, results: dict) -> dict:
+    from diloco_p2p.config import load_config
 
-    def step(name: str, replicas: int, sets: list[str], meta: dict) -> None:
-        name += tag
-        if name in results:
-            return
-        keys = [f"{prefix}replica-{i}" for i in range(replicas)]
-        with tempfile.TemporaryDirectory(prefix="diloco-quality-") as tmp:
-            results[name] = {**run(name, Path(tmp), keys, [*common, *sets]), **meta, "seed": args.seed}
+    base = load_config(args.config, args.overrides)
+    batch = args.batch or base.inner.batch_size
+    steps, eval_steps = args.rounds * args.h, args.eval_steps or args.h
+    meta = {"config": args.config, "overrides": args.overrides, "rounds": args.rounds, "h": args.h, "batch": batch}
+    state = {"args": meta, "results": results}
+
+    def save(name: str, result: dict) -> None:
+        results[name] = result
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
-        print(f"{name}: eval {results[name]['final']:.4f} ({results[name]['seconds']:.0f} s)", flush=True)
+        args.json.write_text(json.dumps(state, indent=1))
+        print(f"{name}: eval {result['final']:.4f}, {result['allreduces']} all-reduces ({result['seconds']:.0f} s)",
+              flush=True)
 
-    def adamw_run(m: int, lr: float) -> None:
-        step(f"adamw-M{m}-lr{lr:.3g}", 1, [*adamw, f"inner.batch_size={args.batch * m}", f"inner.lr={lr}",
-                                            "outer.lr=1.0", "outer.momentum=0.0", "sync.compression=fp32"],
-             {"kind": "adamw", "M": m, "lr": lr, "batch": args.batch * m})
+    def run_all(jobs: list[tuple[str, int, int, list[str], dict]]) -> None:
+        todo = [j for j in jobs if j[0] not in results]
 
-    for lr in args.adamw_lr:
-        adamw_run(1, lr)
-    gamma = args.inner_lr or best(results, "adamw-M1-")["lr"]
-    settings = [s.split(":") for s in args.diloco]
-    if any(len(s) not in (4, 5) for s in settings):
-        raise SystemExit(f"--diloco settings are M:outer_lr:momentum:H[:inner_lr], got {args.diloco}")
-    for m in args.replicas:
-        if m > 1:
-            for scale in args.adamw_scales:
-                adamw_run(m, gamma * math.sqrt(m) * scale)
-        for sm, lr, mom, h, *inner in settings:
-            if int(sm) == m:
-                g = float(inner[0]) if inner else gamma
-                step(f"diloco-M{m}-{lr}:{mom}:H{h}:lr{g:.3g}", m,
-                     [*schedule(args.steps, int(h), args.eval_steps), f"inner.batch_size={args.batch}",
-                      f"inner.lr={g}", f"outer.lr={lr}", f"outer.momentum={mom}"],
-                     {"kind": "diloco", "M": m, "outer_lr": float(lr), "momentum": float(mom), "H": int(h),
-                      "inner_lr": g})
+        def one(job: tuple[str, int, int, list[str], dict]) -> None:
+            name, m, seed, sets, info = job
+            keys = [f"s{seed}-replica-{i}" for i in range(m)]
+            common = [f"seed={seed}", f"inner.batch_size={batch}", "train.num_threads=1", *args.overrides]
+            save(name, {**simulate(args.config, keys, [*common, *sets]), **info, "M": m, "seed": seed})
+
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            list(pool.map(one, todo))
+
+    dp_rounds = [f"train.max_rounds={steps // eval_steps}", f"outer.inner_steps={eval_steps}", "train.eval_every=1",
+                 f"train.checkpoint_every={steps // eval_steps}", "outer.lr=1.0", "outer.momentum=0.0",
+                 "sync.compression=fp32", "outer.recipe=manual", "outer.h_schedule=constant", "outer.warmup_rounds=0"]
+
+    def dp_job(m: int, seed: int, lr: float) -> tuple[str, int, int, list[str], dict]:
+        return (f"dp-M{m}-lr{lr:.3g}@s{seed}", 1, seed,
+                [*dp_rounds, f"inner.batch_size={batch * m}", f"inner.lr={lr}"],
+                {"kind": "dp", "dp_M": m, "lr": lr})
+
+    ms = sorted({parse_run(s)[0] for s in args.run} | {1})
+    lrs = args.dp_lr or [base.inner.lr, 2 * base.inner.lr]
+    for seed in args.seeds:
+        run_all([dp_job(1, seed, lr) for lr in lrs])
+        gamma = best_dp(results, 1, seed)["lr"]
+        run_all([dp_job(m, seed, gamma * math.sqrt(m) * s) for m in ms if m > 1 for s in (1 / math.sqrt(2), 1.0)])
+    jobs = []
+    for seed in args.seeds:
+        for spec in args.run:
+            m, sets = parse_run(spec)
+            h = next((int(s.split("=")[1]) for s in sets if s.startswith("outer.inner_steps=")), args.h)
+            if steps % h:
+                raise SystemExit(f"--run {spec}: H={h} does not divide the horizon's {steps} steps")
+            horizon = [f"train.max_rounds={steps // h}", f"outer.inner_steps={h}",
+                       f"train.eval_every={max(1, eval_steps // h)}", f"train.checkpoint_every={10**6}"]
+            jobs.append((f"{spec}@s{seed}", m, seed, [*horizon, *sets], {"kind": "diloco", "spec": spec}))
+    run_all(jobs)
+    return state
+
+
+def best_dp(results: dict, m: int, seed: int) -> dict:
+    runs = [r for r in results.values() if r.get("kind") == "dp" and r["dp_M"] == m and r["seed"] == seed]
+    return min(runs, key=lambda r: r["final"])
 
 
 def report(state: dict, png: Path) -> None:
     args, results = state["args"], state["results"]
-    lone = best(results, "adamw-M1-")
-    ms = sorted({r["M"] for r in results.values() if "M" in r})
-    total = sum(r["seconds"] for r in results.values())
-    print(f"tiny model, {CONFIG} {args['overrides']}; {args['steps']} inner steps per replica, b={args['batch']}; "
-          f"{len(results)} runs, {total / 60:.0f} min")
-    print(f"lone node (AdamW, batch b, lr {lone['lr']:g}, 1/M of the tokens): eval {lone['final']:.4f}")
-    print("DiLoCo: the setting measured at the most seeds, then the lowest mean gap; eval and gap at seed 0")
-    print(f"{'M':>2} {'tokens':>10} {'AdamW dp (lr)':>20} {'DiLoCo (η:β:H:inner lr)':>37} {'gap':>7} {'vs lone':>8}"
-          f" {'mean gap (seeds)':>17}")
-    best_runs = {}
-    for m in ms:
-        dp = best(results, f"adamw-M{m}-")
-        runs = [n for n, r in results.items() if r.get("kind") == "diloco" and r["M"] == m and r.get("seed", 0) == 0]
-        if dp is None or not runs:
-            continue
-        dl = results[min(runs, key=lambda n: (-len(seed_gaps(results, n)), mean(seed_gaps(results, n).values())))]
-        best_runs[m], gaps = (dp, dl), seed_gaps(results, dl["name"])
-        print(f"{m:>2} {dl['curve'][-1][0]:>10,} {dp['final']:>8.4f} ({dp['lr']:>9.3g}) "
-              f"{dl['final']:>8.4f} ({dl['name'].split('-', 2)[2]:>26}) {dl['final'] / dp['final'] - 1:>+7.1%} "
-              f"{dl['final'] / lone['final'] - 1:>+8.1%} {mean(gaps.values()):>+10.1%} ({len(gaps)})")
-    print("every run:")
-    for name, r in results.items():
-        print(f"  {name:<34} {r['final']:.4f}  {r['seconds']:>5.0f} s")
-    print("DiLoCo settings measured at more than one seed: gap over the best AdamW of that M and seed, per seed")
-    for n, r in results.items():
-        gaps = seed_gaps(results, n) if r.get("kind") == "diloco" and r.get("seed", 0) == 0 else {}
-        if len(gaps) > 1:
-            print(f"  {n:<34} " + "  ".join(f"s{s} {g:+.1%}" for s, g in gaps.items())
-                  + f"  mean {mean(gaps.values()):+.1%}")
-    plot(lone, best_runs, png)
+    print(f"{args['config']} {' '.join(args['overrides'])}: horizon {args['rounds']} x H={args['h']} inner steps "
+          f"per replica, b={args['batch']}; {len(results)} runs, {sum(r['seconds'] for r in results.values()) / 60:.0f} "
+          "min of runs")
+    rows = {}
+    for r in results.values():
+        if r.get("kind") == "diloco":
+            rows.setdefault(r["spec"], []).append(r)
+    print(f"{'DiLoCo run':<44} {'seeds':>5} {'eval':>7} {'gap vs dp':>10} {'efficiency':>10} {'all-reduces':>11}   "
+          "gap per seed")
+    summary = {}
+    for spec, runs in rows.items():
+        gaps, effs = [], []
+        for r in runs:
+            dp = best_dp(results, r["M"], r["seed"])
+            gaps.append(r["final"] / dp["final"] - 1)
+            effs.append(interpolate_tokens(dp["curve"], r["final"]) / r["curve"][-1][0])
+        summary[spec] = (mean(gaps), mean(effs))
+        print(f"{spec:<44} {len(runs):>5} {mean([r['final'] for r in runs]):>7.4f} {mean(gaps):>+10.2%} "
+              f"{mean(effs):>10.0%} {runs[0]['allreduces']:>11}   " + " ".join(f"{g:+.1%}" for g in gaps))
+    print("data-parallel (best lr of each M and seed):")
+    for m in sorted({r["dp_M"] for r in results.values() if r.get("kind") == "dp"}):
+        best = [best_dp(results, m, s) for s in sorted({r["seed"] for r in results.values()})
+                if any(r.get("kind") == "dp" and r["dp_M"] == m and r["seed"] == s for r in results.values())]
+        print(f"  M={m}: eval {mean([b['final'] for b in best]):.4f} at lr " + ", ".join(f"{b['lr']:.3g}" for b in best))
+    plot(results, rows, png)
     print(f"plot: {png}")
 
 
-def mean(xs) -> float:
-    xs = list(xs)
+def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def seed_gaps(results: dict, name: str) -> dict[int, float]:
-    """A seed-0 DiLoCo run's gap over the best AdamW run of its M at the same seed, at every seed measured."""
-    seeds = sorted({r.get("seed", 0) for r in results.values()})
-    gaps = {}
-    for s in seeds:
-        r, dp = results.get(name if s == 0 else f"{name}@s{s}"), best(results, f"adamw-M{results[name]['M']}-", s)
-        if r and dp:
-            gaps[s] = r["final"] / dp["final"] - 1
-    return gaps
-
-
-def plot(lone: dict, best_runs: dict, png: Path) -> None:
+def plot(results: dict, rows: dict, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(*zip(*lone["curve"], strict=True), "k:", label="lone node, AdamW batch b (1/M of the tokens at M)")
-    for i, (m, (dp, dl)) in enumerate(sorted(best_runs.items())):
-        color = f"C{i}"
-        if m > 1:
-            ax.plot(*zip(*dp["curve"], strict=True), "--", color=color, label=f"AdamW data-parallel, batch {m}b")
-        ax.plot(*zip(*dl["curve"], strict=True), "-", color=color, label=f"DiLoCo M={m} ({dl['name'].split('-', 2)[2]})")
-    ax.set_xlabel("total tokens")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ms = sorted({r["M"] for runs in rows.values() for r in runs})
+    colors = {m: f"C{i}" for i, m in enumerate(sorted({1, *ms}))}
+    for m in sorted({1, *ms}):
+        dp = [r for r in results.values() if r.get("kind") == "dp" and r["dp_M"] == m and r["seed"] == 0]
+        if dp:
+            best = min(dp, key=lambda r: r["final"])
+            ax.plot([t / m for t, _ in best["curve"]], [v for _, v in best["curve"]], "--", color=colors[m],
+                    label=f"data-parallel, batch {m}b (lr {best['lr']:.3g})")
+    styles = ["-", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1))]
+    for i, (spec, runs) in enumerate(rows.items()):
+        r = next((r for r in runs if r["seed"] == 0), runs[0])
+        ax.plot([t / r["M"] for t, _ in r["curve"]], [v for _, v in r["curve"]], linestyle=styles[i % len(styles)],
+                color=colors[r["M"]], label=f"DiLoCo {spec}")
+    ax.set_xlabel("tokens per replica (one volunteer's compute)")
     ax.set_ylabel("eval loss")
-    ax.set_ylim(top=min(ax.get_ylim()[1], lone["final"] * 1.5))
-    ax.legend(fontsize=8)
+    finals = [r["final"] for r in results.values()]
+    ax.set_ylim(min(finals) * 0.97, max(finals) * 1.4)
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)

@@ -140,16 +140,52 @@ class OuterConfig(_Section):
         0.0, ge=0,
         description="c of delayed Nesterov: the fraction of the momentum applied between its flushes (at most 1/N).",
     )
+    recipe: Literal["manual", "auto"] = Field(
+        "manual",
+        description="`auto` sets every outer field below that the config leaves unset (H's schedule, its start, "
+        "outer.lr, outer.momentum, the outer warmup) from outer.nodes and train.max_rounds, by the table that "
+        "benchmarks/quality.py measured (`diloco_p2p.recipe`); `manual` uses the fields as given.",
+    )
+    nodes: int = Field(
+        4, ge=1, description="The number of nodes the run plans for (M); only outer.recipe=auto reads it.",
+    )
+    h_schedule: Literal["constant", "ramp", "qsr"] = Field(
+        "constant",
+        description="H of each round: `constant` = outer.inner_steps; `ramp` doubles from outer.h_start each round up "
+        "to outer.inner_steps (post-local SGD); `qsr` grows it from outer.h_start as the cosine lr decays (H ∝ 1/lr², "
+        "Gu et al. 2023). The run still takes train.max_rounds x outer.inner_steps inner steps; the shorter early "
+        "rounds add all-reduces (`diloco_p2p.schedule`).",
+    )
+    h_start: int = Field(1, gt=0, description="H of the first round under outer.h_schedule ramp or qsr.")
+    warmup_rounds: int = Field(
+        0, ge=0,
+        description="Outer warmup: over the first this many rounds outer.lr moves linearly from outer.lr_start and "
+        "outer.momentum from 0 to their values (0 = off).",
+    )
+    lr_start: float | None = Field(
+        None, ge=0, description="outer.lr of the first round under outer.warmup_rounds; unset = outer.lr.",
+    )
 
     @model_validator(mode="after")
     def _dn_fraction(self) -> OuterConfig:
         if self.delayed_nesterov and self.dn_momentum_fraction > 1 / self.delayed_nesterov:
             raise ValueError("outer.dn_momentum_fraction must be at most 1 / outer.delayed_nesterov")
+        if self.h_start > self.inner_steps:
+            raise ValueError(f"outer.h_start ({self.h_start}) must be at most outer.inner_steps ({self.inner_steps})")
         return self
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether H, η or β change from round to round (`diloco_p2p.schedule`)."""
+        return self.h_schedule != "constant" or self.warmup_rounds > 0
 
 
 class TrainConfig(_Section):
-    max_rounds: int = Field(10, gt=0, description="Stop after this many outer rounds.")
+    max_rounds: int = Field(
+        10, gt=0,
+        description="The run's length in rounds of outer.inner_steps: it takes max_rounds x outer.inner_steps inner "
+        "steps; under outer.h_schedule the early rounds are shorter, so it takes more rounds (`diloco_p2p.schedule.rounds`).",
+    )
     eval_batches: int = Field(
         8, ge=0, description="Held-out batches of 8 windows scored after each round (0 = no eval); a fixed set, "
         "the same on every node whatever `inner.batch_size` is.",
@@ -415,7 +451,11 @@ class Config(_Section):
     _VIEW_DEFAULTS: ClassVar[dict[str, Any]] = {
         "sync.aggregation": "mean", "sync.trim_fraction": 0.25, "sync.clip_radius": 1.0, "sync.max_norm_ratio": 8.0,
         "sync.weight_cap": 4.0, "sync.max_weight_ratio": 16.0,
+        # The outer schedules (`diloco_p2p.schedule`): absent while off, so runs from before keep their hash.
+        "outer.h_schedule": "constant", "outer.h_start": 1, "outer.warmup_rounds": 0, "outer.lr_start": None,
     }
+    # outer.recipe and outer.nodes only choose the fields above: the values they chose are hashed.
+    _VIEW_INPUTS: ClassVar[tuple[str, ...]] = ("outer.recipe", "outer.nodes")
 
     @model_validator(mode="after")
     def _overlap_fits(self) -> Config:
@@ -434,7 +474,28 @@ class Config(_Section):
                              f"{self.sync.overlap}")
         if self.sync.fragments > 1 and self.outer.delayed_nesterov:
             raise ValueError("sync.fragments > 1 needs outer.delayed_nesterov unset (each part takes its own step)")
+        if self.outer.scheduled and (self.sync.overlap != "none" or self.sync.fragments > 1 or self.outer.delayed_nesterov
+                                     or self.outer.dynamic_local_updates):
+            raise ValueError("outer.h_schedule and outer.warmup_rounds run with sync.overlap=none, sync.fragments=1, "
+                             "outer.delayed_nesterov unset and outer.dynamic_local_updates=false; set "
+                             "outer.h_schedule=constant and outer.warmup_rounds=0")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe(cls, data: Any) -> Any:
+        """outer.recipe=auto: the outer fields the config leaves unset, from `diloco_p2p.recipe`."""
+        outer = data.get("outer") if isinstance(data, dict) else None
+        if isinstance(outer, dict) and outer.get("recipe") == "auto":
+            from diloco_p2p.recipe import recipe
+
+            train = data.get("train") if isinstance(data.get("train"), dict) else {}
+            fields = OuterConfig.model_fields
+            chosen = recipe(int(outer.get("nodes", fields["nodes"].default)),
+                            int(train.get("max_rounds", TrainConfig.model_fields["max_rounds"].default)),
+                            int(outer.get("inner_steps", fields["inner_steps"].default)))
+            data = {**data, "outer": {**chosen, **outer}}
+        return data
 
     def swarm_view(self) -> dict[str, Any]:
         """The flattened fields that must agree across the swarm, by dotted path."""
@@ -442,7 +503,7 @@ class Config(_Section):
         return {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in self.SWARM_FIELDS)
                 and not (k == "data.dataset_id" and v is None) and not (k == "sync.overlap" and v == "none")
                 and not (k == "sync.target_group_size" and v == 16) and not (k == "sync.fragments" and v == 1)
-                and not (k in self._VIEW_DEFAULTS and v == self._VIEW_DEFAULTS[k])
+                and not (k in self._VIEW_DEFAULTS and v == self._VIEW_DEFAULTS[k]) and k not in self._VIEW_INPUTS
                 and not (k == "sync.topk_density" and self.sync.compression != "topk2")}
 
     def swarm_hash(self) -> str:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from diloco_p2p import __version__
+from diloco_p2p import __version__, schedule
 from diloco_p2p.checkpoint import Checkpoint, join_tensors, load_checkpoint, save_checkpoint, split_tensors
 from diloco_p2p.config import Config, save_config
 from diloco_p2p.contract import (
@@ -129,7 +129,8 @@ class Node:
                                  self.node_dir / "data", leader=ranks.leader, barrier=ranks.barrier,
                                  remote=getattr(self.sync, "datashare", None))  # shards from the swarm
         self.eval_set = self.data.eval_batches(cfg.train.eval_batches)
-        total_steps = cfg.inner.total_steps or cfg.train.max_rounds * cfg.outer.inner_steps
+        total_steps = cfg.inner.total_steps or schedule.total_steps(cfg.outer, cfg.train.max_rounds)
+        self.last_round = schedule.rounds(cfg.outer, cfg.train.max_rounds)  # more than max_rounds under a ramp
         self.trainer = InnerTrainer(self.model, cfg.inner, total_steps, self.device, precision, ranks, faults)
         self.outer = OuterOptimizer(self.layout.local_views(), cfg.outer)
         self.feedback = ErrorFeedback(self.outer.numel, cfg.sync)  # what the lossy wire has not sent yet
@@ -146,7 +147,6 @@ class Node:
     # -- the DiLoCo loop ---------------------------------------------------------------------
 
     def run(self) -> list[RoundRecord]:
-        cfg = self.config
         records = []
         self.sync.announce(self.state())
         if self.round == 0 and self.step == 0:
@@ -155,7 +155,7 @@ class Node:
             round, delta, weight = self._resumed_flight
             self.pipeline.begin(self.sync, round, delta, weight, self.outer.params_sha256())
             self._resumed_flight = None
-        while self.round < cfg.train.max_rounds and not self._stopping():
+        while self.round < self.last_round and not self._stopping():
             set_log_context(round=self.round + 1, step=self.step)
             self.threads.apply()  # nodes on this machine may have started or stopped
             resync = self.sync.before_round(self.state())  # the swarm's θ, if we fell behind
@@ -232,7 +232,7 @@ class Node:
         the background (`diloco_p2p.overlap`). Returns the outcome applied and its round; None
         when a stop came first (the round is dropped; a round whose average is under way is not)."""
         round, pipe, part = self.round + 1, self.pipeline, self.fragments.part(self.round + 1)
-        if pipe is None or round >= self.config.train.max_rounds:  # blocking; the last round drains the pipeline
+        if pipe is None or round >= self.last_round:  # blocking; the last round drains the pipeline
             if pipe is not None and self._deferred is not None:
                 pipe.inflight_done(wait=True)
                 self._serve(self._deferred)
@@ -361,7 +361,7 @@ class Node:
         if outcome.average is not None:
             with self._outer_timer():
                 # outer Nesterov step, identical on every group member
-                self.outer.step(outcome.average, self.fragments.part(round))
+                self.outer.step(outcome.average, self.fragments.part(round), round)
 
     @contextmanager
     def _outer_timer(self) -> Iterator[None]:
@@ -373,9 +373,10 @@ class Node:
             self._outer_seconds += time.perf_counter() - began
 
     def _inner_steps(self) -> int:
-        """H, or fewer on a node slower than its last group under outer.dynamic_local_updates."""
+        """H of this round (`diloco_p2p.schedule`), or fewer on a node slower than its last group
+        under outer.dynamic_local_updates."""
         if not self.config.outer.dynamic_local_updates:
-            return self.config.outer.inner_steps
+            return schedule.inner_steps(self.config.outer, self.config.train.max_rounds, self.round + 1)
         speeds = self.sync.speeds  # the swarm's measure of our last group; None alone
         if not speeds:
             return self.config.outer.inner_steps
@@ -439,7 +440,7 @@ class Node:
                 **node: Any) -> RoundRecord:
         cfg = self.config
         eval_loss = None
-        if self.eval_set and (self.round % cfg.train.eval_every == 0 or self.round >= cfg.train.max_rounds):
+        if self.eval_set and (self.round % cfg.train.eval_every == 0 or self.round >= self.last_round):
             carried = [p.detach().clone() for p in self.layout.local_views()] if self._carry else None
             self.outer.copy_into(self.layout.local_views())
             eval_loss = self.trainer.evaluate(self.eval_set)
@@ -461,7 +462,7 @@ class Node:
         """Checkpoint (when due), then write the record: a record never claims a round that no
         checkpoint holds. Then tell the metrics and the swarm."""
         cfg = self.config
-        if self.round % cfg.train.checkpoint_every == 0 or self.round >= cfg.train.max_rounds:
+        if self.round % cfg.train.checkpoint_every == 0 or self.round >= self.last_round:
             self._save()
         self._append(record)
         if self.metrics:
@@ -501,7 +502,7 @@ class Node:
         if self.metrics:
             self.metrics.observe_inner_step(stats.tokens, stats.loss)
         if self.progress:
-            h = self.config.outer.inner_steps
+            h = schedule.inner_steps(self.config.outer, self.config.train.max_rounds, self.round + 1)
             bar = "#" * (20 * done // h)
             sys.stderr.write(f"\rround {self.round + 1} [{bar:<20}] {done}/{h} loss {stats.loss:.3f}")
             sys.stderr.flush()
@@ -511,7 +512,7 @@ class Node:
             sys.stderr.write("\r\033[K")
         with log_context(round=r.round, step=r.step):  # the prefix names the round and step this line is about
             log.info("round %d/%d  step %d  loss %s  eval %s  %.0f tok/s  %s (group %d)  params %s", r.round,
-                     self.config.train.max_rounds, r.step, _loss(r.train_loss), _loss(r.eval_loss), r.tokens_per_s,
+                     self.last_round, r.step, _loss(r.train_loss), _loss(r.eval_loss), r.tokens_per_s,
                      r.status, r.group_size, r.params_sha256[:12])
 
     # -- checkpoints -----------------------------------------------------------------------------

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from diloco_p2p.config import OuterConfig
+from diloco_p2p.schedule import outer_step
 
 
 def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -149,9 +150,10 @@ class OuterOptimizer:
         lo, hi = part or (0, self.numel)
         return start[lo:hi] - local[lo:hi]
 
-    def step(self, avg_delta: torch.Tensor, part: Part | None = None) -> None:
+    def step(self, avg_delta: torch.Tensor, part: Part | None = None, round: int | None = None) -> None:
         """Apply one outer SGD(+Nesterov) step with the averaged pseudo-gradient Δ̄; to θ[lo:hi]
-        and its momentum only when Δ̄ is that `part`'s (sync.fragments: each part steps on its own)."""
+        and its momentum only when Δ̄ is that `part`'s (sync.fragments: each part steps on its own).
+        η and β are round `round`'s under outer.warmup_rounds (`diloco_p2p.schedule.outer_step`)."""
         lo, hi = part or (0, self.numel)
         if avg_delta.shape != (hi - lo,):
             raise ValueError(f"averaged pseudo-gradient has shape {tuple(avg_delta.shape)}, expected {(hi - lo,)}")
@@ -163,7 +165,7 @@ class OuterOptimizer:
             assert part is None  # config: fragments need delayed Nesterov unset
             self._delayed_step(delta)
         else:
-            self._momentum_step(delta, self.cfg.nesterov, lo, hi)
+            self._momentum_step(delta, self.cfg.nesterov, lo, hi, *outer_step(self.cfg, round or 1 << 30))
         self._changed(lo, hi)
 
     def _changed(self, lo: int, hi: int) -> None:
@@ -173,11 +175,13 @@ class OuterOptimizer:
             size = self.theta.element_size()
             self._stale.update(range(lo * size // HASH_CHUNK_BYTES, (hi * size - 1) // HASH_CHUNK_BYTES + 1))
 
-    def _momentum_step(self, grad: torch.Tensor, nesterov: bool, lo: int = 0, hi: int | None = None) -> None:
+    def _momentum_step(self, grad: torch.Tensor, nesterov: bool, lo: int = 0, hi: int | None = None,
+                       lr: float | None = None, beta: float | None = None) -> None:
         """m ← β·m + g, then θ ← θ − η·(g + β·m), or θ ← θ − η·m without Nesterov (on [lo, hi)).
         On whole vectors: slicing it through a small scratch buffer instead of one θ-sized temporary
         was slower at 1B parameters (1.2-1.4 s against 0.7 s on 16 threads, `benchmarks/gpu_outer.py`)."""
-        beta, lr = self.cfg.momentum, self.cfg.lr
+        beta = self.cfg.momentum if beta is None else beta
+        lr = self.cfg.lr if lr is None else lr
         momentum, theta = self.momentum[lo:hi], self.theta[lo:hi]  # views: the steps write through
         momentum.mul_(beta).add_(grad)
         theta.sub_(grad.add(momentum, alpha=beta) if nesterov else momentum, alpha=lr)

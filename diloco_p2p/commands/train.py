@@ -21,6 +21,7 @@ from diloco_p2p.config import Config, load_config
 from diloco_p2p.errors import UserError
 from diloco_p2p.logs import setup_logging
 from diloco_p2p.ranks import NPROC_FLAG, env_rank, launched_as_rank, local_world_size
+from diloco_p2p.schedule import rounds
 
 log = logging.getLogger("diloco_p2p")
 
@@ -122,7 +123,7 @@ def _swarm(config: Config, run_dir: Path, stop: Any, faults: Any, rank: int, wor
     from diloco_p2p.swarm.sync import SwarmSync
 
     return SwarmSync(config.sync, config.p2p, run_id=config.run_id, swarm_view=config.swarm_view(), run_dir=run_dir,
-                     stop=stop, faults=faults, max_round=config.train.max_rounds)
+                     stop=stop, faults=faults, max_round=rounds(config.outer, config.train.max_rounds))
 
 
 def start_metrics(config: Config, run_dir: Path) -> Any:

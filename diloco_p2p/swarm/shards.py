@@ -48,6 +48,7 @@ from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
 from diloco_p2p.overlap import Background, InFlight
 from diloco_p2p.ranks import Ranks
+from diloco_p2p.schedule import rounds
 from diloco_p2p.swarm.records import read_progress_async, withdraw_progress_async
 from diloco_p2p.swarm.resync import check_config, majority
 from diloco_p2p.swarm.sync import ProgressPublisher, SwarmSync, progress_fields
@@ -99,7 +100,7 @@ class ShardSync:
         self.inner = SwarmSync(config.sync, rank_p2p(config.p2p, rank), run_id=namespace,
                                swarm_view=dict(config.swarm_view(), run_id=namespace),
                                run_dir=run_dir if rank == 0 else run_dir / "ranks" / str(rank), stop=stop,
-                               faults=faults, max_round=config.train.max_rounds)
+                               faults=faults, max_round=rounds(config.outer, config.train.max_rounds))
         self.peer_id = self.inner.peer_id  # until `attach`: then rank 0's, the node's identity
         self.speeds: dict[str, float] | None = None  # shards may measure differently: no DyLU on N ranks
         self.reachability = self.inner.reachability

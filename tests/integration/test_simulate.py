@@ -1,5 +1,9 @@
 """A real 3-node swarm and `simulate` with the swarm's peer ids as order keys: the same θ every round.
 
+The swarm follows a sync schedule (`diloco_p2p.schedule`: H doubling from 1, the outer step's
+η and β warming up), so every round of it is shown to end with the same θ on every member and in
+`simulate`, whatever H, η and β the round has.
+
 The swarm runs with the default `sync.target_group_size` (16, never reached) and a long
 `sync.matchmaking_timeout`: its groups must close because every live node has joined, not at the
 timeout (matchmaking reads who is at the round from the progress records).
@@ -10,14 +14,17 @@ from __future__ import annotations
 import pytest
 
 from diloco_p2p.config import load_config
+from diloco_p2p.schedule import rounds
 from diloco_p2p.simulate import simulate, wire_average
 from diloco_p2p.swarm.dht import peer_id_of
 from tests.harness.settings import SWARM
 from tests.harness.swarm import ProcessSwarm
 
-ROUNDS = 3
+PLANNED = 3  # rounds of H = 5: 15 inner steps, run as H = 1, 2, 4, 5, 3
 TIMEOUT = 30.0
-OVERRIDES = [f"train.max_rounds={ROUNDS}", f"sync.matchmaking_timeout={TIMEOUT}"]
+OVERRIDES = [f"train.max_rounds={PLANNED}", f"sync.matchmaking_timeout={TIMEOUT}", "outer.h_schedule=ramp",
+             "outer.warmup_rounds=3", "outer.lr_start=1.0"]
+ROUNDS = rounds(load_config(None, [*SWARM, *OVERRIDES]).outer, PLANNED)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +42,7 @@ def test_three_node_rounds_close_when_the_swarm_is_in_not_at_the_timeout(swarm):
         for round_ in range(1, ROUNDS + 1):
             r = node.by_round()[round_]
             assert (r["status"], r["group_size"]) == ("committed", 3), r
-            # 5 tiny inner steps, an all-reduce and an eval take about a second; the timeout is 30 s
+            # at most 5 tiny inner steps, an all-reduce and an eval take about a second; the timeout is 30 s
             assert r["seconds"] < TIMEOUT / 3, f"round {round_} took {r['seconds']:.1f}s: it waited for the timeout"
 
 
@@ -45,6 +52,7 @@ def test_simulated_replicas_with_the_swarms_order_keys_end_every_round_with_its_
     simulated = simulate(config, tmp_path, keys)
     swarm_hashes = [[node.by_round()[r]["params_sha256"] for r in range(ROUNDS + 1)] for node in swarm]
     assert all(h == swarm_hashes[0] for h in swarm_hashes)
+    assert ROUNDS == 5 and [swarm[0].by_round()[r]["step"] for r in range(1, ROUNDS + 1)] == [1, 3, 7, 12, 15]
     for key in keys:
         assert [r.params_sha256 for r in simulated[key]] == swarm_hashes[0]
         assert [r.group_size for r in simulated[key][1:]] == [3] * ROUNDS
