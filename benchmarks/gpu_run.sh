@@ -2,7 +2,7 @@
 # The GPU checks, in one command for a CUDA machine: the GPU-only tests, the suite with CUDA
 # present, and the GPU benchmarks. Logs go to $OUT (default ./gpu-out), one file per stage.
 #
-#   bash benchmarks/gpu_run.sh info tests inner outer swarm mixed suite
+#   bash benchmarks/gpu_run.sh info tests inner outer swarm mixed suite quality
 #
 # A machine without our dependencies can take them as wheels in .whl/ (pip download ... -d .whl);
 # they are installed into /tmp/site first.
@@ -37,6 +37,10 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
         mixed) stage mixed 180 python3 benchmarks/gpu_swarm.py --mixed ;;
         suite) stage suite "${SUITE_S:-420}" python3 -m pytest -p no:cacheprovider -q -n 12 --dist loadfile \
                    --timeout 240 ${SUITE_TESTS:-tests/unit tests/integration tests/faults} ;;
+        # the quality table at the 35m shape (issue 35): every run at once on the one GPU
+        quality) stage quality "${QUALITY_S:-540}" python3 benchmarks/quality.py --config configs/35m.yaml \
+                     --rounds 16 --h 30 --jobs 12 --json "$OUT/quality_35m.json" --run ${QUALITY_RUNS:-2:recipe=auto \
+                     4:recipe=auto 8:recipe=auto 4:lr=0.7:mom=0.3} ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac
 done

@@ -6,8 +6,8 @@ horizon, T = `--rounds` x `--h` inner steps per replica, and the same held-out e
 
 - data-parallel AdamW with global batch M x b: one replica of batch M x b whose outer step is the
   identity (outer.lr=1, outer.momentum=0, fp32 wire), its lr swept over `--dp-lr` (at M = 1) and
-  γ* · √M · {1/√2, 1} at M > 1 (γ* the best at M = 1: the square-root batch rule and one √2 step
-  below it, the DiLoCo scaling-laws paper's lr grid);
+  γ* · √M · {1/2, 1/√2, 1} at M > 1 (γ* the best at M = 1: the square-root batch rule and two √2
+  steps below it, the DiLoCo scaling-laws paper's lr grid);
 - DiLoCo, one run per `--run` setting, written M[:key=value...] with keys `lr` (outer.lr), `mom`
   (outer.momentum), `nest` (outer.nesterov 0/1), `H` (outer.inner_steps), `sched` (outer.h_schedule),
   `h0` (outer.h_start), `warm` (outer.warmup_rounds), `lr0` (outer.lr_start), `ilr` (inner.lr),
@@ -95,6 +95,8 @@ def main() -> None:
     p.add_argument("--eval-steps", type=int, help="data-parallel runs evaluate every this many steps (default: h)")
     p.add_argument("--dp-lr", type=float, nargs="+", help="data-parallel lrs at M = 1 (default: the config's inner.lr "
                    "and 2x it)")
+    p.add_argument("--dp-scales", type=float, nargs="+", default=[0.5, 1 / math.sqrt(2), 1.0],
+                   help="at M > 1 the data-parallel lrs are γ* · √M · each of these (γ* the best at M = 1)")
     p.add_argument("--run", nargs="*", default=[], help="DiLoCo settings M[:key=value...], see the docstring")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--jobs", type=int, default=2, help="runs at once")
@@ -153,7 +155,7 @@ def train(args: argparse.Namespace, results: dict) -> dict:
     for seed in args.seeds:
         run_all([dp_job(1, seed, lr) for lr in lrs])
         gamma = best_dp(results, 1, seed)["lr"]
-        run_all([dp_job(m, seed, gamma * math.sqrt(m) * s) for m in ms if m > 1 for s in (1 / math.sqrt(2), 1.0)])
+        run_all([dp_job(m, seed, gamma * math.sqrt(m) * s) for m in ms if m > 1 for s in args.dp_scales])
     jobs = []
     for seed in args.seeds:
         for spec in args.run:

@@ -26,7 +26,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    preset: Literal["tiny", "150m", "1b"] = Field(
+    preset: Literal["tiny", "small", "35m", "150m", "1b"] = Field(
         "tiny", description="Llama-architecture size preset; the fields below override it."
     )
     pretrained_path: str | None = Field(

@@ -20,12 +20,22 @@ from diloco_p2p.config import ModelConfig
 from diloco_p2p.errors import UserError
 
 # Transformer shapes. `tiny` is a ~0.4M-parameter model that trains on 2 CPU cores in about a
-# minute; `150m` follows the DiLoCo paper's 150M model (12 layers, d=768, 12 heads); `1b`
+# minute; `small` (4.2M non-embedding parameters) is the smallest shape whose quality says something
+# about real ones and still trains on a CPU; `35m` is the DiLoCo scaling-laws paper's smallest model
+# (6 layers, d=512, 8 heads, MLP 2048: 25M non-embedding parameters with the byte vocabulary); `150m` follows the DiLoCo paper's 150M model (12 layers, d=768, 12 heads); `1b`
 # follows OpenDiLoCo's 1.1B model (TinyLlama shape: 22 layers, d=2048, 32 heads, 4 KV heads).
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(
         hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=512,
+    ),
+    "small": dict(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=512,
+    ),
+    "35m": dict(
+        hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=8, max_position_embeddings=1024,
     ),
     "150m": dict(
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,

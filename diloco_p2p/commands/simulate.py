@@ -35,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
     if len(set(keys)) != len(keys):
         raise UserError("simulate: --order-keys must be distinct (each replica has its own data order)")
     keys = keys or [f"replica-{i}" for i in range(args.replicas or 1)]
-    config = load_config(args.config, args.overrides)
+    # M replicas are the swarm: outer.recipe=auto plans for M nodes unless told otherwise
+    planned = [] if any(o.startswith("outer.nodes=") for o in args.overrides) else [f"outer.nodes={len(keys)}"]
+    config = load_config(args.config, [*planned, *args.overrides])
     setup_logging(args.log_level)
     with tempfile.TemporaryDirectory(prefix="diloco-simulate-") as tmp:
         root = args.dir or Path(tmp)

@@ -97,3 +97,14 @@ def test_the_recipe_is_a_valid_config_for_any_swarm_and_horizon(nodes, max_round
                              "outer.inner_steps=30"])
     n = schedule.rounds(cfg.outer, max_rounds)
     assert max_rounds <= n <= 2 * max_rounds  # at most twice the all-reduces of a constant H
+
+
+def test_simulate_plans_the_recipe_for_its_replicas_unless_told(tmp_path):
+    from diloco_p2p.cli import main
+    from tests.harness.settings import TINY
+
+    tiny = [a for o in [*TINY, "train.max_rounds=1", "outer.inner_steps=2", "outer.recipe=auto"] for a in ("--set", o)]
+    assert main(["simulate", "--replicas", "2", "--dir", str(tmp_path / "a"), *tiny]) == 0
+    assert load_config(tmp_path / "a" / "replica-0" / "config.yaml").outer.nodes == 2
+    assert main(["simulate", "--replicas", "2", "--dir", str(tmp_path / "b"), *tiny, "--set", "outer.nodes=8"]) == 0
+    assert load_config(tmp_path / "b" / "replica-0" / "config.yaml").outer.nodes == 8
