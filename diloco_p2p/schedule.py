@@ -29,8 +29,17 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import Protocol
 
-from diloco_p2p.config import OuterConfig
+
+class OuterConfig(Protocol):  # `diloco_p2p.config.OuterConfig`'s fields read here (the config reads this module)
+    inner_steps: int
+    h_schedule: str
+    h_start: int
+    warmup_rounds: int
+    lr: float
+    lr_start: float | None
+    momentum: float
 
 
 def inner_steps(cfg: OuterConfig, max_rounds: int, round: int) -> int:
@@ -65,6 +74,13 @@ def _lengths(schedule: str, h_start: int, h: int, max_rounds: int) -> tuple[int,
         out.append(step)
         done += step
     return tuple(out)
+
+
+def qsr_start(inner_steps: int, max_rounds: int, budget: int) -> int:
+    """The smallest ``qsr`` h_start whose run takes at most `budget` rounds (H: a constant H fits any budget
+    of at least max_rounds)."""
+    return next(s for s in range(1, inner_steps + 1)
+                if s == inner_steps or len(_lengths("qsr", s, inner_steps, max_rounds)) <= budget)
 
 
 def outer_step(cfg: OuterConfig, round: int) -> tuple[float, float]:

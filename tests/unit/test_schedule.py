@@ -108,3 +108,12 @@ def test_simulate_plans_the_recipe_for_its_replicas_unless_told(tmp_path):
     assert load_config(tmp_path / "a" / "replica-0" / "config.yaml").outer.nodes == 2
     assert main(["simulate", "--replicas", "2", "--dir", str(tmp_path / "b"), *tiny, "--set", "outer.nodes=8"]) == 0
     assert load_config(tmp_path / "b" / "replica-0" / "config.yaml").outer.nodes == 8
+
+
+def test_the_recipe_keeps_h_constant_where_rounds_do_not_start_from_theta():
+    base = ["outer.recipe=auto", "outer.nodes=4", "train.max_rounds=100", "outer.inner_steps=30"]
+    for extra in (["sync.overlap=eager"], ["sync.fragments=2"], ["outer.dynamic_local_updates=true"]):
+        cfg = load_config(None, [*base, *extra])
+        assert (cfg.outer.h_schedule, cfg.outer.warmup_rounds) == ("constant", 0)
+    long = load_config(None, base)  # 100 rounds: the long horizon's outer step, its momentum warmed up
+    assert (long.outer.h_schedule, long.outer.momentum, long.outer.warmup_rounds) == ("qsr", 0.9, 16)
