@@ -1,8 +1,8 @@
 """The configuration tree: one pydantic v2 model per component, loaded from YAML or TOML.
 
 Precedence is defaults < file < ``--set a.b=value`` overrides. Every model forbids unknown
-keys so a typo fails loudly, and every field carries a description: the README's config
-reference is generated from these descriptions (``tests/unit/test_readme.py`` keeps it in
+keys so a typo fails loudly, and every field carries a description: the config
+reference (docs/config.md) is generated from these descriptions (``tests/unit/test_readme.py`` keeps it in
 sync). Each component receives only its own sub-config. The module is long (~530 lines) because
 those descriptions are the user's reference; the checks that span sections are at the end.
 """
@@ -278,7 +278,7 @@ class SyncConfig(_Section):
         None, gt=0, description="This node's uplink in Mbit/s, if known: the all-reduce then writes at `sync.pace` of it, and each round record carries `wire_ratio`, the all-reduce's seconds over the time its bytes take at this rate (1.0 = line rate). Unset: no ratio."
     )
     pace: float = Field(
-        0.97, ge=0, le=1, description="With `sync.link_mbit` set, the all-reduce writes at most this fraction of it (all streams together), so the uplink's queue stays short and the ACKs of what the node receives are not held behind its own data: at 20 Mbit/s it took the all-reduce from 1.18-1.47x the wire time to 1.08-1.10x (README, 'Declare your uplink'). 0: no cap. A link_mbit above the real uplink only makes the cap loose; one below it slows the node."
+        0.97, ge=0, le=1, description="With `sync.link_mbit` set, the all-reduce writes at most this fraction of it (all streams together), so the uplink's queue stays short and the ACKs of what the node receives are not held behind its own data (docs/benchmarks.md, 'All-reduce on shaped links'). 0: no cap. A link_mbit above the real uplink only makes the cap loose; one below it slows the node."
     )
     state_timeout: float = Field(
         3600.0, gt=0, description="Seconds a resync or join may spend downloading the swarm's state (θ and momentum: 8 bytes per parameter); a donor silent for 10 s is left for the next one well before this."
@@ -601,7 +601,7 @@ def validate_config(tree: dict[str, Any], source: str = "config",
         source = _source_of(loc, sources or {}, source)
         if err["type"] == "extra_forbidden":
             raise UserError(
-                f"{source}: unknown field {where!r}; check the spelling against the config reference in README.md"
+                f"{source}: unknown field {where!r}; check the spelling against the config reference in docs/config.md"
             ) from None
         raise UserError(f"{source}: field {where!r}: {err['msg']} (got {err.get('input')!r})") from None
 
@@ -622,7 +622,7 @@ def _one_line(e: Exception) -> str:
 
 
 def config_reference() -> str:
-    """The README's config reference, generated from the models so it cannot drift."""
+    """The config reference of docs/config.md, generated from the models so it cannot drift."""
     lines = ["| field | default | description |", "| --- | --- | --- |"]
 
     def walk(model: type[BaseModel], prefix: str) -> None:

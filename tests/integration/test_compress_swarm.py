@@ -1,5 +1,5 @@
 """Two real nodes and a seed on loopback with ``sync.compression: topk2`` (sparse all-gather,
-error feedback on by default) and the setting the README recommends for it (decaying feedback
+error feedback on by default) and the setting docs/recipes.md recommends for it (decaying feedback
 whose residual the nodes' models half keep, outer lr 2, no outer momentum): the same θ every
 round, and the θ `simulate` reaches with the nodes' peer ids (so its quality sweeps are this
 swarm's), the applied average is the mean of the offered Δ + β·e as every member decodes them,

@@ -346,8 +346,8 @@ FRAGMENT_ROUNDS = 4
 
 @pytest.fixture(scope="module")
 def fragment_swarm(tmp_path_factory):
-    """Two 2-rank nodes with `sync.fragments=2` under `inner` with `rebase` (the recipe of the
-    README's "Fragments"): every round averages half of the parameters, each local rank the values
+    """Two 2-rank nodes with `sync.fragments=2` under `inner` with `rebase` (the recipe of
+    docs/recipes.md): every round averages half of the parameters, each local rank the values
     of that half its shard holds (`ShardLayout.local_range`) with the same rank of the other node."""
     root = tmp_path_factory.mktemp("fsdp-fragments")
     with ProcessSwarm(root) as swarm:

@@ -297,7 +297,7 @@ def test_never_past_max_rounds():
 
 def test_without_any_quorum_every_record_counts():
     """A joiner with one established node in the swarm: nothing has a quorum of 2, so the
-    lone node's state is the swarm's (an open run cannot tell it from a liar: README)."""
+    lone node's state is the swarm's (an open run cannot tell it from a liar: docs/threat-model.md)."""
     one = {PEERS[1]: make(PEERS[1], round=7, params_sha256=H["d"], status="alone", group_size=1)}
     assert vouched_records(one, quorum=2) == one
     target = resync_target(one, 0, H["a"], quorum=2)
