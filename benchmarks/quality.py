@@ -60,7 +60,9 @@ def simulate(cfg: str, keys: list[str], sets: list[str]) -> dict:
     return {"curve": curve, "final": curve[-1][1], "allreduces": allreduces, "seconds": time.perf_counter() - start}
 
 
-def parse_run(spec: str) -> tuple[int, list[str]]:
+def parse_run(spec: str, rounds: int = 16, h: int = 30) -> tuple[int, list[str]]:
+    """`--run`'s M and its overrides. ``recipe=auto`` sets every field the recipe chooses for M nodes over
+    `rounds` rounds of H, so a config file's own outer step (the tiny preset's) does not mask it."""
     m, *pairs = spec.split(":")
     sets = []
     for pair in pairs:
@@ -68,8 +70,10 @@ def parse_run(spec: str) -> tuple[int, list[str]]:
         if key not in KEYS or not value:
             raise SystemExit(f"--run {spec}: {pair!r} is not key=value with a key of {sorted(KEYS)}")
         sets.append(f"{KEYS[key]}={value}")
-        if key == "recipe":
-            sets.append(f"outer.nodes={m}")
+        if key == "recipe" and value == "auto":
+            from diloco_p2p.recipe import recipe
+
+            sets += [f"outer.nodes={m}", *(f"outer.{k}={v}" for k, v in recipe(int(m), rounds, h).items())]
     return int(m), sets
 
 
@@ -159,7 +163,7 @@ def train(args: argparse.Namespace, results: dict) -> dict:
     jobs = []
     for seed in args.seeds:
         for spec in args.run:
-            m, sets = parse_run(spec)
+            m, sets = parse_run(spec, args.rounds, args.h)
             h = next((int(s.split("=")[1]) for s in sets if s.startswith("outer.inner_steps=")), args.h)
             if steps % h:
                 raise SystemExit(f"--run {spec}: H={h} does not divide the horizon's {steps} steps")

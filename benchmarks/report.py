@@ -64,30 +64,20 @@ def pct(x: float, digits: int = 1) -> str:
 # --- quality, recipes -----------------------------------------------------------------------
 
 
-def quality_summary() -> str:
-    """`quality.py --report`'s table and its per-seed gaps (its list of every run is in the json)."""
+def quality_report(name: str) -> str:
+    """`quality.py --report`'s table of the stored run `name` (the PNG is left as it is)."""
     import quality
 
     with mock.patch.object(quality, "plot", lambda *a: None):
-        text = captured(quality.report, load("quality.json"), None)
-    head, _, rest = text.partition("every run:\n")
-    seeds = rest[rest.index("DiLoCo settings measured at more than one seed"):]
-    return code(head + seeds.replace("plot: None\n", ""))
+        return code(captured(quality.report, load(name), None).replace("plot: None\n", ""))
 
 
-def quality_settings() -> str:
-    """Every seed-0 DiLoCo run at M = 2 and 4: its gap over the best AdamW of that M (`quality.best`)."""
-    import quality
+def quality_tiny() -> str:
+    return quality_report("quality_tiny.json")
 
-    results = load("quality.json")["results"]
-    rows = []
-    for m in (1, 2, 4):
-        dp = quality.best(results, f"adamw-M{m}-")
-        runs = [r for r in results.values() if r.get("kind") == "diloco" and r["M"] == m and r.get("seed", 0) == 0]
-        for r in sorted(runs, key=lambda r: (r["H"], r["outer_lr"], r["momentum"], r["inner_lr"])):
-            rows.append([m, r["outer_lr"], r["momentum"], r["H"], f"{r['inner_lr']:.3g}", f"{r['final']:.4f}",
-                         pct(r["final"] / dp["final"] - 1)])
-    return table(["M", "η", "β", "H", "inner lr", "eval", "vs AdamW M·b"], rows)
+
+def quality_tiny_sweep() -> str:
+    return quality_report("quality_tiny_sweep.json")
 
 
 # --- wires ----------------------------------------------------------------------------------
@@ -385,7 +375,7 @@ def data_scale() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {f.__name__: f for f in (
-    quality_summary, quality_settings, compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
+    quality_tiny, quality_tiny_sweep, compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
     swarm_matches_simulate, overlap_link, overlap_link_fragments, overlap_fragments, overlap_sweep_seed0,
     allreduce_paced, allreduce_ceiling, allreduce_paced_cubic, wan_line_rate, wan_topk, wan_256x4, hivemind, scale,
     nat, planner, robust, data_fetch, data_scale)}
@@ -410,7 +400,8 @@ def plots() -> None:
     import quality
     import robust
 
-    quality.report(load("quality.json"), RESULTS / "quality.png")
+    for name in ("quality_tiny", "quality_tiny_sweep"):
+        quality.report(load(f"{name}.json"), RESULTS / f"{name}.png")
     compression.plot(load("compression.json")["results"], RESULTS / "compression.png")
     for name in ("compression_topk_carry", "compression_topk_seeds"):
         compression_decay.plot(load(f"{name}.json")["results"], RESULTS / f"{name}.png")
