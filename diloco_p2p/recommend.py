@@ -116,7 +116,7 @@ def _value(v: Any) -> str:
 
 
 def _options(base: plan.Inputs, nodes: tuple[int, ...]):
-    """(Inputs, extra config fields, quality phrases with their percent) for every combination tried."""
+    """(Inputs, the config fields it needs besides `fields_of`, H over the baseline's) for every combination tried."""
     h0 = base.inner_steps * base.fragments  # inner steps between two syncs of the same values
     wires = [c for c in DENSE if DENSE.index(c) >= DENSE.index(base.compression)] if base.compression in DENSE \
         else list(DENSE)
@@ -149,18 +149,21 @@ def _cost(c: Candidate, base: Candidate, h_factor: float) -> tuple[float, tuple[
         total += H_DOUBLING_PCT * math.log2(h_factor)
         phrases.append(f"H {b.inner_steps * b.fragments} -> {i.inner_steps * i.fragments}: fewer outer steps, "
                        f"+{H_DOUBLING_PCT * math.log2(h_factor):.1f}% (+{H_DOUBLING_PCT}% a doubling, overlap_sweep.txt)")
+    overlap: list[str] = []
     if i.fragments > 1:
         pct, phrase = QUALITY[f"fragments{i.overlap_steps}"]
         total += pct
-        phrases.append(phrase.replace("fragments", f"fragments {i.fragments}", 1))
+        overlap.append(phrase.replace("fragments", f"fragments {i.fragments}", 1))
     elif i.overlap == "eager":
         total += QUALITY["eager"][0]
-        phrases.append(QUALITY["eager"][1])
+        overlap.append(QUALITY["eager"][1])
     elif i.overlap == "inner":
         share = max(p.lands_after for p in c.predictions) / i.inner_steps
         _, pct, phrase = next(row for row in INNER if share <= row[0])
         total += pct
-        phrases.append(f"inner, landing by {share:.2f} H at the largest N: {phrase} (overlap_sweep.txt)")
+        overlap.append(f"inner, landing by {share:.2f} H at the largest N: {phrase} (overlap_sweep.txt)")
+    if (i.overlap, i.overlap_steps, i.fragments) != (b.overlap, b.overlap_steps, b.fragments):
+        phrases += overlap  # its cost counts in the total either way
     if i.group != b.group:
         phrases.append(QUALITY["group"][1])
     return total, tuple(phrases if c.sets else ())
