@@ -57,7 +57,9 @@ inner steps (stragglers: per-node speed lognormal with the given spread, the N-t
 statistic by Blom's approximation; with dynamic local updates nobody waits) plus matchmaking plus
 the all-reduce; with ``overlap=eager`` the all-reduce of round r runs behind round r+1's inner
 steps (Eager Updates; Kale et al. 2025), so only what exceeds the compute is exposed; with
-``overlap=inner`` behind its first τ inner steps (``overlap_steps``), so what exceeds τ of H. With
+``overlap=inner`` behind its first τ inner steps (``overlap_steps``), so what exceeds τ of H; τ = 0
+is the config's default: the average lands once it is known, at the latest after H-1 steps
+(`Node._lands_now`), so τ is the steps the all-reduce takes, at most H-1. With
 ``fragments`` = P (Streaming DiLoCo's, ``sync.fragments``) a round averages 1/P of the parameters:
 its bytes are those of a model P times smaller, and H is a round's inner steps (H/P of a part's). A failure
 rate p per node per round costs the expected detection delay of a dead member, the dead node's
@@ -66,6 +68,7 @@ round, and its state download (8 bytes per parameter) at its downlink.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
@@ -140,7 +143,7 @@ class Inputs:
     compression: str = "fp16"
     density: float = 0.02  # top-k
     overlap: str = "none"
-    overlap_steps: int = 1  # overlap=inner: τ, the inner steps the all-reduce runs behind
+    overlap_steps: int = 1  # overlap=inner: τ, the inner steps the all-reduce runs behind; 0: as soon as known
     fragments: int = 1  # sync.fragments: a round averages 1/P of the parameters
     chunk: int = wire.DEFAULT_CHUNK_ELEMENTS
     oversubscribe: float = 1.0  # CPU contention: how many times longer CPU work takes than on a dedicated box (1)
@@ -159,8 +162,9 @@ class Inputs:
              f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"),
             (0 < self.density <= 1, f"top-k density must be in (0, 1], got {self.density}"),
             (self.overlap in OVERLAPS, f"overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}"),
-            (self.overlap != "inner" or 1 <= self.overlap_steps < self.inner_steps,
-             f"overlap steps must be in 1..{self.inner_steps - 1} (below H), got {self.overlap_steps}"),
+            (self.overlap != "inner" or (0 <= self.overlap_steps < self.inner_steps and self.inner_steps >= 2),
+             f"overlap steps must be in 0..{self.inner_steps - 1} (below H; 0: as soon as known), "
+             f"got {self.overlap_steps}"),
             (1 <= self.fragments <= self.params, f"fragments must be in 1..params, got {self.fragments}"),
             (0 < self.chunk <= wire.MAX_CHUNK_ELEMENTS, f"chunk must be in 1..{wire.MAX_CHUNK_ELEMENTS}"),
             (self.scheme != "sparse" or self.compression == "topk2", "the sparse all-gather needs compression topk2"),
@@ -210,6 +214,7 @@ def header_size(kind: str, k: int, n: int, chunk: int) -> int:
     return _PREFIX + len(wire.pack_header(base))
 
 
+@functools.lru_cache(maxsize=4096)  # pure; `recommend` asks for the same counts under many H and overlaps
 def butterfly_bytes(n: int, k: int, compression: str, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS,
                     member: int | None = None, density: float = 1.0) -> int:
     """Bytes member `member` (default: the mean over members, rounded) sends in one butterfly.
@@ -238,6 +243,7 @@ def butterfly_bytes(n: int, k: int, compression: str, chunk: int = wire.DEFAULT_
     return headers + round(total / k)
 
 
+@functools.lru_cache(maxsize=4096)
 def sparse_bytes(n: int, k: int, chunk: int, density: float) -> int:
     """Bytes one member sends in the all-gather of top-k contributions (`swarm/allgather.py`): its
     own to each other member, and a mask carrying a sha256 digest per member."""
@@ -387,6 +393,7 @@ class Prediction:
     exposed_seconds: float
     bottleneck: str
     parts: dict[str, float] = field(default_factory=dict)  # seconds by cause
+    lands_after: int = 0  # overlap=inner: the inner step of the next round the average lands after (τ)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -406,8 +413,12 @@ def predict_scheme(inp: Inputs, nodes: int, scheme: str, cal: Calibration) -> Pr
     parts["latency/messages"] = parts.get("latency/messages", 0.0) + comm - allreduce  # matchmaking
     parts["failures"] = p_any * cal.detect_s
     parts["stragglers"] = slowest - compute
+    tau = 0
+    if inp.overlap == "inner":  # τ = 0: the first step after the average is known, at the latest H-1
+        step = slowest / inp.inner_steps
+        tau = inp.overlap_steps or min(inp.inner_steps - 1, max(1, math.ceil(comm / step - 1e-9)))
     if inp.overlap in ("eager", "inner"):  # behind the next round's H (eager) or τ (inner) inner steps
-        hidden = slowest if inp.overlap == "eager" else slowest * inp.overlap_steps / inp.inner_steps
+        hidden = slowest if inp.overlap == "eager" else slowest * tau / inp.inner_steps
         exposed = max(comm - hidden, 0.0)
         scale = exposed / comm if comm > 0 else 0.0
         parts = {c: (s * scale if c not in ("stragglers",) else s) for c, s in parts.items()}
@@ -420,7 +431,7 @@ def predict_scheme(inp: Inputs, nodes: int, scheme: str, cal: Calibration) -> Pr
     bottleneck = "compute" if utilization >= 0.9 or not parts else max(parts, key=parts.__getitem__)
     lv = levels(inp, scheme, nodes)
     return Prediction(nodes, scheme, round_s, utilization, sum(x.sent for x in lv), sum(x.messages for x in lv),
-                      allreduce, exposed, bottleneck, {"compute": compute, **parts})
+                      allreduce, exposed, bottleneck, {"compute": compute, **parts}, lands_after=tau)
 
 
 def predict(inp: Inputs, nodes: int, cal: Calibration | None = None) -> Prediction:

@@ -1,5 +1,6 @@
 """`diloco-p2p plan`: predict a round's seconds, compute utilization, bytes per node and the
-bottleneck for swarms of 4 to 1,024 nodes (`diloco_p2p.plan`); nothing is started."""
+bottleneck for swarms of 4 to 1,024 nodes (`diloco_p2p.plan`), then the settings that best raise
+utilization (`diloco_p2p.recommend`); nothing is started."""
 
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--density", type=float, default=0.03, help="top-k: fraction of values sent")
     p.add_argument("--overlap", default="none", help=f"{', '.join(plan.OVERLAPS)}: hide the all-reduce behind compute")
     p.add_argument("--overlap-steps", type=int, default=1,
-                   help="overlap inner: τ, the inner steps of the next round the all-reduce runs behind")
+                   help="overlap inner: τ, the inner steps of the next round the all-reduce runs behind; "
+                   "0 = as soon as it is known (the config's default)")
     p.add_argument("--fragments", type=int, default=1,
                    help="sync.fragments: each round averages 1/P of the parameters (give --inner-steps per round)")
     p.add_argument("--nodes", default=",".join(str(n) for n in plan.DEFAULT_NODES), help="N values, comma-separated")
     p.add_argument("--json", action="store_true", help="one JSON object per N instead of the table")
+    p.add_argument("--no-recommend", action="store_true", help="the table only: no recommended settings")
     p.set_defaults(run=run)
 
 
@@ -103,4 +106,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{p.nodes:>5} {p.scheme:>9} {p.round_seconds:>9.1f} {p.utilization:>5.2f} {p.bytes_sent / 1e6:>9.2f} "
               f"{p.messages:>7} {p.allreduce_seconds:>12.2f} {p.exposed_seconds:>9.2f}  {p.bottleneck} "
               f"({p.parts.get(p.bottleneck, 0.0) / p.round_seconds:.0%} of the round)")
+    if not args.no_recommend:
+        from diloco_p2p.recommend import recommend, render
+
+        print("\n".join(render(recommend(inp, nodes, cal))))
     return 0

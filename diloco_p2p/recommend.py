@@ -1,0 +1,236 @@
+"""What `diloco-p2p plan` recommends: the settings that best raise predicted compute utilization
+for the links given, as `--set` overrides the config accepts.
+
+The search tries every combination of the settings that change a round's cost in `plan`'s model:
+the wire (`sync.compression`: fewer bytes through the same all-reduce, or topk2's sparse
+all-gather), the overlap (`sync.overlap` inner or eager: the all-reduce behind the next round's
+inner steps), H (`outer.inner_steps`: compute per round), fragments (`sync.fragments` with inner
+τ = 1 or 2 and `rebase`, the README's recipe) and the grid's row size (`sync.target_group_size`).
+Each candidate is predicted by `plan.predict` at every N of the table, and kept only if
+`config.validate_config` accepts it (so `--dylu` rules out overlap, as the config does).
+
+Chosen: among candidates with utilization >= `TARGET` at every N, the one with the lowest
+estimated quality cost, then the fewest changes; if none reaches it, the highest utilization at the
+worst N. The quality cost is a rough percent of eval loss against fp32, blocking, at the given H,
+summed over the changes: the project's own measurements on the tiny preset at equal tokens
+(`QUALITY`; each names its results file). They rank candidates; they are not a prediction of a
+large model's loss (the papers report smaller overlap costs at scale).
+
+topk2 is offered only as measured: with its outer step and γ 0.5 (`sync.feedback_carry` unset),
+which holds under overlap none and fragments 1 (the config sets γ 0 otherwise, at +1.7 to +5%).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from diloco_p2p import config, plan
+from diloco_p2p.errors import UserError
+
+TARGET = 0.9
+DENSE = ("fp32", "fp16", "int8", "int4")  # fewer bytes left to right, through the same all-reduce
+H_FACTORS = (1, 2, 4, 8)
+GROUPS = (8, 16, 32)
+FRAGMENTS = (2, 5, 10)
+TOPK_RECIPE = {"sync.topk_density": 0.034, "sync.feedback_decay": 0.9, "outer.lr": 2.0, "outer.momentum": 0.0}
+H_DOUBLING_PCT = 1.2  # blocking at equal tokens, H 5 -> 10 -> 20 -> 50: +1.2, +2.4, +3.7%
+
+# (percent, phrase): results files are under benchmarks/results/
+QUALITY = {
+    "fp32": (0.0, "fp32: the reference"),
+    "fp16": (0.0, "fp16: -0.00% vs fp32 (compression.txt)"),
+    "int8": (0.01, "int8: +0.01% vs fp32 (compression.txt)"),
+    "int4": (0.35, "int4 with error feedback: +0.35% vs fp32 (compression.txt)"),
+    "topk2": (0.0, "topk2 at 3.4%, γ 0.5, its outer step: -2.0 to -0.5% vs fp32 (compression_topk_carry.txt)"),
+    "eager": (4.5, "eager: +4.5% on the tiny preset, 0.1-2.4% in the paper at scale (overlap_sweep.txt)"),
+    "fragments1": (0.2, "fragments, inner τ=1, rebase: +0.2% (overlap_fragments.txt)"),
+    "fragments2": (1.0, "fragments, inner τ=2, rebase: +1.0% (README, Fragments)"),
+    "group": (0.0, "row size: no cost (the grid's average is exact)"),
+}
+INNER = [  # (largest τ/H, percent, phrase) for inner without fragments (overlap_sweep.txt)
+    (0.1, 0.3, "+0.3% at τ = 0.1 H"),
+    (0.2, 1.0, "+0.2 to +1.1% at τ = 0.2 H"),
+    (0.5, 2.0, "+1.5 to +2.5% at τ = 0.4-0.5 H"),
+    (1.0, 4.5, "not measured past 0.5 H: taken as eager's +4.5%"),
+]
+
+
+@dataclass
+class Candidate:
+    inputs: plan.Inputs
+    fields: dict[str, Any]  # the config's dotted fields this candidate sets
+    predictions: list[plan.Prediction]
+    cost: float = 0.0
+    phrases: tuple[str, ...] = ()
+    sets: tuple[str, ...] = ()  # `a.b=v` for each field that differs from the baseline
+
+    @property
+    def lowest(self) -> float:
+        return min(p.utilization for p in self.predictions)
+
+    @property
+    def approach(self) -> str:
+        i = self.inputs
+        return "fragments" if i.fragments > 1 else i.overlap
+
+
+@dataclass
+class Advice:
+    baseline: Candidate
+    best: Candidate | None  # None: nothing raises the baseline's lowest utilization
+    alternatives: list[Candidate]  # other approaches that also reach TARGET at every N
+    why: str  # when best is None or misses TARGET: the cause at the worst N
+
+
+def fields_of(inp: plan.Inputs) -> dict[str, Any]:
+    """The config fields `inp` stands for (`plan`'s `--inner-steps` is a round's, as outer.inner_steps)."""
+    out: dict[str, Any] = {"outer.inner_steps": inp.inner_steps, "sync.compression": inp.compression,
+                           "sync.overlap": inp.overlap, "sync.fragments": inp.fragments,
+                           "sync.target_group_size": inp.group, "outer.dynamic_local_updates": inp.dylu}
+    if inp.compression == "topk2":
+        out["sync.topk_density"] = inp.density
+    if inp.overlap == "inner":
+        out["sync.overlap_steps"] = inp.overlap_steps
+    return out
+
+
+def tree_of(fields: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in fields.items():
+        config.apply_override(tree, key.split("."), value)
+    return tree
+
+
+def is_valid(fields: dict[str, Any]) -> bool:
+    try:
+        config.validate_config(tree_of(fields))
+    except UserError:
+        return False
+    return True
+
+
+def _value(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _options(base: plan.Inputs, nodes: tuple[int, ...]):
+    """(Inputs, the config fields it needs besides `fields_of`, H over the baseline's) for every combination tried."""
+    h0 = base.inner_steps * base.fragments  # inner steps between two syncs of the same values
+    wires = [c for c in DENSE if DENSE.index(c) >= DENSE.index(base.compression)] if base.compression in DENSE \
+        else list(DENSE)
+    groups = sorted({base.group, *GROUPS}) if max(nodes) > min(base.group, *GROUPS) else [base.group]
+    for comp in [*wires, "topk2"]:
+        extra = dict(TOPK_RECIPE) if comp == "topk2" else {"sync.error_feedback": True} if comp == "int4" else {}
+        for factor in H_FACTORS:
+            h = h0 * factor
+            shared = dict(compression=comp, inner_steps=h, fragments=1, overlap="none", scheme="auto",
+                          density=TOPK_RECIPE["sync.topk_density"] if comp == "topk2" else base.density)
+            schedules = [dict()]  # blocking
+            if comp != "topk2" and not base.dylu:
+                schedules += [dict(overlap="inner", overlap_steps=0), dict(overlap="eager")]
+                schedules += [dict(overlap="inner", overlap_steps=tau, fragments=p, inner_steps=h // p)
+                              for p in FRAGMENTS for tau in (1, 2) if h % p == 0 and h // p > tau]
+            for schedule in schedules:
+                for group in (groups if comp != "topk2" else [base.group]):
+                    inp = replace(base, **{**shared, **schedule, "group": group})
+                    more = dict(extra, **({"sync.overlap_merge": "rebase"} if inp.fragments > 1 else {}))
+                    yield inp, more, h / h0
+
+
+def _cost(c: Candidate, base: Candidate, h_factor: float) -> tuple[float, tuple[str, ...]]:
+    """The candidate's quality cost (percent, summed) and a phrase for each change it makes."""
+    i, b = c.inputs, base.inputs
+    total, phrases = QUALITY[i.compression][0], []
+    if i.compression != b.compression or (i.compression == "topk2" and c.sets):
+        phrases.append(QUALITY[i.compression][1])
+    if h_factor > 1:
+        total += H_DOUBLING_PCT * math.log2(h_factor)
+        phrases.append(f"H {b.inner_steps * b.fragments} -> {i.inner_steps * i.fragments}: fewer outer steps, "
+                       f"+{H_DOUBLING_PCT * math.log2(h_factor):.1f}% (+{H_DOUBLING_PCT}% a doubling, overlap_sweep.txt)")
+    overlap: list[str] = []
+    if i.fragments > 1:
+        pct, phrase = QUALITY[f"fragments{i.overlap_steps}"]
+        total += pct
+        overlap.append(phrase.replace("fragments", f"fragments {i.fragments}", 1))
+    elif i.overlap == "eager":
+        total += QUALITY["eager"][0]
+        overlap.append(QUALITY["eager"][1])
+    elif i.overlap == "inner":
+        share = max(p.lands_after for p in c.predictions) / i.inner_steps
+        _, pct, phrase = next(row for row in INNER if share <= row[0])
+        total += pct
+        overlap.append(f"inner, landing by {share:.2f} H at the largest N: {phrase} (overlap_sweep.txt)")
+    if (i.overlap, i.overlap_steps, i.fragments) != (b.overlap, b.overlap_steps, b.fragments):
+        phrases += overlap  # its cost counts in the total either way
+    if i.group != b.group:
+        phrases.append(QUALITY["group"][1])
+    return total, tuple(phrases if c.sets else ())
+
+
+def recommend(base: plan.Inputs, nodes: tuple[int, ...] = plan.DEFAULT_NODES,
+              cal: plan.Calibration | None = None) -> Advice:
+    """The best settings for `base`'s links over `nodes` (see the module docstring)."""
+    cal = cal or plan.Calibration()
+    baseline = Candidate(base, fields_of(base), plan.sweep(base, nodes, cal))
+    if baseline.lowest >= TARGET:
+        return Advice(baseline, None, [], "")
+    found: list[Candidate] = []
+    for inp, extra, h_factor in _options(base, nodes):
+        fields = {**fields_of(inp), **extra}
+        if not is_valid({**baseline.fields, **fields}):  # what the user's config becomes with the lines pasted
+            continue
+        c = Candidate(inp, fields, plan.sweep(inp, nodes, cal))
+        c.sets = tuple(f"{k}={_value(v)}" for k, v in sorted(fields.items()) if baseline.fields.get(k) != v
+                       and not (k == "sync.overlap_steps" and v == 0 and "sync.overlap_steps" not in baseline.fields))
+        c.cost, c.phrases = _cost(c, baseline, h_factor)
+        found.append(c)
+    reach = sorted((c for c in found if c.lowest >= TARGET), key=lambda c: (round(c.cost, 3), len(c.sets), -c.lowest))
+    if reach:
+        best, others = reach[0], []
+        for c in reach[1:]:
+            if c.approach != best.approach and all(c.approach != o.approach for o in others) and len(others) < 2:
+                others.append(c)
+        return Advice(baseline, best, others, "")
+    best = max(found, key=lambda c: (round(c.lowest, 3), -c.cost, -len(c.sets)), default=None)
+    if best is None or best.lowest <= baseline.lowest:
+        return Advice(baseline, None, [], why_not(baseline))
+    return Advice(baseline, best, [], why_not(best))
+
+
+def why_not(c: Candidate) -> str:
+    """What keeps `c` below TARGET at its worst N: the largest cost besides compute, and the H that
+    would reach TARGET with the round's exposed seconds as they are (compute >= 9 x exposed)."""
+    worst = min(c.predictions, key=lambda p: p.utilization)
+    cause = max((k for k in worst.parts if k != "compute"), key=worst.parts.__getitem__, default="compute")
+    step = c.inputs.step_seconds
+    need = math.ceil(TARGET / (1 - TARGET) * (worst.round_seconds - worst.parts["compute"]) / step)
+    return (f"at N={worst.nodes:,} {cause} still takes {worst.parts.get(cause, 0.0):.0f} s of a "
+            f"{worst.round_seconds:.0f} s round; at those exposed seconds H >= {need:,} steps would reach it")
+
+
+def render(advice: Advice) -> list[str]:
+    """The lines `plan` prints after its table."""
+    base = advice.baseline
+    if advice.best is None:
+        if base.lowest >= TARGET:
+            return [f"Utilization is at least {TARGET} at every N: nothing to change."]
+        return [f"No setting tried raises the lowest utilization ({base.lowest:.2f}): {advice.why}."]
+    best = advice.best
+    head = (f"Recommended: utilization >= {TARGET} at every N; quality cost about {best.cost:+.1f}% (summed, "
+            "measured on the tiny preset):" if best.lowest >= TARGET else
+            f"No setting tried reaches {TARGET} at every N ({advice.why}); the closest:")
+    lines = [head, "  " + _sets(best)]
+    lines += [f"  {'N':>6}" + "".join(f"{p.nodes:>6}" for p in base.predictions),
+              f"  {'now':>6}" + "".join(f"{p.utilization:>6.2f}" for p in base.predictions),
+              f"  {'then':>6}" + "".join(f"{p.utilization:>6.2f}" for p in best.predictions)]
+    lines += [f"  {p}" for p in best.phrases]
+    if advice.alternatives:
+        lines.append(f"Also >= {TARGET} at every N:")
+        lines += [f"  {_sets(c)}  (lowest {c.lowest:.2f}, about {c.cost:+.1f}%)" for c in advice.alternatives]
+    return lines
+
+
+def _sets(c: Candidate) -> str:
+    return " ".join(f"--set {s}" for s in c.sets)
