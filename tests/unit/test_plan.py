@@ -381,7 +381,7 @@ def _plan_block() -> str:
 
     root = Path(__file__).resolve().parents[2]
     for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
-        for block in re.findall(r"```\n(.*?)\n```", page.read_text() if page.exists() else "", re.S):
+        for block in re.findall(r"^```[a-z]*\n(.*?)\n```$", page.read_text() if page.exists() else "", re.S | re.M):
             if block.startswith("diloco-p2p plan --params 150M") and "--compression int8" in block:
                 return block
     raise AssertionError("no page shows the `diloco-p2p plan --params 150M ... --compression int8` example")
