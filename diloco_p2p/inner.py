@@ -19,8 +19,9 @@ defaults to ``inner.lr`` (torch's default, "original", scales by √max(1, A/B) 
 need a tuning of its own, shifting with the width). Weight decay is decoupled in both (θ ← θ·(1 − lr·λ)), λ = ``inner.weight_decay``.
 Both lrs follow the same warmup + cosine factor (one `LambdaLR` each). The choice is per node: θ moves
 only by the swarm's agreed average, so nodes of one swarm may differ in it (``inner.*`` is outside
-`Config.SWARM_FIELDS`, but for ``seq_len``). Muon does not take FSDP's sharded (DTensor)
-parameters: a node of several local ranks refuses it.
+`Config.SWARM_FIELDS`, but for ``seq_len``). A node of several local ranks refuses Muon: its
+Newton–Schulz step orthogonalizes whole matrices, which FSDP shards row-wise across the ranks
+(torch does not document DTensor support; on one rank's FSDP it ran, on N it is untested here).
 """
 
 from __future__ import annotations
@@ -92,15 +93,16 @@ class InnerTrainer:
                  precision: str = "auto", ranks: Ranks | None = None, faults: Faults | None = None):
         self.model, self.cfg, self.device = model, cfg, device
         self.ranks, self.faults = ranks or Ranks(device), faults or Faults()
-        if cfg.optimizer == "muon" and self.ranks.sharded:
-            raise UserError(f"inner.optimizer=muon runs on one local rank, not {self.ranks.world_size}: "
-                            "torch.optim.Muon does not take FSDP's sharded parameters; use --nproc-per-node 1 "
-                            "or inner.optimizer=adamw")
+        dtensors = any(isinstance(p, DTensor) for p in model.parameters())  # FSDP's, on N ranks (or 1 in tests)
+        if cfg.optimizer == "muon" and (self.ranks.sharded or dtensors):
+            raise UserError(f"inner.optimizer=muon needs the model whole on one local rank (this node has "
+                            f"{self.ranks.world_size}, FSDP-sharded): torch.optim.Muon is not supported on FSDP's "
+                            "sharded parameters here; use --nproc-per-node 1 or inner.optimizer=adamw")
         hidden, rest = muon_split(model) if cfg.optimizer == "muon" else ([], list(model.parameters()))
         decay = [p for p in rest if p.ndim >= 2]
         no_decay = [p for p in rest if p.ndim < 2]
         # One fused kernel for the whole update on a GPU (FSDP's DTensor parameters keep foreach).
-        fused = device.type == "cuda" and not any(isinstance(p, DTensor) for p in model.parameters())
+        fused = device.type == "cuda" and not dtensors
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None,

@@ -104,7 +104,8 @@ def test_a_checkpoint_of_the_other_optimizer_is_refused_with_one_line(tmp_path):
 
 
 def test_muon_on_several_local_ranks_is_refused_with_one_line():
-    with pytest.raises(UserError, match="inner.optimizer=muon runs on one local rank, not 2: torch.optim.Muon"):
+    with pytest.raises(UserError, match=r"inner.optimizer=muon needs the model whole on one local rank "
+                                        r"\(this node has 2, FSDP-sharded\)"):
         InnerTrainer(_model(), InnerConfig(optimizer="muon"), 10, CPU, ranks=Ranks(CPU, rank=0, world_size=2))
 
 
