@@ -16,12 +16,14 @@ torch's docs advise: the token embedding and lm_head (not hidden layers), norms 
 Training", arXiv:2502.16982): each matrix's orthogonalized update is scaled by 0.2·√max(A, B), to
 about the RMS of an AdamW update, so AdamW's lr and weight decay carry over and ``inner.muon_lr``
 defaults to ``inner.lr`` (torch's default, "original", scales by √max(1, A/B) only: its lr would
-need a tuning of its own, shifting with the width). Weight decay is decoupled in both (θ ← θ·(1 − lr·λ)), λ = ``inner.weight_decay``.
-Both lrs follow the same warmup + cosine factor (one `LambdaLR` each). The choice is per node: θ moves
-only by the swarm's agreed average, so nodes of one swarm may differ in it (``inner.*`` is outside
-`Config.SWARM_FIELDS`, but for ``seq_len``). A node of several local ranks refuses Muon: its
-Newton–Schulz step orthogonalizes whole matrices, which FSDP shards row-wise across the ranks
-(torch does not document DTensor support; on one rank's FSDP it ran, on N it is untested here).
+need a tuning of its own, shifting with the width). Weight decay is decoupled in both (θ ← θ·(1 −
+lr·λ)), λ = ``inner.weight_decay``. Both lrs follow the same warmup + cosine factor (one `LambdaLR`
+each). On the tiny preset the transfer does not hold: Muon's best lr was 4-16x ``inner.lr``
+(`benchmarks/results/muon_tiny.txt`). The choice is per node: θ moves only by the swarm's agreed
+average, so nodes of one swarm may differ in it (``inner.*`` is outside `Config.SWARM_FIELDS`, but
+for ``seq_len``). A node of several local ranks refuses Muon: its Newton–Schulz step orthogonalizes
+whole matrices, which FSDP shards row-wise across the ranks (torch does not document DTensor
+support; on one rank's FSDP it ran, on N it is untested here).
 """
 
 from __future__ import annotations
