@@ -119,6 +119,16 @@ class InnerConfig(_Section):
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value (0 = off).")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="The inner optimizer: `adamw`, or `muon` (MuLoCo, Thérien et al. 2025): Muon on the "
+        "hidden layers' 2-D weight matrices, AdamW on the embeddings, lm_head and norms. Chosen per node (θ moves "
+        "only by the swarm's average); one local rank only (not with FSDP).",
+    )
+    muon_lr: float | None = Field(
+        None, gt=0, description="Peak Muon learning rate under inner.optimizer=muon, on the same schedule; unset = "
+        "`inner.lr` (the update is scaled to AdamW's RMS, torch's `match_rms_adamw`, so AdamW's lr carries over).",
+    )
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon's Nesterov momentum under inner.optimizer=muon.")
 
 
 class OuterConfig(_Section):

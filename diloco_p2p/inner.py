@@ -1,12 +1,29 @@
-"""The inner optimizer: AdamW steps on this node's own data.
+"""The inner optimizer: AdamW (or Muon) steps on this node's own data.
 
 On a node of N local ranks the model is FSDP-sharded (`diloco_p2p.fsdp`): AdamW runs on the
 sharded parameters, and each step's loss and tokens are made node-wide with one small
 all-reduce, so every rank reports the node's mean loss and total tokens.
 
 Warmup + cosine schedule over the whole run, global-norm clipping, gradient accumulation,
-bf16 autocast on CUDA and fp32 on CPU. The AdamW state is local to the node and persists
+bf16 autocast on CUDA and fp32 on CPU. The optimizer state is local to the node and persists
 across rounds (DiLoCo resets only the parameters to θ at the start of a round).
+
+``inner.optimizer: muon`` is MuLoCo (Thérien et al. 2025, "MuLoCo: Muon is a practical inner
+optimizer for DiLoCo", arXiv:2505.23725): `torch.optim.Muon` on the hidden layers' 2-D weight
+matrices (attention and MLP projections, `muon_split`), AdamW on the rest, as Muon's authors and
+torch's docs advise: the token embedding and lm_head (not hidden layers), norms and biases (not
+2-D). Muon runs with ``adjust_lr_fn="match_rms_adamw"`` (Moonshot, "Muon is Scalable for LLM
+Training", arXiv:2502.16982): each matrix's orthogonalized update is scaled by 0.2·√max(A, B), to
+about the RMS of an AdamW update, so AdamW's lr and weight decay carry over and ``inner.muon_lr``
+defaults to ``inner.lr`` (torch's default, "original", scales by √max(1, A/B) only: its lr would
+need a tuning of its own, shifting with the width). Weight decay is decoupled in both (θ ← θ·(1 −
+lr·λ)), λ = ``inner.weight_decay``. Both lrs follow the same warmup + cosine factor (one `LambdaLR`
+each). On the tiny preset the transfer does not hold: Muon's best lr was 4-16x ``inner.lr``
+(`benchmarks/results/muon_tiny.txt`). The choice is per node: θ moves only by the swarm's agreed
+average, so nodes of one swarm may differ in it (``inner.*`` is outside `Config.SWARM_FIELDS`, but
+for ``seq_len``). A node of several local ranks refuses Muon: its Newton–Schulz step orthogonalizes
+whole matrices, which FSDP shards row-wise across the ranks (torch does not document DTensor
+support; on one rank's FSDP it ran, on N it is untested here).
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from diloco_p2p.config import InnerConfig
+from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
 from diloco_p2p.fsdp import reshard
 from diloco_p2p.ranks import Ranks
@@ -32,6 +50,19 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callable[[int], 
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def muon_split(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(Muon's, AdamW's) parameters: the 2-D weight matrices of the hidden layers, and the rest
+    (input and output embeddings, whether tied or not; norms, biases)."""
+    io = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    io += [head] if head is not None else []
+    outside = {id(p) for m in io for p in m.parameters()}
+    params = list(model.parameters())
+    hidden = [p for p in params if p.ndim == 2 and id(p) not in outside]
+    chosen = {id(p) for p in hidden}
+    return hidden, [p for p in params if id(p) not in chosen]
 
 
 class StepStats:
@@ -57,24 +88,35 @@ class StepStats:
 
 
 class InnerTrainer:
-    """AdamW with its schedule. Fault point for tests: ``rank{R}.step:{S}`` fires on local rank R
-    before global inner step S (`diloco_p2p.faults`)."""
+    """AdamW (under ``inner.optimizer=muon``: Muon and AdamW) with its schedule. Fault point for
+    tests: ``rank{R}.step:{S}`` fires on local rank R before global inner step S (`diloco_p2p.faults`)."""
 
     def __init__(self, model: torch.nn.Module, cfg: InnerConfig, total_steps: int, device: torch.device,
                  precision: str = "auto", ranks: Ranks | None = None, faults: Faults | None = None):
         self.model, self.cfg, self.device = model, cfg, device
         self.ranks, self.faults = ranks or Ranks(device), faults or Faults()
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        dtensors = any(isinstance(p, DTensor) for p in model.parameters())  # FSDP's, on N ranks (or 1 in tests)
+        if cfg.optimizer == "muon" and (self.ranks.sharded or dtensors):
+            raise UserError(f"inner.optimizer=muon needs the model whole on one local rank (this node has "
+                            f"{self.ranks.world_size}, FSDP-sharded): torch.optim.Muon is not supported on FSDP's "
+                            "sharded parameters here; use --nproc-per-node 1 or inner.optimizer=adamw")
+        hidden, rest = muon_split(model) if cfg.optimizer == "muon" else ([], list(model.parameters()))
+        decay = [p for p in rest if p.ndim >= 2]
+        no_decay = [p for p in rest if p.ndim < 2]
         # One fused kernel for the whole update on a GPU (FSDP's DTensor parameters keep foreach).
-        fused = device.type == "cuda" and not any(isinstance(p, DTensor) for p in model.parameters())
+        fused = device.type == "cuda" and not dtensors
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_cosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-        )
+        factor = warmup_cosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.muon: torch.optim.Muon | None = None
+        self.muon_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if cfg.optimizer == "muon":
+            self.muon = torch.optim.Muon(hidden, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay,
+                                         momentum=cfg.muon_momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
+            self.muon_scheduler = torch.optim.lr_scheduler.LambdaLR(self.muon, factor)
         use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
         self._autocast = (
             (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
@@ -102,9 +144,10 @@ class InnerTrainer:
             tokens += batch[:, 1:].numel()
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer, scheduler in self._stepped():
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda" and not self.ranks.sharded:  # read later (`StepStats`)
             host = torch.empty((), dtype=torch.float32, pin_memory=True)
             host.copy_(total, non_blocking=True)
@@ -124,13 +167,38 @@ class InnerTrainer:
         reshard(self.model)  # on N ranks: the next forward reads θ from the shards again (`fsdp.reshard`)
         return sum(losses) / len(losses)
 
+    def _stepped(self) -> list[tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]]:
+        pairs = [(self.optimizer, self.scheduler)]
+        return pairs + ([(self.muon, self.muon_scheduler)] if self.muon is not None else [])
+
     @property
     def lr(self) -> float:
+        """AdamW's current lr (Muon's, under muon, is ``inner.muon_lr / inner.lr`` times it)."""
         return self.scheduler.get_last_lr()[0]
 
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """Each optimizer by its key in `state_dict`: ``optimizer`` (AdamW), and ``muon`` under muon."""
+        return {"optimizer": self.optimizer, **({"muon": self.muon} if self.muon is not None else {})}
+
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Under adamw the same keys as before Muon existed (older checkpoints stay resumable)."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.muon is not None:
+            state |= {"muon": self.muon.state_dict(), "muon_scheduler": self.muon_scheduler.state_dict()}
+        return state
+
+    def check_state(self, state: dict, where: str = "the inner state") -> None:
+        """`UserError` if `state` was written under the other ``inner.optimizer``."""
+        written = "muon" if "muon" in state else "adamw"
+        if written != self.cfg.optimizer:
+            raise UserError(f"{where} holds inner.optimizer={written} state, this node runs "
+                            f"{self.cfg.optimizer}; resume with --set inner.optimizer={written}")
 
     def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.muon is not None:
+            self.muon.load_state_dict(state["muon"])
+            self.muon_scheduler.load_state_dict(state["muon_scheduler"])

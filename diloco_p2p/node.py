@@ -523,7 +523,8 @@ class Node:
         theta, momentum = self.layout.to_full(self.outer.theta), self.layout.to_full(self.outer.momentum)
         error = self.layout.to_full(self.feedback.error) if self.feedback.enabled else None
         trainer_state = self.trainer.state_dict()
-        optimizer = gather_optimizer_state(trainer_state["optimizer"], keep=leader)
+        for key in self.trainer.optimizers:  # AdamW, and Muon under inner.optimizer=muon
+            trainer_state[key] = gather_optimizer_state(trainer_state[key], keep=leader)
         params_sha256 = self.params_sha256()
         overlap: dict[str, Any] = {}
         extra: dict[str, Any] = {}
@@ -543,7 +544,7 @@ class Node:
             tensors["fragments.local"] = trained
         if error is not None:
             tensors["feedback.error"] = error
-        inner = split_tensors({"optimizer": optimizer, "scheduler": trainer_state["scheduler"]}, tensors, "inner")
+        inner = split_tensors(trainer_state, tensors, "inner")
         meta = {
             "inner": inner, "data_position": asdict(self.data.position), "swarm_view": self.swarm_view,
             "config_hash": self.config.swarm_hash(), "params_sha256": params_sha256, "version": __version__,
@@ -568,7 +569,9 @@ class Node:
             self.feedback.load(self.layout.to_local(ckpt.tensors["feedback.error"]))
         if "inner" in ckpt.meta:  # absent in a state fetched from the swarm: a fresh AdamW then
             state = join_tensors(ckpt.meta["inner"], ckpt.tensors)
-            state["optimizer"] = shard_optimizer_state(self.trainer.optimizer, state["optimizer"])
+            self.trainer.check_state(state, f"checkpoint round {ckpt.round}")
+            for key, optimizer in self.trainer.optimizers.items():
+                state[key] = shard_optimizer_state(optimizer, state[key])
             self.trainer.load_state_dict(state)
         if "data_position" in ckpt.meta:
             self.data.position = DataPosition(**ckpt.meta["data_position"])

@@ -174,3 +174,39 @@ def test_two_ranks_on_one_gpu_are_refused_in_one_line(tmp_path):
     )
     assert proc.returncode != 0
     assert "only 1 are visible" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_muon_trains_on_the_gpu_and_its_checkpoint_resumes_bit_exactly(tmp_path):
+    muon = [*GPU, "inner.optimizer=muon", "inner.muon_lr=6e-3", "inner.total_steps=8"]
+    straight = _node(tmp_path / "straight", muon, rounds=4)
+    assert straight.trainer.optimizer.defaults["fused"]  # AdamW on the rest keeps its fused kernel
+    records = straight.run()
+    assert all(s["momentum_buffer"].device.type == "cuda" for s in straight.trainer.muon.state.values())
+    assert records[-1].eval_loss < records[0].eval_loss - 1.0
+    _node(tmp_path / "resumed", muon, rounds=2).run()
+    resumed = _node(tmp_path / "resumed", muon, rounds=4)
+    assert resumed.round == 2
+    assert [r.params_sha256 for r in resumed.run()] == [r.params_sha256 for r in records[-2:]]
+
+
+def test_muon_on_fsdp_parameters_is_refused_in_one_line(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from diloco_p2p.errors import UserError
+    from diloco_p2p.fsdp import shard_model
+    from diloco_p2p.inner import InnerTrainer
+    from diloco_p2p.model import build_model
+    from diloco_p2p.ranks import Ranks
+
+    config = load_config(None, [*GPU, "inner.optimizer=muon"])
+    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            device_id=device)
+    try:
+        ranks = Ranks(device, 0, 1, init_device_mesh("cuda", (1,)))
+        model = shard_model(build_model(config.model, 259, seed=0), ranks, "auto")
+        with pytest.raises(UserError, match="torch.optim.Muon is not supported on FSDP's sharded parameters"):
+            InnerTrainer(model, config.inner, 40, device, "fp32", ranks)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,141 @@
+"""The inner optimizer under ``inner.optimizer=muon`` (MuLoCo): which parameters Muon takes, the
+schedule of both lrs, bit-exact resume from a checkpoint, and a swarm of mixed optimizers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from diloco_p2p.checkpoint import load_checkpoint
+from diloco_p2p.config import InnerConfig, load_config
+from diloco_p2p.errors import UserError
+from diloco_p2p.inner import InnerTrainer, muon_split, warmup_cosine
+from diloco_p2p.model import build_model
+from diloco_p2p.node import Node
+from diloco_p2p.ranks import Ranks
+from diloco_p2p.simulate import Rendezvous, ReplicaSync
+from tests.unit.test_node import SMALL, ScriptedSync
+
+CPU = torch.device("cpu")
+MUON = ["inner.optimizer=muon"]
+
+
+def _model(**extra):
+    return build_model(load_config(None, ["model.preset=tiny", *[f"model.extra.{k}={v}" for k, v in extra.items()]])
+                       .model, 259, seed=0)
+
+
+def _names(model, params):
+    ids = {id(p) for p in params}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_muon_takes_the_hidden_matrices_and_adamw_the_embeddings_head_and_norms(tied):
+    model = _model(tie_word_embeddings=tied)
+    hidden, rest = muon_split(model)
+    names = {n for n, _ in model.named_parameters()}
+    projections = {n for n in names if ("self_attn." in n or "mlp." in n) and n.endswith("_proj.weight")}
+    assert len(projections) == 3 * 7 and _names(model, hidden) == projections
+    assert _names(model, rest) == names - projections
+    assert "model.embed_tokens.weight" in _names(model, rest)
+    assert ("lm_head.weight" in names) != tied and not {"lm_head.weight"} & _names(model, hidden)
+
+    trainer = InnerTrainer(model, InnerConfig(optimizer="muon"), 10, CPU)
+    assert [p for g in trainer.muon.param_groups for p in g["params"]] == hidden
+    adamw = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert {id(p) for p in adamw} == {id(p) for p in rest}
+    decay, no_decay = trainer.optimizer.param_groups
+    assert all(p.ndim == 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+    assert trainer.muon.defaults["adjust_lr_fn"] == "match_rms_adamw" and trainer.muon.defaults["momentum"] == 0.95
+
+
+def test_under_adamw_one_optimizer_holds_every_parameter_and_the_state_keeps_its_keys():
+    model = _model()
+    trainer = InnerTrainer(model, InnerConfig(), 10, CPU)
+    assert trainer.muon is None and list(trainer.optimizers) == ["optimizer"]
+    assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == len(list(model.parameters()))
+    assert set(trainer.state_dict()) == {"optimizer", "scheduler"}
+
+
+def test_the_schedule_drives_both_lrs():
+    cfg = InnerConfig(optimizer="muon", lr=1e-3, muon_lr=3e-3, warmup_steps=3, min_lr_ratio=0.1)
+    trainer = InnerTrainer(_model(), cfg, 12, CPU)
+    factor = warmup_cosine(3, 12, 0.1)
+    data = torch.randint(3, 259, (2, 17), generator=torch.Generator().manual_seed(0))
+    for step in range(12):
+        assert trainer.lr == pytest.approx(1e-3 * factor(step))
+        assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx([1e-3 * factor(step)] * 2)
+        assert trainer.muon.param_groups[0]["lr"] == pytest.approx(3e-3 * factor(step))
+        trainer.step(lambda: data)
+    assert trainer.muon.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.1)
+    # unset, Muon's lr is inner.lr: match_rms_adamw scales its update to AdamW's
+    assert InnerTrainer(_model(), InnerConfig(optimizer="muon", lr=2e-3), 12, CPU).muon.defaults["lr"] == 2e-3
+
+
+def test_a_muon_node_resumed_from_its_checkpoint_matches_a_straight_run_bit_exactly(tmp_path):
+    common = [*SMALL, *MUON, "inner.total_steps=8"]
+    straight = Node(load_config(None, [*common, "train.max_rounds=4"]), tmp_path / "straight", ScriptedSync(),
+                    progress=False).run()
+    Node(load_config(None, [*common, "train.max_rounds=2"]), tmp_path / "resumed", ScriptedSync(),
+         progress=False).run()
+    ckpt = load_checkpoint(tmp_path / "resumed" / "checkpoints")
+    assert ckpt.round == 2 and any(k.startswith("inner.muon.state.") for k in ckpt.tensors)
+    assert sorted(p.suffix for p in (tmp_path / "resumed" / "checkpoints").glob("round-000002.*")) == [
+        ".json", ".safetensors"]
+    resumed = Node(load_config(None, [*common, "train.max_rounds=4"]), tmp_path / "resumed", ScriptedSync(),
+                   progress=False)
+    assert resumed.round == 2
+    momentum = [s["momentum_buffer"] for s in resumed.trainer.muon.state.values()]
+    assert momentum and all(m.abs().sum() > 0 for m in momentum)
+    records = resumed.run()
+    assert [r.round for r in records] == [3, 4]
+    assert [r.params_sha256 for r in records] == [r.params_sha256 for r in straight[-2:]]
+
+
+def test_a_checkpoint_of_the_other_optimizer_is_refused_with_one_line(tmp_path):
+    Node(load_config(None, [*SMALL, "train.max_rounds=1"]), tmp_path / "run", ScriptedSync(), progress=False).run()
+    with pytest.raises(UserError, match=r"checkpoint round 1 holds inner.optimizer=adamw state, this node runs "
+                                        r"muon; resume with --set inner.optimizer=adamw"):
+        Node(load_config(None, [*SMALL, *MUON, "train.max_rounds=2"]), tmp_path / "run", ScriptedSync(),
+             progress=False)
+
+
+def test_muon_on_several_local_ranks_is_refused_with_one_line():
+    with pytest.raises(UserError, match=r"inner.optimizer=muon needs the model whole on one local rank "
+                                        r"\(this node has 2, FSDP-sharded\)"):
+        InnerTrainer(_model(), InnerConfig(optimizer="muon"), 10, CPU, ranks=Ranks(CPU, rank=0, world_size=2))
+
+
+def test_the_config_checks_muon_fields_and_keeps_them_out_of_the_swarm_hash():
+    adamw, muon = load_config(None, []), load_config(None, [*MUON, "inner.muon_lr=0.01", "inner.muon_momentum=0.9"])
+    assert (adamw.inner.optimizer, adamw.inner.muon_lr, adamw.inner.muon_momentum) == ("adamw", None, 0.95)
+    assert adamw.swarm_hash() == muon.swarm_hash()
+    for bad, field in [("inner.optimizer=sgd", "inner.optimizer"), ("inner.muon_lr=0", "inner.muon_lr"),
+                       ("inner.muon_momentum=1", "inner.muon_momentum")]:
+        with pytest.raises(UserError, match=f"--set {bad}: field '{field}'"):
+            load_config(None, [bad])
+
+
+def test_an_adamw_node_and_a_muon_node_agree_on_theta_every_round(tmp_path):
+    configs = {"a": load_config(None, [*SMALL, "train.max_rounds=3"]),
+               "b": load_config(None, [*SMALL, *MUON, "train.max_rounds=3"])}
+    rendezvous = Rendezvous(list(configs), configs["a"].sync)
+    nodes = {k: Node(c, tmp_path / k, ReplicaSync(k, rendezvous), progress=False) for k, c in configs.items()}
+    assert nodes["a"].trainer.muon is None and nodes["b"].trainer.muon is not None
+    records: dict = {}
+
+    def run(key: str) -> None:
+        with rendezvous.baton:
+            records[key] = nodes[key].run()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status for r in records["a"]] == ["init"] + ["committed"] * 3
+    assert [r.params_sha256 for r in records["a"]] == [r.params_sha256 for r in records["b"]]
+    assert records["a"][-1].train_loss != records["b"][-1].train_loss  # each trained its own way
