@@ -246,6 +246,9 @@ def test_compose_commands_parse_with_the_cli(capsys):
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     commands = {name: s["command"] for name, s in services.items() if "command" in s and "build" in s}
     assert {"seed", "node1", "node2"} <= set(commands)
+    for name in commands:  # the Dockerfile's inputs: a base image and the wheelhouse
+        build = services[name]["build"]
+        assert "BASE_IMAGE" in build["args"] and "wheels" in build["additional_contexts"], name
     for argv in commands.values():
         _parse_cli([str(a) for a in argv], capsys)
 
@@ -292,6 +295,13 @@ def test_compose_nodes_read_the_seed_address_from_its_volume():
 def test_dockerfile():
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^ARG VARIANT=cpu$", text, re.M)
+    # No registry is needed: the base image is a build argument (deploy/smoke.sh makes one with
+    # debootstrap), and pip installs offline from the `wheels` build context, mounted for that step.
+    assert re.search(r"^ARG BASE_IMAGE=\S*debian:bookworm\S*$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base$", text, re.M)
+    assert re.search(r"--mount=type=bind,from=wheels,target=/wheels", text)
+    pip = re.findall(r"\bpip install\b[^\n]*", text)
+    assert pip and all("--no-index" in line and "--find-links /wheels" in line for line in pip), pip
     stages = set(re.findall(r"^FROM \S+ AS (\S+)$", text, re.M))
     assert {"torch-cpu", "torch-cuda"} <= stages
     assert re.search(r"^FROM torch-\$\{VARIANT\}$", text, re.M)
