@@ -56,7 +56,7 @@ NAME=diloco-smoke-$$
 BUILD_ONLY=0
 [ "${1:-}" = --build-only ] && BUILD_ONLY=1
 
-for tool in podman runc debootstrap "$PYTHON"; do
+for tool in podman runc "$PYTHON"; do
     command -v "$tool" >/dev/null || { echo "smoke: $tool is not installed" >&2; exit 2; }
 done
 [ "$BUILD_ONLY" = 1 ] || command -v prometheus >/dev/null \
@@ -110,11 +110,12 @@ wait_for() {
 
 # -- 1. the base image ---------------------------------------------------------------------------
 if ! podman image exists "$BASE_IMAGE"; then
+    command -v debootstrap >/dev/null || { echo "smoke: debootstrap is not installed" >&2; exit 2; }
     echo "+ debootstrap --variant=minbase bookworm ($DEBIAN_MIRROR) -> $BASE_IMAGE"
     t=$(now)
     nice -n "$NICE" debootstrap --variant=minbase bookworm "$WORK/rootfs" "$DEBIAN_MIRROR" >"$WORK/debootstrap.log" 2>&1 \
         || { tail -n 20 "$WORK/debootstrap.log" >&2; exit 1; }
-    tar -C "$WORK/rootfs" -c . | podman import - "$BASE_IMAGE" >/dev/null
+    tar -C "$WORK/rootfs" -c . | podman import -q - "$BASE_IMAGE" >/dev/null
     rm -rf "$WORK/rootfs"
     echo "measured: base image in $(since "$t") s"
 fi
@@ -122,7 +123,9 @@ fi
 # -- 2. the wheelhouse ---------------------------------------------------------------------------
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
     || { echo "smoke: $PYTHON is not Python 3.11, whose wheels Debian bookworm's python3 needs" >&2; exit 2; }
-mapfile -t DEPS < <("$PYTHON" -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")')
+# The dependencies and the build backend (pip builds the project inside the image, offline).
+mapfile -t DEPS < <("$PYTHON" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))
+print(*p["project"]["dependencies"], *p["build-system"]["requires"], sep="\n")')
 # The requirements it was made for are kept next to it: the same ones reuse it without asking pip.
 REQUIREMENTS="torch==$TORCH_VERSION ${DEPS[*]}"
 if [ "$(cat "$CACHE/wheels/.requirements" 2>/dev/null)" != "$REQUIREMENTS" ]; then
@@ -144,7 +147,8 @@ t=$(now)
 nice -n "$NICE" "${PODMAN[@]}" build -q --network host --skip-unused-stages=false \
     -f deploy/Dockerfile --ignorefile deploy/Dockerfile.dockerignore \
     --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg TORCH_VERSION="$TORCH_VERSION" \
-    --build-context wheels="$CACHE/wheels" -t "$IMAGE" . >/dev/null
+    --build-context wheels="$CACHE/wheels" -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
+    || { tail -n 30 "$WORK/build.log" >&2; exit 1; }
 echo "measured: image build in $(since "$t") s; $IMAGE is $(podman image inspect --format '{{.Size}}' "$IMAGE" \
     | awk '{ printf "%.2f GB", $1 / 1e9 }')"
 [ "$BUILD_ONLY" = 1 ] && exit 0
