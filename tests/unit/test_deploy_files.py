@@ -246,6 +246,9 @@ def test_compose_commands_parse_with_the_cli(capsys):
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     commands = {name: s["command"] for name, s in services.items() if "command" in s and "build" in s}
     assert {"seed", "node1", "node2"} <= set(commands)
+    for name in commands:  # the Dockerfile's inputs: a base image and the wheelhouse
+        build = services[name]["build"]
+        assert "BASE_IMAGE" in build["args"] and "wheels" in build["additional_contexts"], name
     for argv in commands.values():
         _parse_cli([str(a) for a in argv], capsys)
 
@@ -292,6 +295,13 @@ def test_compose_nodes_read_the_seed_address_from_its_volume():
 def test_dockerfile():
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^ARG VARIANT=cpu$", text, re.M)
+    # No registry is needed: the base image is a build argument (deploy/smoke.sh makes one with
+    # debootstrap), and pip installs offline from the `wheels` build context, mounted for that step.
+    assert re.search(r"^ARG BASE_IMAGE=\S*debian:bookworm\S*$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base$", text, re.M)
+    assert re.search(r"--mount=type=bind,from=wheels,target=/wheels", text)
+    pip = re.findall(r"\bpip install\b[^\n]*", text)
+    assert pip and all("--no-index" in line and "--find-links /wheels" in line for line in pip), pip
     stages = set(re.findall(r"^FROM \S+ AS (\S+)$", text, re.M))
     assert {"torch-cpu", "torch-cuda"} <= stages
     assert re.search(r"^FROM torch-\$\{VARIANT\}$", text, re.M)
@@ -374,3 +384,54 @@ def test_readme_metric_table_matches_the_exports():
             families.add(f.name + "_total" if f.type == "counter" else f.name)
     documented = set(re.findall(r"^\| `(diloco_[a-z_]+)[`{]", (DEPLOY / "README.md").read_text(), re.M))
     assert documented == families, (sorted(families - documented), sorted(documented - families))
+
+
+# -- deploy/smoke.sh's checks (the script itself runs in tests/integration/test_deploy_image.py) --
+
+
+def _smoke_checks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smoke_checks", DEPLOY / "smoke_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_checks_evaluate_every_dashboard_query():
+    queries = _smoke_checks().grafana_queries(dashboard())
+    targets = [t for p in dashboard()["panels"] for t in p.get("targets", [])]
+    assert len(queries) == len(targets) + len(dashboard()["templating"]["list"])
+    assert all("$" not in q for _, q in queries)
+    assert {m for _, q in queries for m in METRIC.findall(q)} == {m for q in dashboard_queries()
+                                                                 for m in METRIC.findall(q)}
+
+
+def _write_records(run_dir: Path, rows: list[tuple[int, str, str]]) -> str:
+    run_dir.mkdir()
+    lines = [{"round": r, "status": status, "params_sha256": h, "group_size": 2} for r, status, h in rows]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"round": 4')
+    return str(run_dir)
+
+
+def test_smoke_checks_theta(tmp_path):
+    checks = _smoke_checks()
+    a = _write_records(tmp_path / "a", [(0, "init", "0"), (1, "committed", "1"), (2, "committed", "2")])
+    b = _write_records(tmp_path / "b", [(0, "init", "0"), (1, "committed", "1"), (2, "committed", "2")])
+    c = _write_records(tmp_path / "c", [(0, "init", "0"), (1, "committed", "1"), (2, "committed", "x")])
+    d = _write_records(tmp_path / "d", [(0, "init", "0"), (1, "alone", "1"), (2, "committed", "2")])
+    e = _write_records(tmp_path / "e", [(0, "init", "0"), (1, "committed", "1"), (2, "committed", "1")])
+    assert checks.committed([a, b]) == 2 and checks.committed([a, d]) == 1  # the half line is left out
+    assert checks.same_theta(2, [a, b]) == []
+    assert checks.same_theta(3, [a, b]) == ["round 3: not committed by every node: [None, None]"]
+    assert checks.same_theta(2, [a, c]) == ["round 2: θ differs: ['2', 'x']"]
+    assert checks.same_theta(2, [a, d]) == ["round 1: not committed by every node: ['committed', 'alone']"]
+    assert checks.same_theta(2, [e, e]) == ["θ did not change between rounds"]
+
+
+def test_smoke_script_parses_and_cleans_up_on_every_exit():
+    script = (DEPLOY / "smoke.sh").read_text()
+    out = subprocess.run(["bash", "-n", str(DEPLOY / "smoke.sh")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "trap cleanup EXIT" in script and "trap 'exit 130' INT TERM" in script
+    assert "--runtime runc" in script and "--ulimit nofile=1024:1024 --ulimit nproc=4096:4096" in script
