@@ -8,15 +8,15 @@ group can do as a sender and as a reducer, so that the members' checks meet it o
 other member gets its own changed copy). A node uses it only when ``DILOCO_P2P_FAULTS`` plans a lie as a
 reducer (``scale@reduce:R``, ``split@reduce:R``, `diloco_p2p.faults`); in-process tests use it
 directly (`tests/faults/hostile.py`). What the members do about each lie is
-`diloco_p2p.swarm.aggregate`'s docstring.
+`diloco_p2p.swarm.collective.aggregate`'s docstring.
 """
 
 from __future__ import annotations
 
 import torch
 
-from diloco_p2p.swarm import wire
-from diloco_p2p.swarm.allreduce import AllreduceService, _frames
+from diloco_p2p.swarm.collective import wire
+from diloco_p2p.swarm.collective.allreduce import AllreduceService, _frames
 
 SCALE = 1000.0  # scale-output's factor
 NUDGE = 0.01  # split-output: member j gets NUDGE × (1 + j) added to every value

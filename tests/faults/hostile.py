@@ -25,11 +25,11 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from diloco_p2p.swarm.records import ProgressRecord, progress_key, publish_progress, read_progress
-from diloco_p2p.swarm.signing import own_subkey
+from diloco_p2p.swarm.membership.records import ProgressRecord, progress_key, publish_progress, read_progress
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import pack_state, theta_sha256
 from diloco_p2p.swarm.state.server import StateServer
+from diloco_p2p.swarm.trust.signing import own_subkey
 from tests.harness.loopback import LoopbackPeers
 
 
