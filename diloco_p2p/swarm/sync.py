@@ -44,7 +44,6 @@ from diloco_p2p.swarm.collective import hierarchy
 from diloco_p2p.swarm.collective.aggregate import robust_of
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
-from diloco_p2p.swarm.lying import LyingAllreduce
 from diloco_p2p.swarm.membership.matchmaking import Matchmaker
 from diloco_p2p.swarm.membership.records import (
     ProgressRecord,
@@ -121,7 +120,7 @@ class SwarmSync:
             self.matchmaker = Matchmaker(self.dht, self.p2p, run_id=run_id, public=self.public)
             self.reach = ReachServer(self.p2p) if self.public else None  # dial-back probes of joiners
             # A reducer that lies, only when the fault tests plan it (`diloco_p2p.faults`).
-            service = LyingAllreduce if self.faults.lies_as_reducer else AllreduceService
+            service = self.faults.reducer(AllreduceService)
             pace = cfg.link_mbit * 1e6 / 8 * cfg.pace if cfg.link_mbit and cfg.pace else None  # bytes/s
             self.allreduce = service(self.p2p, prefix=run_id, pace_bytes=pace)
             self.state_server = StateServer(self.dht, self.p2p, run_id=run_id)
@@ -251,8 +250,7 @@ class SwarmSync:
         self.faults.fire("delta", round)
         delta = self.faults.poison("delta", round, delta)
         delta, weight = self.faults.lie(round, delta, weight, self.cfg.max_weight_ratio)
-        if isinstance(self.allreduce, LyingAllreduce):
-            self.allreduce.lie = self.faults.reducer_lie(round)
+        self.faults.arm_reducer(self.allreduce, round)
         try:
             group = self._interruptible(self._form_group(round, params_hash, weight),
                                         timeout=self.cfg.matchmaking_timeout + 30)

@@ -8,7 +8,7 @@ address, the run id, the records in the DHT) and holds no key but its own.
   signature it can make);
 - `fetch`: download the run's state; `knock`: open a matchmaking or all-reduce stream.
 
-`LyingAllreduce` (`diloco_p2p.swarm.lying`) is an all-reduce member (in-process,
+`LyingAllreduce` (`tests.faults.lying`) is an all-reduce member (in-process,
 on any loopback peer) that lies as its `lie` says: about its contribution's norm, or, as a
 reducer, about its part's average.
 

@@ -179,8 +179,10 @@ def test_lying_members_and_reducers_in_a_real_swarm_are_bounded_or_dropped_and_n
     opts = _opts(4, "train.max_rounds=4", "sync.aggregation=trimmed_mean", "sync.matchmaking_timeout=6")
     with ProcessSwarm(tmp_path) as swarm:
         a, b = (swarm.node(name, opts, env={"DILOCO_P2P_FAULTS": keep}) for name in "ab")
-        x = swarm.node("x", opts, env={"DILOCO_P2P_FAULTS": f"{keep},flip@delta:1,scale@delta:2,scale@reduce:3"})
-        y = swarm.node("y", opts, env={"DILOCO_P2P_FAULTS": f"{keep},split@reduce:4"})
+        liar = "tests.faults.lying_node"  # x and y lie as reducers too: this entry has the lying all-reduce
+        x = swarm.node("x", opts, env={"DILOCO_P2P_FAULTS": f"{keep},flip@delta:1,scale@delta:2,scale@reduce:3"},
+                       module=liar)
+        y = swarm.node("y", opts, env={"DILOCO_P2P_FAULTS": f"{keep},split@reduce:4"}, module=liar)
         swarm.release(a, b, x, y)
         for node in (a, b, x, y):
             node.wait_round(4, timeout=240)

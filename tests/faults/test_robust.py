@@ -1,6 +1,6 @@
 """Hostile all-reduce members (issue 12 items 5 and 6), in-process on real p2pd daemons.
 
-Four members on loopback, member 3 the attacker (`diloco_p2p.swarm.lying.LyingAllreduce`): a huge
+Four members on loopback, member 3 the attacker (`tests.faults.lying.LyingAllreduce`): a huge
 norm (stated or understated), a sign flip with the largest weight the bound lets through, a
 reducer that scales its part, a reducer that sends one member (or each) other bytes. Each asserts that the
 honest members end with bit-identical θ (θ0 - average, hashed), that the attack is refused or
@@ -21,9 +21,9 @@ import torch
 from diloco_p2p.swarm.collective import aggregate, wire
 from diloco_p2p.swarm.collective.aggregate import Robust
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
-from diloco_p2p.swarm.lying import LyingAllreduce
 from diloco_p2p.swarm.sync import blame
 from diloco_p2p.swarm.trust.guard import Guard
+from tests.faults.lying import LyingAllreduce
 from tests.harness.loopback import LoopbackPeers
 
 pytestmark = pytest.mark.timeout(90)
