@@ -21,7 +21,7 @@ medians over `--rounds` all-reduces (after one warm-up that opens the connection
                                             [--grid B] [--json OUT] [--cc cubic] [--no-ceiling]
                                             [--pace 0.97] [--threads N] [-v]
 
-With ``--grid B`` every k > B is also measured on the grid all-reduce (`swarm/hierarchy.py`, rows
+With ``--grid B`` every k > B is also measured on the grid all-reduce (`swarm/collective/hierarchy.py`, rows
 of about B members: the scheme a round of more than `sync.target_group_size` nodes runs).
 """
 
@@ -55,9 +55,9 @@ def worker(ip: str, initial: list[str], chunk: int, pace_bytes: float | None = N
     import torch
     from hivemind.p2p import PeerID
 
-    from diloco_p2p.swarm import hierarchy
-    from diloco_p2p.swarm.allreduce import AllreduceService
-    from diloco_p2p.swarm.runner import BackgroundLoop
+    from diloco_p2p.swarm.collective import hierarchy
+    from diloco_p2p.swarm.collective.allreduce import AllreduceService
+    from diloco_p2p.swarm.transport.runner import BackgroundLoop
 
     # One thread by default: several members share this machine's cores, and OpenMP spinning on busy
     # cores costs seconds; --threads gives each member more, as a volunteer's node has its host's cores.
@@ -371,7 +371,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.plot:
         return plot(args.sources, args.plot)
-    from diloco_p2p.swarm import wire
+    from diloco_p2p.swarm.collective import wire
 
     chunk = args.chunk or wire.DEFAULT_CHUNK_ELEMENTS
     if args.worker:

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from diloco_p2p.swarm import codecs, wire
+from diloco_p2p.swarm.collective import codecs, wire
 
 CONFIG = "configs/tiny-cpu.yaml"
 SETTINGS = {  # name -> (compression, error feedback)

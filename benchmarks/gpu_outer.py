@@ -25,7 +25,7 @@ from diloco_p2p.config import OuterConfig, load_config
 from diloco_p2p.inner import InnerTrainer
 from diloco_p2p.model import llama_config
 from diloco_p2p.outer import OuterOptimizer, flatten, tensor_sha256
-from diloco_p2p.swarm import wire
+from diloco_p2p.swarm.collective import wire
 
 
 def seconds(fn: Callable[[], object], repeats: int) -> float:

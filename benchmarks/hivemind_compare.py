@@ -124,7 +124,7 @@ def _round(hosts: netns.Hosts, peers: list, k: int, jobs: list[dict], two_step: 
 
 def measure(hosts: netns.Hosts, k: int, numel: int, rounds: int, ours: bool, comp: str,
             pace_bytes: float | None = None) -> dict:
-    from diloco_p2p.swarm import wire
+    from diloco_p2p.swarm.collective import wire
 
     peers: list = []
     try:

@@ -6,7 +6,7 @@ and iptables), every link shaped to R Mbit/s each way. Two layouts of the same k
 - all public: every node can be dialled, every member reduces 1/k of the vector;
 - P public, k-P private: the private nodes sit each behind its own NAT router (iptables
   MASQUERADE, inbound dropped; they learn it themselves with the dial-back probe) and reduce no
-  part, so each public node reduces 1/P (`swarm/allreduce.py`, "Private members").
+  part, so each public node reduces 1/P (`swarm/collective/allreduce.py`, "Private members").
 
 Printed per layout and per kind of member, medians over the committed rounds of the group of k:
 bytes sent and received in the round's all-reduce against the bound for that partition (public:

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import allreduce_wan  # noqa: E402
 
 from diloco_p2p import plan  # noqa: E402
-from diloco_p2p.swarm import wire  # noqa: E402
+from diloco_p2p.swarm.collective import wire  # noqa: E402
 from tests import netns  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

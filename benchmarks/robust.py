@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.har
 
 import torch  # noqa: E402
 
-from diloco_p2p.swarm import aggregate, wire  # noqa: E402
+from diloco_p2p.swarm.collective import aggregate, wire  # noqa: E402
 
 CONFIG = "configs/tiny-cpu.yaml"
 RULES = ("mean", "trimmed_mean", "centered_clip")

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.har
 
 import torch  # noqa: E402
 
-from diloco_p2p.swarm import hierarchy, wire  # noqa: E402
-from diloco_p2p.swarm.allreduce import AllreduceService  # noqa: E402
+from diloco_p2p.swarm.collective import hierarchy, wire  # noqa: E402
+from diloco_p2p.swarm.collective.allreduce import AllreduceService  # noqa: E402
 from tests.harness.inmemory import one_round  # noqa: E402
 from tests.harness.loopback import AllreducePeers  # noqa: E402
 

@@ -25,7 +25,7 @@ import yaml
 from diloco_p2p.config import load_config
 from diloco_p2p.demo import run_demo
 from diloco_p2p.simulate import simulate
-from diloco_p2p.swarm.dht import peer_id_of
+from diloco_p2p.swarm.transport.dht import peer_id_of
 
 PRESET = Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml"
 REFERENCE = ["sync.compression=fp32", "outer.lr=0.7", "outer.momentum=0.3", "sync.error_feedback=null",

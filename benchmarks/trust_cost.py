@@ -24,9 +24,14 @@ from hivemind.p2p import P2P  # noqa: E402
 from hivemind.utils.timed_storage import ValueWithExpiration  # noqa: E402
 
 from diloco_p2p.config import Config  # noqa: E402
-from diloco_p2p.swarm import signing  # noqa: E402
-from diloco_p2p.swarm.admission import issue_token, verify_token  # noqa: E402
-from diloco_p2p.swarm.records import ProgressRecord, parse_progress, progress_key, progress_validator  # noqa: E402
+from diloco_p2p.swarm.membership.records import (  # noqa: E402
+    ProgressRecord,
+    parse_progress,
+    progress_key,
+    progress_validator,
+)
+from diloco_p2p.swarm.trust import signing  # noqa: E402
+from diloco_p2p.swarm.trust.admission import issue_token, verify_token  # noqa: E402
 from tests.unit.dht_fixtures import KEYS, NOW, PEERS, dht_record, subkey  # noqa: E402
 
 

@@ -453,8 +453,8 @@ class Config(_Section):
         "sync.topk_density",  # only under compression topk2: other runs keep their hash
         "sync.overlap",  # absent when none: older runs keep their hash
         "sync.fragments",  # fixes each round's part of the parameters; absent at 1
-        "sync.target_group_size",  # fixes the all-reduce's grid (`swarm.hierarchy`); absent at 16, the default
-        # How reducers aggregate and bound contributions (`swarm.aggregate`); absent at the defaults.
+        "sync.target_group_size",  # fixes the all-reduce's grid (`swarm.collective.hierarchy`); absent at 16, the default
+        # How reducers aggregate and bound contributions (`swarm.collective.aggregate`); absent at the defaults.
         "sync.aggregation", "sync.trim_fraction", "sync.clip_radius", "sync.max_norm_ratio", "sync.weight_cap",
         "sync.max_weight_ratio",
     )

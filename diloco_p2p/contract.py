@@ -31,10 +31,10 @@ import torch
 
 log = logging.getLogger("diloco_p2p.node")
 
-# Why a node refuses a peer (`diloco_p2p.swarm.guard`): a record signed by another peer than
+# Why a node refuses a peer (`diloco_p2p.swarm.trust.guard`): a record signed by another peer than
 # the one it names, a peer a closed run has not admitted, a state claimed past train.max_rounds
 # or backed by too few peers, a downloaded θ that is not the one the swarm vouched for, a
-# contribution to the all-reduce refused for its weight or norm (`diloco_p2p.swarm.aggregate`),
+# contribution to the all-reduce refused for its weight or norm (`diloco_p2p.swarm.collective.aggregate`),
 # a reducer the members caught (its part dropped). The label set of diloco_rejections_total,
 # and the values of `RoundRecord.rejections`.
 REJECTION_REASONS = ("forged-record", "not-admitted", "past-max-rounds", "unvouched-state", "bad-state",
@@ -173,7 +173,7 @@ class Sync(Protocol):
     # Compute speed (tokens/s) of each member of our last group, for dynamic local updates;
     # None when unknown (solo, no group yet, or a multi-rank node whose shards may differ).
     speeds: dict[str, float] | None
-    # "public" or "private" (behind NAT: `diloco_p2p.swarm.reach`); None without a swarm.
+    # "public" or "private" (behind NAT: `diloco_p2p.swarm.transport.reach`); None without a swarm.
     reachability: str | None
 
     def announce(self, node: NodeState) -> None:

@@ -15,7 +15,9 @@ Lies of a hostile member (issue 12), each for one round: ``flip@delta`` (send -�
 of 0.999 × ``sync.max_weight_ratio`` × its own: the largest the bound lets through),
 ``scale@delta`` (send Δ × 1000: a huge norm, finite in fp16), ``scale@reduce`` (as a reducer,
 send its averaged part × 1000 to every member) and ``split@reduce`` (as a reducer, send each
-member its own altered copy of its part); the reducer lies are `diloco_p2p.swarm.lying`'s.
+member its own altered copy of its part). The reducer lies need a lying all-reduce, which lives
+with the tests (`tests/faults/lying.py`): only a node started as ``python -m tests.faults.lying_node``
+installs it (`lying_reducer`); any other node refuses them when it starts its swarm.
 Points: ``delta`` (the round's pseudo-gradient is computed, before matchmaking), ``group`` (a
 group formed), ``allreduce`` (our parts are sent), ``reduce`` (we reduce our part), and in a
 multi-rank node ``rankR.step`` (local rank R is about to take inner step N, the number after
@@ -47,6 +49,9 @@ POINT = re.compile(r"delta|group|allreduce|reduce|rank\d+\.step")
 LIE_POINTS = {"nan": ("delta",), "flip": ("delta",), "scale": ("delta", "reduce"), "split": ("reduce",)}
 SCALE = 1000.0  # scale@delta's factor
 EVERY_ROUND = -1
+# The all-reduce class a planned reducer lie uses: the fault tests' node entry installs theirs
+# (`tests.faults.lying_node`); the product has none.
+lying_reducer: type | None = None
 
 
 def wait_at_start_gate(timeout: float = 300.0) -> None:
@@ -135,8 +140,23 @@ class Faults:
 
     @property
     def lies_as_reducer(self) -> bool:
-        """Whether a reducer lie is planned (the node then reduces with `swarm.lying.LyingAllreduce`)."""
+        """Whether a reducer lie is planned (the node then reduces with `lying_reducer`)."""
         return any(point == "reduce" for _, point, _ in self.pending)
+
+    def reducer(self, honest: type) -> type:
+        """The all-reduce class the node reduces with: `honest`, or `lying_reducer` when a reducer
+        lie is planned (an error where the fault tests' node entry did not install one)."""
+        if not self.lies_as_reducer:
+            return honest
+        if lying_reducer is None:
+            raise ValueError(f"{ENV}: a reducer lie (@reduce) needs the fault tests' lying all-reduce: "
+                             "start the node as python -m tests.faults.lying_node")
+        return lying_reducer
+
+    def arm_reducer(self, service: object, round_: int) -> None:
+        """Before a round's averaging: give a lying reducer this round's lie (`reducer_lie`)."""
+        if lying_reducer is not None and isinstance(service, lying_reducer):
+            service.lie = self.reducer_lie(round_)
 
     def lie(self, round_: int, delta: torch.Tensor, weight: float, max_weight_ratio: float) -> tuple[torch.Tensor, float]:
         """The contribution a ``flip@delta`` or ``scale@delta`` planned for this round sends instead."""

@@ -39,7 +39,7 @@ applied, e keeps its value (undecayed: for e that round did not happen), and so 
 while the round averages (the round is dropped, the checkpoint holds e: `withdraw`). Under
 ``sync.overlap`` the offer of round t is settled when its average arrives, before round t+1's
 offer: e lives in the offer in between, so it is never offered twice. In a grid all-reduce
-(`swarm.hierarchy`) a member's parts are those of its row, not of the whole membership, so for int8/int4 the residual is computed with slightly different
+(`swarm.collective.hierarchy`) a member's parts are those of its row, not of the whole membership, so for int8/int4 the residual is computed with slightly different
 block boundaries than were sent (topk2 always runs as one all-gather: exact). e is per process: on N local ranks each rank keeps its shard's e,
 which checkpoints store in the 1-rank layout like the outer momentum. A node that adopts the
 swarm's state (resync or join) resets e to 0: e holds what its *old* trajectory did not send,
@@ -54,7 +54,7 @@ import torch
 
 from diloco_p2p.config import SyncConfig
 from diloco_p2p.contract import RoundOutcome
-from diloco_p2p.swarm import codecs, wire
+from diloco_p2p.swarm.collective import codecs, wire
 
 
 def sent_values(x: torch.Tensor, compression: str, group_size: int, *, density: float = 0.01,

@@ -21,7 +21,7 @@ import torch
 from diloco_p2p.errors import UserError
 from diloco_p2p.fsdp import ShardLayout
 from diloco_p2p.outer import Part
-from diloco_p2p.swarm.wire import partition
+from diloco_p2p.swarm.collective.wire import partition
 
 
 class Fragments:

@@ -187,7 +187,7 @@ class NodeMetrics:
             "1 if this node's swarm config hash matches the swarm's, 0 if not, NaN if unknown.", registry=r)
         self.rejections = Counter(
             "diloco_rejections", "Peers this node refused, by reason (once per peer and reason per round; "
-            "diloco_p2p.swarm.guard).", ["reason"], registry=r)
+            "diloco_p2p.swarm.trust.guard).", ["reason"], registry=r)
         for status in ROUND_STATUSES:
             self.rounds.labels(status=status)
         for reason in REJECTION_REASONS:
@@ -352,7 +352,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
 def start_seed_metrics(host: str, port: int, dht: Any, interval: float = SEED_REFRESH_SECONDS) -> SeedMetricsServer:
     """The seed's endpoint; its DHT peer count is refreshed every `interval` seconds in a thread.
     Start it after the DHT (hivemind forks it; threads must come after the fork)."""
-    from diloco_p2p.swarm.dht import dht_peer_count
+    from diloco_p2p.swarm.transport.dht import dht_peer_count
 
     return SeedMetricsServer(SeedMetrics(peer_count=lambda: dht_peer_count(dht)), host, port, interval)
 

@@ -12,21 +12,21 @@ two-core machine (load average 0.2-3: what CI and a dedicated box look like) on 
 same constants against a busy machine's rows are in benchmarks/results/plan_check_quiet.{json,txt},
 plan_holdout.txt and plan_check.{json,txt}.
 
-Bytes. For the butterfly (the protocol of `diloco_p2p.swarm.allreduce`, after Patarasuk & Yuan
+Bytes. For the butterfly (the protocol of `diloco_p2p.swarm.collective.allreduce`, after Patarasuk & Yuan
 2009's bandwidth-optimal all-reduce: reduce-scatter, then all-gather) the count is exact, frame
 by frame, from `wire`: member j streams part i (`wire.partition`, `wire.chunk_ranges`,
 `wire.encoded_size`) to each reducer i, its reduced part j back to every member with a one-byte
 trailer, and a mask to every member; each message is a JSON header and 8-byte length prefixes.
 That is 2(k-1)/k · n · bytes/value plus a few hundred bytes per message, the all-reduce lower
-bound. ``int4`` and ``topk2`` are counted by `swarm/codecs.py`'s sizes: ``int4`` (blockwise
+bound. ``int4`` and ``topk2`` are counted by `swarm/collective/codecs.py`'s sizes: ``int4`` (blockwise
 absmax, one fp32 scale per 64 values, two codes per byte, as in Dettmers et al.'s blockwise
 quantization) and ``topk2`` (SparseLoCo's chunked top-k, Sarfi et al. 2025: per frame of 65,536
 values two magnitude levels, Elias-Fano positions and 2-bit codes). A sparse payload does not
 shrink in a reduce-scatter (a reducer's average is the union of k supports), so top-k goes by the
-all-gather of sparse contributions (`sparse`, `swarm/allgather.py`: every member sends its own
+all-gather of sparse contributions (`sparse`, `swarm/collective/allgather.py`: every member sends its own
 to every other; bytes grow as (N-1) · S).
 
-Hierarchical (`grid`, issue 17, `swarm/hierarchy.py`): N > B (the group size) members in
+Hierarchical (`grid`, issue 17, `swarm/collective/hierarchy.py`): N > B (the group size) members in
 R = ceil(N/B) rows of near-equal size s; a row's reducer averages its part of n/s values across
 its column (the R members owning that range) between the row's reduce and gather, and two tiny
 all-reduces of a 0/1 mask agree on what committed. Exact (every node ends with the one global
@@ -73,7 +73,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
 
-from diloco_p2p.swarm import codecs, streams, wire
+from diloco_p2p.swarm.collective import codecs, wire
+from diloco_p2p.swarm.transport import streams
 
 SCHEMES = ("auto", "butterfly", "grid", "sparse")
 COMPRESSIONS = ("fp32", "fp16", "int8", "int4", "topk2")
@@ -96,7 +97,7 @@ class Calibration:
     butterfly. matchmaking_per_member_s: forming the group, per other member (fitted on 2-node
     training rounds: the round's seconds less its compute and the predicted all-reduce); the leader
     also streams the member list to every member, `MEMBER_LIST_BYTES` per member each (O(N^2) bytes
-    at its uplink, `swarm/hierarchy.py`).
+    at its uplink, `swarm/collective/hierarchy.py`).
     detect_s: noticing a dead member (the probe interval). apply_s: the outer step and bookkeeping.
     """
 
@@ -245,7 +246,7 @@ def butterfly_bytes(n: int, k: int, compression: str, chunk: int = wire.DEFAULT_
 
 @functools.lru_cache(maxsize=4096)
 def sparse_bytes(n: int, k: int, chunk: int, density: float) -> int:
-    """Bytes one member sends in the all-gather of top-k contributions (`swarm/allgather.py`): its
+    """Bytes one member sends in the all-gather of top-k contributions (`swarm/collective/allgather.py`): its
     own to each other member, and a mask carrying a sha256 digest per member."""
     own = header_size("contrib", k, n, chunk) + _frames(n, "topk2", chunk, density)
     return (k - 1) * (own + header_size("digest-mask", k, n, chunk))
@@ -265,7 +266,7 @@ class Level:
 
 
 def grid_shape(nodes: int, group: int) -> tuple[int, int]:
-    """(rows R, the largest row's size) of the hierarchical all-reduce (`swarm/hierarchy.py`):
+    """(rows R, the largest row's size) of the hierarchical all-reduce (`swarm/collective/hierarchy.py`):
     R = ceil(N / B) rows of near-equal size (`wire.partition` of the sorted members)."""
     rows = math.ceil(nodes / group)
     return rows, math.ceil(nodes / rows)

@@ -7,7 +7,7 @@ node; it does not need to know the runs. Operators' notes (ports, NAT, announce 
 identity backup, systemd) are in ``bootstrap/README.md``.
 
 It also answers the dial-back probes with which a starting node learns whether it can be
-dialled or sits behind NAT (`diloco_p2p.swarm.reach`), so the seed itself must be public.
+dialled or sits behind NAT (`diloco_p2p.swarm.transport.reach`), so the seed itself must be public.
 
 It runs until SIGTERM or SIGINT, then shuts the DHT (and its p2pd) down and returns 0. If the
 DHT process dies under it, it returns 1 so a supervisor (systemd ``Restart=on-failure``)
@@ -26,9 +26,9 @@ from typing import Any
 
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.errors import UserError
-from diloco_p2p.swarm.dht import dht_peer_count, start_dht, visible_maddrs
-from diloco_p2p.swarm.reach import ReachServer
-from diloco_p2p.swarm.runner import BackgroundLoop
+from diloco_p2p.swarm.transport.dht import dht_peer_count, start_dht, visible_maddrs
+from diloco_p2p.swarm.transport.reach import ReachServer
+from diloco_p2p.swarm.transport.runner import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Each replica is a full `Node` (the same loop, inner trainer, data order, eval an
 `diloco-p2p train`), with its own data order key, run directory and AdamW state. They meet at
 `Rendezvous` instead of the swarm: when all M have handed in their pseudo-gradient Δ for a
 round, the average is computed exactly as the all-reduce computes it
-(`diloco_p2p.swarm.allreduce`): members in the order of their keys (the swarm sorts peer ids),
+(`diloco_p2p.swarm.collective.allreduce`): members in the order of their keys (the swarm sorts peer ids),
 Δ split into one part per member (`wire.partition`) and each part into chunks, every chunk
 encoded with `sync.compression` and reduced by `aggregate.reduce_part` under the run's
 `sync.aggregation` and bounds (`mean`: token-weighted, fp32, in member order, then encoded and
@@ -38,7 +38,7 @@ from diloco_p2p.config import Config, SyncConfig
 from diloco_p2p.contract import RoundOutcome, RoundRecord, SoloSync
 from diloco_p2p.logs import log_context
 from diloco_p2p.overlap import InFlight
-from diloco_p2p.swarm import aggregate, codecs, wire
+from diloco_p2p.swarm.collective import aggregate, codecs, wire
 
 log = logging.getLogger(__name__)
 

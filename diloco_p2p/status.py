@@ -1,18 +1,18 @@
 """`diloco-p2p status`: what the swarm is doing, read from the progress records in the DHT.
 
 It joins the DHT as a client (it serves nothing and stores nothing), reads the run's progress
-records (`diloco_p2p.swarm.records`), prints one row per node and leaves. A node's params hash
+records (`diloco_p2p.swarm.membership.records`), prints one row per node and leaves. A node's params hash
 "agrees" when it equals the majority hash among the nodes at the same round: nodes at
 different rounds hold different parameters by design, so only same-round disagreement means
 the swarm forked.
 
 Below the table come the peers the nodes refuse (`excluded` in their records: forged records,
-peers a closed run has not admitted, states nobody vouches for; `diloco_p2p.swarm.guard`), with
+peers a closed run has not admitted, states nobody vouches for; `diloco_p2p.swarm.trust.guard`), with
 how many nodes refuse each, and entries status itself found forged (signed by another peer than
 the one they name). In JSON, each node's row carries its `excluded` map.
 
 REACH says whether other peers can dial the node (`public`) or it sits behind NAT (`private`,
-`diloco_p2p.swarm.reach`); a swarm with too few public nodes for its private ones gets a
+`diloco_p2p.swarm.transport.reach`); a swarm with too few public nodes for its private ones gets a
 ``WARNING`` line under the table (and, in JSON, `swarm_warning` in the first row).
 """
 
@@ -28,10 +28,10 @@ from hivemind.utils import get_dht_time
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.errors import UserError
 from diloco_p2p.logs import short_peer
-from diloco_p2p.swarm.dht import start_dht
-from diloco_p2p.swarm.reach import PRIVATE, shortage
-from diloco_p2p.swarm.records import ProgressRecord, read_progress
-from diloco_p2p.swarm.resync import majority, round_majorities
+from diloco_p2p.swarm.membership.records import ProgressRecord, read_progress
+from diloco_p2p.swarm.membership.resync import majority, round_majorities
+from diloco_p2p.swarm.transport.dht import start_dht
+from diloco_p2p.swarm.transport.reach import PRIVATE, shortage
 
 # A client needs no reachable address; listening on loopback only exposes nothing.
 CLIENT_HOST_MADDRS = ["/ip4/127.0.0.1/tcp/0"]

@@ -32,12 +32,12 @@ def fetch(initial_peers: Sequence[str], run_id: str, out: Path, timeout: float =
     """Download and verify the swarm's newest state into the run directory `out`."""
     from diloco_p2p.config import P2PConfig
     from diloco_p2p.status import CLIENT_HOST_MADDRS
-    from diloco_p2p.swarm.dht import start_dht
-    from diloco_p2p.swarm.records import read_progress_async
-    from diloco_p2p.swarm.resync import majority
-    from diloco_p2p.swarm.runner import BackgroundLoop
+    from diloco_p2p.swarm.membership.records import read_progress_async
+    from diloco_p2p.swarm.membership.resync import majority
     from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
     from diloco_p2p.swarm.state.codec import unpack_state
+    from diloco_p2p.swarm.transport.dht import start_dht
+    from diloco_p2p.swarm.transport.runner import BackgroundLoop
 
     if (out / "checkpoints" / "latest.json").exists():
         raise UserError(f"--out {out} already holds a checkpoint; pick an empty directory")
@@ -89,9 +89,9 @@ def fetch_dataset(initial_peers: Sequence[str], dataset: str, out: Path, timeout
     from diloco_p2p.config import P2PConfig
     from diloco_p2p.data.cache import CACHE_MARKER, ShardCache, ShardUnavailable, load_or_fetch_manifest
     from diloco_p2p.status import CLIENT_HOST_MADDRS
-    from diloco_p2p.swarm.datashare import DataShare
-    from diloco_p2p.swarm.dht import start_dht
-    from diloco_p2p.swarm.runner import BackgroundLoop
+    from diloco_p2p.swarm.state.datashare import DataShare
+    from diloco_p2p.swarm.transport.dht import start_dht
+    from diloco_p2p.swarm.transport.runner import BackgroundLoop
 
     cfg = P2PConfig(initial_peers=list(initial_peers), host_maddrs=CLIENT_HOST_MADDRS, connect_timeout=timeout)
     dht = start_dht(cfg, None, client_mode=True)

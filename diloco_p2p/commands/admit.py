@@ -29,9 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diloco_p2p.swarm.admission import issue_token
-    from diloco_p2p.swarm.dht import load_or_create_identity
-    from diloco_p2p.swarm.signing import load_private_key, public_key_text
+    from diloco_p2p.swarm.transport.dht import load_or_create_identity
+    from diloco_p2p.swarm.trust.admission import issue_token
+    from diloco_p2p.swarm.trust.signing import load_private_key, public_key_text
 
     owner = load_private_key(load_or_create_identity(args.owner_key))
     public = public_key_text(owner)

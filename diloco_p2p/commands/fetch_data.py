@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diloco_p2p.swarm.dht import validate_maddrs
+    from diloco_p2p.swarm.transport.dht import validate_maddrs
     from diloco_p2p.transfer import fetch_dataset
 
     setup_logging("INFO", False)

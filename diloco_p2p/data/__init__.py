@@ -7,7 +7,7 @@
 - `manifest`: the prepared corpus on disk, its dataset id and shard checks.
 - `dataset`: windows, the fixed eval split and the keyed O(1)-memory training order.
 - `cache`: a corpus fetched from the swarm's peers shard by shard as training needs it, under a
-  disk limit (the transfers: `diloco_p2p.swarm.datashare`).
+  disk limit (the transfers: `diloco_p2p.swarm.state.datashare`).
 
 `open_dataset` is what a node calls: the default corpus is tokenized in memory (it is small);
 a prepared directory (``manifest.json``) is memory-mapped; any other ``data.path`` (a text

@@ -1,9 +1,10 @@
 """The swarm seen from the training loop: one object that averages a pseudo-gradient per round.
 
 `SwarmSync` composes hivemind's DHT with our own pieces on its P2P transport: matchmaking
-(`matchmaking.py`), the all-reduce (`allreduce.py`), state sharing (`state/`), progress records
-(`records.py`) and the resync policy (`resync.py`). It sees the node only as a `NodeState`
-(`diloco_p2p.contract`) and hands back data; the loop calls four methods:
+(`membership/matchmaking.py`), the all-reduce (`collective/allreduce.py`), state sharing (`state/`),
+progress records (`membership/records.py`) and the resync policy (`membership/resync.py`). It sees
+the node only as a `NodeState` (`diloco_p2p.contract`) and hands back data; the loop calls four
+methods:
 
 - `announce`: publish a `started` record; a node with another config is refused here.
 
@@ -39,30 +40,29 @@ from diloco_p2p import __version__
 from diloco_p2p.config import P2PConfig, SyncConfig
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState, view_hash
 from diloco_p2p.faults import Faults
-from diloco_p2p.swarm import hierarchy
-from diloco_p2p.swarm.admission import Admission
-from diloco_p2p.swarm.aggregate import robust_of
-from diloco_p2p.swarm.allreduce import AllreduceService
-from diloco_p2p.swarm.allreduce_state import AllreduceResult
-from diloco_p2p.swarm.datashare import DataShare
-from diloco_p2p.swarm.dht import dht_peer_count, start_dht
-from diloco_p2p.swarm.guard import Guard
-from diloco_p2p.swarm.lying import LyingAllreduce
-from diloco_p2p.swarm.matchmaking import Matchmaker
-from diloco_p2p.swarm.reach import PRIVATE, ReachServer, resolve, shortage
-from diloco_p2p.swarm.records import (
+from diloco_p2p.swarm.collective import hierarchy
+from diloco_p2p.swarm.collective.aggregate import robust_of
+from diloco_p2p.swarm.collective.allreduce import AllreduceService
+from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
+from diloco_p2p.swarm.membership.matchmaking import Matchmaker
+from diloco_p2p.swarm.membership.records import (
     ProgressRecord,
     progress_validator,
     publish_progress_async,
     read_progress_async,
     withdraw_progress_async,
 )
-from diloco_p2p.swarm.resync import check_config, reference_records, resync_target, vouched_records
-from diloco_p2p.swarm.runner import BackgroundLoop
+from diloco_p2p.swarm.membership.resync import check_config, reference_records, resync_target, vouched_records
 from diloco_p2p.swarm.state.announcements import StateAnnouncement, state_validator
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import StateCheck, pack_state
+from diloco_p2p.swarm.state.datashare import DataShare
 from diloco_p2p.swarm.state.server import StateServer
+from diloco_p2p.swarm.transport.dht import dht_peer_count, start_dht
+from diloco_p2p.swarm.transport.reach import PRIVATE, ReachServer, resolve, shortage
+from diloco_p2p.swarm.transport.runner import BackgroundLoop
+from diloco_p2p.swarm.trust.admission import Admission
+from diloco_p2p.swarm.trust.guard import Guard
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class SwarmSync:
             self.matchmaker = Matchmaker(self.dht, self.p2p, run_id=run_id, public=self.public)
             self.reach = ReachServer(self.p2p) if self.public else None  # dial-back probes of joiners
             # A reducer that lies, only when the fault tests plan it (`diloco_p2p.faults`).
-            service = LyingAllreduce if self.faults.lies_as_reducer else AllreduceService
+            service = self.faults.reducer(AllreduceService)
             pace = cfg.link_mbit * 1e6 / 8 * cfg.pace if cfg.link_mbit and cfg.pace else None  # bytes/s
             self.allreduce = service(self.p2p, prefix=run_id, pace_bytes=pace)
             self.state_server = StateServer(self.dht, self.p2p, run_id=run_id)
@@ -250,8 +250,7 @@ class SwarmSync:
         self.faults.fire("delta", round)
         delta = self.faults.poison("delta", round, delta)
         delta, weight = self.faults.lie(round, delta, weight, self.cfg.max_weight_ratio)
-        if isinstance(self.allreduce, LyingAllreduce):
-            self.allreduce.lie = self.faults.reducer_lie(round)
+        self.faults.arm_reducer(self.allreduce, round)
         try:
             group = self._interruptible(self._form_group(round, params_hash, weight),
                                         timeout=self.cfg.matchmaking_timeout + 30)
@@ -286,7 +285,7 @@ class SwarmSync:
             self.matchmaker.release()
 
     def _seen(self, outcome: RoundOutcome) -> RoundOutcome:
-        """The round's refusals of peers go into its record (`diloco_p2p.swarm.guard`), and the
+        """The round's refusals of peers go into its record (`diloco_p2p.swarm.trust.guard`), and the
         all-reduce's wire-time ratio when the operator declared the link (`sync.link_mbit`)."""
         if self.cfg.link_mbit and outcome.bytes_sent and outcome.allreduce_seconds > 0:
             outcome.wire_ratio = outcome.allreduce_seconds / (outcome.bytes_sent * 8 / (self.cfg.link_mbit * 1e6))

@@ -8,7 +8,7 @@ address, the run id, the records in the DHT) and holds no key but its own.
   signature it can make);
 - `fetch`: download the run's state; `knock`: open a matchmaking or all-reduce stream.
 
-`LyingAllreduce` (`diloco_p2p.swarm.lying`) is an all-reduce member (in-process,
+`LyingAllreduce` (`tests.faults.lying`) is an all-reduce member (in-process,
 on any loopback peer) that lies as its `lie` says: about its contribution's norm, or, as a
 reducer, about its part's average.
 
@@ -25,11 +25,11 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from diloco_p2p.swarm.records import ProgressRecord, progress_key, publish_progress, read_progress
-from diloco_p2p.swarm.signing import own_subkey
+from diloco_p2p.swarm.membership.records import ProgressRecord, progress_key, publish_progress, read_progress
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import pack_state, theta_sha256
 from diloco_p2p.swarm.state.server import StateServer
+from diloco_p2p.swarm.trust.signing import own_subkey
 from tests.harness.loopback import LoopbackPeers
 
 

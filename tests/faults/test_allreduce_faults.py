@@ -16,9 +16,10 @@ import uuid
 import pytest
 import torch
 
-from diloco_p2p.swarm import aggregate, streams, wire
-from diloco_p2p.swarm.allreduce import GO, NO_GO, AllreduceResult, AllreduceService
-from diloco_p2p.swarm.allreduce_state import Session
+from diloco_p2p.swarm.collective import aggregate, wire
+from diloco_p2p.swarm.collective.allreduce import GO, NO_GO, AllreduceResult, AllreduceService
+from diloco_p2p.swarm.collective.allreduce_state import Session
+from diloco_p2p.swarm.transport import streams
 from tests.harness.loopback import AllreducePeers
 
 pytestmark = pytest.mark.timeout(60)

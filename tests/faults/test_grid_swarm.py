@@ -1,5 +1,5 @@
 """Six real nodes with `sync.target_group_size=3`: every round is one group of the whole swarm,
-averaged on a 2 x 3 grid (`diloco_p2p.swarm.hierarchy`), and one node SIGKILLed in the middle of
+averaged on a 2 x 3 grid (`diloco_p2p.swarm.collective.hierarchy`), and one node SIGKILLed in the middle of
 round 2's all-reduce (right after its row scatter) changes nothing of that for the five others.
 The victim has the smallest peer id, so it is member 0 of the ordered membership: index 0 of row
 0, the reducer of part 0 of its row's agreement step (it died with a third of the runs before the
@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from diloco_p2p.swarm.dht import load_or_create_identity, peer_id_of
+from diloco_p2p.swarm.transport.dht import load_or_create_identity, peer_id_of
 from tests.harness.swarm import ProcessSwarm
 
 ROUNDS = 3

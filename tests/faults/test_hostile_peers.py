@@ -24,7 +24,7 @@ import json
 import pytest
 from hivemind.p2p import P2P
 
-from diloco_p2p.swarm.matchmaking import PROTOCOL_VERSION as MATCHMAKING_VERSION
+from diloco_p2p.swarm.membership.matchmaking import PROTOCOL_VERSION as MATCHMAKING_VERSION
 from diloco_p2p.swarm.state.announcements import list_donors
 from diloco_p2p.swarm.state.client import StateUnavailable
 from tests.faults.hostile import HostilePeer
@@ -105,15 +105,15 @@ def test_forged_later_round_forged_state_and_a_record_under_another_id_change_no
 def _identity(run_dir) -> str:
     run_dir.mkdir(parents=True)
     P2P.generate_identity(str(run_dir / "identity.key"))  # the node's default identity path
-    from diloco_p2p.swarm.dht import peer_id_of
+    from diloco_p2p.swarm.transport.dht import peer_id_of
 
     return peer_id_of(run_dir / "identity.key")
 
 
 def test_a_closed_run_refuses_a_strangers_records_streams_and_downloads(tmp_path, attacker):
-    from diloco_p2p.swarm.admission import issue_token
-    from diloco_p2p.swarm.allreduce import AllreduceService
-    from diloco_p2p.swarm.signing import load_private_key, public_key_text
+    from diloco_p2p.swarm.collective.allreduce import AllreduceService
+    from diloco_p2p.swarm.trust.admission import issue_token
+    from diloco_p2p.swarm.trust.signing import load_private_key, public_key_text
 
     run_id = "closed-test"
     owner_path = tmp_path / "owner.key"
@@ -179,12 +179,14 @@ def test_lying_members_and_reducers_in_a_real_swarm_are_bounded_or_dropped_and_n
     opts = _opts(4, "train.max_rounds=4", "sync.aggregation=trimmed_mean", "sync.matchmaking_timeout=6")
     with ProcessSwarm(tmp_path) as swarm:
         a, b = (swarm.node(name, opts, env={"DILOCO_P2P_FAULTS": keep}) for name in "ab")
-        x = swarm.node("x", opts, env={"DILOCO_P2P_FAULTS": f"{keep},flip@delta:1,scale@delta:2,scale@reduce:3"})
-        y = swarm.node("y", opts, env={"DILOCO_P2P_FAULTS": f"{keep},split@reduce:4"})
+        liar = "tests.faults.lying_node"  # x and y lie as reducers too: this entry has the lying all-reduce
+        x = swarm.node("x", opts, env={"DILOCO_P2P_FAULTS": f"{keep},flip@delta:1,scale@delta:2,scale@reduce:3"},
+                       module=liar)
+        y = swarm.node("y", opts, env={"DILOCO_P2P_FAULTS": f"{keep},split@reduce:4"}, module=liar)
         swarm.release(a, b, x, y)
         for node in (a, b, x, y):
             node.wait_round(4, timeout=240)
-        from diloco_p2p.swarm.dht import peer_id_of
+        from diloco_p2p.swarm.transport.dht import peer_id_of
 
         nodes = {"a": a, "b": b, "x": x, "y": y}
         ids = {n: peer_id_of(node.run_dir / "identity.key") for n, node in nodes.items()}

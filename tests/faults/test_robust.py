@@ -1,6 +1,6 @@
 """Hostile all-reduce members (issue 12 items 5 and 6), in-process on real p2pd daemons.
 
-Four members on loopback, member 3 the attacker (`diloco_p2p.swarm.lying.LyingAllreduce`): a huge
+Four members on loopback, member 3 the attacker (`tests.faults.lying.LyingAllreduce`): a huge
 norm (stated or understated), a sign flip with the largest weight the bound lets through, a
 reducer that scales its part, a reducer that sends one member (or each) other bytes. Each asserts that the
 honest members end with bit-identical θ (θ0 - average, hashed), that the attack is refused or
@@ -18,12 +18,12 @@ import uuid
 import pytest
 import torch
 
-from diloco_p2p.swarm import aggregate, wire
-from diloco_p2p.swarm.aggregate import Robust
-from diloco_p2p.swarm.allreduce import AllreduceService
-from diloco_p2p.swarm.guard import Guard
-from diloco_p2p.swarm.lying import LyingAllreduce
+from diloco_p2p.swarm.collective import aggregate, wire
+from diloco_p2p.swarm.collective.aggregate import Robust
+from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.sync import blame
+from diloco_p2p.swarm.trust.guard import Guard
+from tests.faults.lying import LyingAllreduce
 from tests.harness.loopback import LoopbackPeers
 
 pytestmark = pytest.mark.timeout(90)
@@ -197,7 +197,7 @@ def test_reducer_that_sends_one_member_other_bytes_is_dropped_everywhere_but_not
     rest is also what a member lying in its mask would show: the reducer is not blamed."""
     xs = honest_inputs(5)
     names = [p.peer_id.to_base58() for p in peers.p2ps]
-    with caplog.at_level(logging.WARNING, logger="diloco_p2p.swarm.allreduce"):
+    with caplog.at_level(logging.WARNING, logger="diloco_p2p.swarm.collective.allreduce"):
         results = run(peers, xs + [xs[2].clone()], HONEST_WEIGHTS + [1000.0], Robust(), lie="split-output", victim=0)
     dropped = [m for m in caplog.messages if f"reducer {names[3]} sent different bytes" in m]
     assert len(dropped) >= 3 and all("not blamed" in m for m in dropped)
@@ -243,7 +243,7 @@ def test_honest_members_get_the_rule_bit_identically(peers, aggregation):
 def test_a_caught_reducer_is_left_out_of_the_next_group():
     """Three members distrust the fourth (`Guard.distrusted`, as `SwarmSync` wires it): it arrives
     first, the natural leader, yet the three form their group without it and it ends alone."""
-    from diloco_p2p.swarm.matchmaking import Matchmaker
+    from diloco_p2p.swarm.membership.matchmaking import Matchmaker
     from tests.harness.inmemory import MemoryDHT, MemoryNetwork, MemoryP2P, MemoryStore
 
     async def go():

@@ -16,7 +16,7 @@ from diloco_p2p.checkpoint import load_checkpoint
 from diloco_p2p.config import load_config
 from diloco_p2p.contract import RoundOutcome
 from diloco_p2p.node import Node
-from diloco_p2p.swarm.wire import roundtrip
+from diloco_p2p.swarm.collective.wire import roundtrip
 from tests.unit.test_node import SMALL, ScriptedSync
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -4,7 +4,7 @@ no test machine can start daemons for: hundreds of `Matchmaker`s in one event lo
 `MemoryDHT` keeps one dictionary of (key, subkey) -> (value, expiration) with hivemind's rule
 (the later expiration wins) and counts, per node, the gets and stores it served and the entries
 each get returned. `MemoryP2P` connects binary stream handlers with asyncio pipes. Both implement
-only what `diloco_p2p.swarm.matchmaking` calls.
+only what `diloco_p2p.swarm.membership.matchmaking` calls.
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ async def one_round(n: int, *, late: int = 0, ghosts: int = 0, spread: float = 0
     `n`, then the late ones) the DHT gets, stores, entries read and `last_outcome`."""
     import random
 
-    from diloco_p2p.swarm.hierarchy import MAX_MEMBERS
-    from diloco_p2p.swarm.matchmaking import Matchmaker
+    from diloco_p2p.swarm.collective.hierarchy import MAX_MEMBERS
+    from diloco_p2p.swarm.membership.matchmaking import Matchmaker
 
     store, network = MemoryStore(), MemoryNetwork()
     p2ps = [MemoryP2P(network) for _ in range(n + late)]

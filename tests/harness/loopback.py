@@ -9,9 +9,9 @@ from pathlib import Path
 import hivemind
 from hivemind.p2p import P2P
 
-from diloco_p2p.swarm.allreduce import AllreduceService
-from diloco_p2p.swarm.runner import BackgroundLoop
-from diloco_p2p.swarm.signing import signature_validator
+from diloco_p2p.swarm.collective.allreduce import AllreduceService
+from diloco_p2p.swarm.transport.runner import BackgroundLoop
+from diloco_p2p.swarm.trust.signing import signature_validator
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -38,7 +38,7 @@ class LoopbackPeers:
 
     def add_dht(self) -> hivemind.DHT:
         """One more DHT joined through all the others; shut down by `close` (its P2P replica is the caller's).
-        Like a node's, it has an identity file and signs its DHT entries with it (`swarm.signing`)."""
+        Like a node's, it has an identity file and signs its DHT entries with it (`swarm.trust.signing`)."""
         if self._keys is None:
             self._keys = tempfile.TemporaryDirectory(prefix="loopback-keys-")
         identity = Path(self._keys.name) / f"{len(self.dhts)}.key"

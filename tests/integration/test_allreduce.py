@@ -15,7 +15,8 @@ import uuid
 import pytest
 import torch
 
-from diloco_p2p.swarm import streams, wire
+from diloco_p2p.swarm.collective import wire
+from diloco_p2p.swarm.transport import streams
 from tests.harness.loopback import AllreducePeers
 
 pytestmark = pytest.mark.timeout(60)
@@ -184,7 +185,7 @@ def test_nobody_else_shows_up_then_reusing_the_group_id_is_a_bug(swarm):
 
 
 def test_private_member_reduces_nothing_and_members_still_agree(swarm):
-    """Member 1 flagged private (behind NAT, `swarm.reach`): it reduces no part, the two public
+    """Member 1 flagged private (behind NAT, `swarm.transport.reach`): it reduces no part, the two public
     members reduce half each, and every member ends with the same bits. Its bytes are n each way,
     the public ones' (k+P-2)/P·n (allreduce docstring, "Private members")."""
     loop, services, peers = swarm

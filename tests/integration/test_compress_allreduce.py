@@ -1,5 +1,5 @@
 """The lossy wires on real p2pd daemons (three `AllreduceService`s on loopback, one module swarm):
-``int4`` through the butterfly and ``topk2`` through the sparse all-gather (`swarm.allgather`).
+``int4`` through the butterfly and ``topk2`` through the sparse all-gather (`swarm.collective.allgather`).
 
 Checks: bit-identical averages on every member; int4 within its per-element bound of the exact
 mean; topk2 equal to the token-weighted mean of the contributions as decoded here in float64
@@ -15,7 +15,7 @@ import uuid
 import pytest
 import torch
 
-from diloco_p2p.swarm import allgather, codecs, wire
+from diloco_p2p.swarm.collective import allgather, codecs, wire
 from tests.harness.loopback import AllreducePeers
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from diloco_p2p.config import load_config
 from diloco_p2p.feedback import sent_values
 from diloco_p2p.simulate import simulate
-from diloco_p2p.swarm import codecs, wire
-from diloco_p2p.swarm.dht import peer_id_of
+from diloco_p2p.swarm.collective import codecs, wire
+from diloco_p2p.swarm.transport.dht import peer_id_of
 from tests.harness.settings import SWARM
 from tests.harness.swarm import ProcessSwarm
 

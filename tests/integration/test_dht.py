@@ -12,7 +12,7 @@ from hivemind.p2p import P2P
 
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.errors import UserError
-from diloco_p2p.swarm.dht import peer_id_of, start_dht, visible_maddrs
+from diloco_p2p.swarm.transport.dht import peer_id_of, start_dht, visible_maddrs
 from tests.harness import reaping
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -1,4 +1,4 @@
-"""The grid all-reduce (`diloco_p2p.swarm.hierarchy`) on real p2pd daemons: six `AllreduceService`s
+"""The grid all-reduce (`diloco_p2p.swarm.collective.hierarchy`) on real p2pd daemons: six `AllreduceService`s
 on loopback, run concurrently in this process.
 
 Checks: every member ends with bit-identical averages on equal rows (2 x 3) and unequal rows
@@ -16,8 +16,8 @@ import uuid
 import pytest
 import torch
 
-from diloco_p2p.swarm import hierarchy, wire
-from diloco_p2p.swarm.hierarchy import Grid
+from diloco_p2p.swarm.collective import hierarchy, wire
+from diloco_p2p.swarm.collective.hierarchy import Grid
 from tests.harness.loopback import AllreducePeers
 
 pytestmark = pytest.mark.timeout(120)
@@ -157,7 +157,7 @@ def test_a_capped_weight_counts_capped_at_every_level(swarm):
     """With `weight_cap` (sync's default 4): member 5 claims 10x the others. Its row caps it at 4x
     the row's lower median before reducing, and the row's part enters the column with the weights
     it was reduced with, so the swarm's mean is the mean with that capped weight."""
-    from diloco_p2p.swarm.aggregate import Robust
+    from diloco_p2p.swarm.collective.aggregate import Robust
 
     xs, weights = inputs(seed=13), [1000.0] * 5 + [10_000.0]
     results = run(swarm, swarm.services, list(range(6)), xs, weights, butterfly_max=3, compression="fp16",

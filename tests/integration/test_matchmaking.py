@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from hivemind.utils import get_dht_time
 
-from diloco_p2p.swarm import matchmaking as mm
-from diloco_p2p.swarm.matchmaking import Group, Matchmaker
+from diloco_p2p.swarm.membership import matchmaking as mm
+from diloco_p2p.swarm.membership.matchmaking import Group, Matchmaker
 from tests.harness.loopback import LoopbackPeers
 
 HASH_A = "a" * 64

@@ -3,7 +3,7 @@
 Six hosts in network namespaces (`tests.netns`, prefix ``nt``): a seed and two public nodes a, b
 on the bridge, and three private nodes p, q, r, each behind its own home router that masquerades
 its outbound connections and drops every inbound one. Nobody is told who is private: each node
-asks the seed to dial it back (`swarm.reach`) and learns it. One topology, one swarm, in order:
+asks the seed to dial it back (`swarm.transport.reach`) and learns it. One topology, one swarm, in order:
 
 1. a, b, p, q average every round in one group of four with identical θ; the private nodes
    reduced nothing (their bytes are n each way, the public ones' twice that).
@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from diloco_p2p.swarm.dht import peer_id_of
+from diloco_p2p.swarm.transport.dht import peer_id_of
 from tests import netns
 from tests.harness.procs import REPO, child_env, diloco, wait_until
 from tests.harness.swarm import ProcessSwarm

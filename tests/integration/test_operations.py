@@ -26,7 +26,7 @@ from hivemind.p2p import P2P
 
 from diloco_p2p.launch import free_port
 from diloco_p2p.metrics import exported_names, read_port_file
-from diloco_p2p.swarm.dht import peer_id_of
+from diloco_p2p.swarm.transport.dht import peer_id_of
 from tests.harness.procs import run_cli, wait_until
 from tests.harness.swarm import Node, ProcessSwarm
 from tests.unit.test_deploy_files import METRIC, alert_rules, dashboard_queries

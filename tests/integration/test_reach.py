@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from diloco_p2p.config import P2PConfig
-from diloco_p2p.swarm.reach import PUBLIC, ReachServer, ask, detect, resolve
+from diloco_p2p.swarm.transport.reach import PUBLIC, ReachServer, ask, detect, resolve
 from tests.harness.loopback import LoopbackPeers
 
 pytestmark = pytest.mark.timeout(60)

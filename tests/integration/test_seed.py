@@ -13,7 +13,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from diloco_p2p.config import P2PConfig
-from diloco_p2p.swarm.dht import peer_id_of, start_dht
+from diloco_p2p.swarm.transport.dht import peer_id_of, start_dht
 from tests.harness.reaping import alive, descendants
 
 REPO = Path(__file__).resolve().parents[2]

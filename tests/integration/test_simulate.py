@@ -16,7 +16,7 @@ import pytest
 from diloco_p2p.config import load_config
 from diloco_p2p.schedule import rounds
 from diloco_p2p.simulate import simulate, wire_average
-from diloco_p2p.swarm.dht import peer_id_of
+from diloco_p2p.swarm.transport.dht import peer_id_of
 from tests.harness.settings import SWARM
 from tests.harness.swarm import ProcessSwarm
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from diloco_p2p.swarm.signing import own_subkey
 from diloco_p2p.swarm.state.announcements import list_donors, state_key
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import pack_state, unpack_state
 from diloco_p2p.swarm.state.server import StateServer
+from diloco_p2p.swarm.trust.signing import own_subkey
 from tests.harness.loopback import LoopbackPeers
 
 _run_ids = itertools.count()
@@ -193,7 +193,7 @@ def test_stale_announcement_is_answered_gone_and_the_joiner_moves_on(swarm: Stat
             await d.set_state(4, blob4)
         try:
             # outlives B's own record (announce_ttl 60 s): per subkey, the later expiration wins.
-            # B's own DHT stores it: only B can sign an entry under its subkey (`swarm.signing`)
+            # B's own DHT stores it: only B can sign an entry under its subkey (`swarm.trust.signing`)
             stale = {"round": 5, "sha256": "5" * 64, "size": 999, "params_hash": None}
             stored = await swarm.dhts[1].store(
                 state_key(run_id), stale, get_dht_time() + 120, subkey=own_subkey(swarm.dhts[1], b.peer_id),

@@ -13,8 +13,7 @@ from hivemind.utils import get_dht_time
 from diloco_p2p.config import Config, P2PConfig
 from diloco_p2p.logs import short_peer
 from diloco_p2p.status import run_status
-from diloco_p2p.swarm.dht import peer_id_of, start_dht, visible_maddrs
-from diloco_p2p.swarm.records import (
+from diloco_p2p.swarm.membership.records import (
     ProgressRecord,
     progress_key,
     progress_validator,
@@ -22,7 +21,8 @@ from diloco_p2p.swarm.records import (
     read_progress,
     withdraw_progress,
 )
-from diloco_p2p.swarm.signing import own_subkey
+from diloco_p2p.swarm.transport.dht import peer_id_of, start_dht, visible_maddrs
+from diloco_p2p.swarm.trust.signing import own_subkey
 
 RUN = "status-test"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -143,8 +143,12 @@ def test_status_with_a_malformed_or_missing_address_fails_with_one_line():
 
 def test_async_records_api_runs_on_the_event_loop(swarm):
     """The coroutine variants await hivemind's futures on our loop (what swarm components use)."""
-    from diloco_p2p.swarm.records import publish_progress_async, read_progress_async, withdraw_progress_async
-    from diloco_p2p.swarm.runner import BackgroundLoop
+    from diloco_p2p.swarm.membership.records import (
+        publish_progress_async,
+        read_progress_async,
+        withdraw_progress_async,
+    )
+    from diloco_p2p.swarm.transport.runner import BackgroundLoop
 
     maddrs, pa, *_ = swarm
     c = start_dht(P2PConfig(initial_peers=maddrs, host_maddrs=LOOPBACK), None)  # before the loop's thread

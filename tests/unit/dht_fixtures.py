@@ -13,8 +13,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_p2p.config import Config
-from diloco_p2p.swarm.records import ProgressRecord
-from diloco_p2p.swarm.signing import owned_subkey, peer_id_of_public_key, public_key_text
+from diloco_p2p.swarm.membership.records import ProgressRecord
+from diloco_p2p.swarm.trust.signing import owned_subkey, peer_id_of_public_key, public_key_text
 
 KEYS = [RSAPrivateKey() for _ in range(9)]
 PEERS = [peer_id_of_public_key(public_key_text(k)) for k in KEYS]

@@ -1,4 +1,4 @@
-"""The pure robust-aggregation rules and reducer checks (`diloco_p2p.swarm.aggregate`), against
+"""The pure robust-aggregation rules and reducer checks (`diloco_p2p.swarm.collective.aggregate`), against
 values the tests compute on their own (plain Python / float64), and their determinism."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from diloco_p2p.config import SyncConfig
-from diloco_p2p.swarm import aggregate, wire
-from diloco_p2p.swarm.aggregate import Robust
-from diloco_p2p.swarm.streams import WireError
+from diloco_p2p.swarm.collective import aggregate, wire
+from diloco_p2p.swarm.collective.aggregate import Robust
+from diloco_p2p.swarm.transport.streams import WireError
 
 
 def vectors(m: int, n: int, seed: int) -> list[torch.Tensor]:

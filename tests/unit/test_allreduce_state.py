@@ -8,8 +8,8 @@ import hashlib
 import torch
 from hivemind.p2p import PeerID
 
-from diloco_p2p.swarm import wire
-from diloco_p2p.swarm.allreduce_state import Session, conclude
+from diloco_p2p.swarm.collective import wire
+from diloco_p2p.swarm.collective.allreduce_state import Session, conclude
 
 PEERS = [PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()) for i in range(3)]
 N = 10  # parts of 4, 3, 3 elements

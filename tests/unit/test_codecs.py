@@ -1,4 +1,4 @@
-"""The lossy codecs (`swarm.codecs`): int4 and topk2 error bounds computed here independently,
+"""The lossy codecs (`swarm.collective.codecs`): int4 and topk2 error bounds computed here independently,
 exact sizes, round trips, bad and truncated payloads refused with WireError, non-finite input
 kept visible, and the sparse mean every member computes."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from diloco_p2p.swarm import codecs, wire
+from diloco_p2p.swarm.collective import codecs, wire
 
 DENSITY = 0.01
 B = codecs.TOPK_BLOCK

@@ -76,7 +76,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 def test_target_group_size_is_a_swarm_field_that_keeps_old_hashes_at_its_default():
-    """Every member must cut the same grid (`swarm.hierarchy`); at the default 16 the view (and the hash of
+    """Every member must cut the same grid (`swarm.collective.hierarchy`); at the default 16 the view (and the hash of
     runs started before it was a swarm field) is unchanged."""
     base = load_config(None, [])
     assert "sync.target_group_size" not in base.swarm_view()

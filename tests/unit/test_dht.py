@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diloco_p2p.errors import UserError
-from diloco_p2p.swarm.dht import load_or_create_identity, peer_id_of, validate_maddrs
+from diloco_p2p.swarm.transport.dht import load_or_create_identity, peer_id_of, validate_maddrs
 
 PEER = "12D3KooWC4q976Zm5JjybT8mVZbxWcxPhFvciyNvRHJvNAbsoa1k"
 

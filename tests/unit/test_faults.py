@@ -121,3 +121,26 @@ def test_start_gate_times_out_with_a_clear_message(tmp_path, monkeypatch):
 def test_no_gate_returns_at_once(monkeypatch):
     monkeypatch.delenv(GATE_ENV, raising=False)
     wait_at_start_gate(timeout=0)
+
+
+def test_a_reducer_lie_needs_the_lying_all_reduce_the_tests_install(monkeypatch):
+    from diloco_p2p import faults as faults_module
+
+    class Honest:
+        pass
+
+    class Lying(Honest):
+        lie = None
+
+    assert Faults("flip@delta:1").reducer(Honest) is Honest
+    monkeypatch.setattr(faults_module, "lying_reducer", None)  # a plain node: the product has none
+    with pytest.raises(ValueError, match="tests.faults.lying_node"):
+        Faults("scale@reduce:3").reducer(Honest)
+    monkeypatch.setattr(faults_module, "lying_reducer", Lying)  # as `python -m tests.faults.lying_node` does
+    planned = Faults("scale@reduce:3")
+    service = planned.reducer(Honest)()
+    lies = []
+    for round_ in (2, 3, 4):
+        planned.arm_reducer(service, round_)
+        lies.append(service.lie)
+    assert lies == [None, "scale-output", None]

@@ -12,7 +12,7 @@ from diloco_p2p.contract import RoundOutcome, StopRequested, SwarmState
 from diloco_p2p.feedback import ErrorFeedback, sent_values
 from diloco_p2p.node import Node
 from diloco_p2p.simulate import simulate
-from diloco_p2p.swarm import codecs, wire
+from diloco_p2p.swarm.collective import codecs, wire
 from tests.unit.test_node import SMALL, ScriptedSync
 
 

@@ -18,7 +18,7 @@ from diloco_p2p.node import Node
 from diloco_p2p.outer import OuterOptimizer, flatten, tensor_sha256
 from diloco_p2p.overlap import outer_update
 from diloco_p2p.simulate import simulate
-from diloco_p2p.swarm.wire import partition
+from diloco_p2p.swarm.collective.wire import partition
 from tests.unit.test_node import SMALL
 from tests.unit.test_overlap import OverlapSync, _weights
 

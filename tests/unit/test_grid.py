@@ -1,4 +1,4 @@
-"""The grid of the hierarchical all-reduce (`diloco_p2p.swarm.hierarchy.Grid`) is a pure function of
+"""The grid of the hierarchical all-reduce (`diloco_p2p.swarm.collective.hierarchy.Grid`) is a pure function of
 (members, values, butterfly_max): checked here for every small shape, so every member cuts the same
 rows, intervals and columns and every value is reduced by exactly one column."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import itertools
 
-from diloco_p2p.swarm import wire
-from diloco_p2p.swarm.hierarchy import Grid, rows_for
+from diloco_p2p.swarm.collective import wire
+from diloco_p2p.swarm.collective.hierarchy import Grid, rows_for
 
 
 def test_every_small_grid_covers_each_value_once_and_aligns_with_every_row():
@@ -39,7 +39,7 @@ def test_every_part_of_an_agreement_step_carries_the_whole_interval_mask():
     the contributor bits, never the mask (each part starts with a copy of it)."""
     import torch
 
-    from diloco_p2p.swarm.hierarchy import _spread
+    from diloco_p2p.swarm.collective.hierarchy import _spread
 
     for m, members, k in itertools.product((1, 3, 7), (2, 6, 23), range(2, 9)):
         votes = torch.tensor([float(x % 2) for x in range(m)] + [float(x % 3 == 0) for x in range(members)])

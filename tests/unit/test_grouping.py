@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.p2p import PeerID
 
-from diloco_p2p.swarm.grouping import ALONE, GROUP, VOID, Entry, Session, parse_view
+from diloco_p2p.swarm.membership.grouping import ALONE, GROUP, VOID, Entry, Session, parse_view
 
 PEERS = sorted(PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()).to_base58() for i in range(4))
 ME = PEERS[1]

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, and the swarm layer never reaches up into the node.
+"""The package's shape: no import cycle, the swarm layer never reaches up into the node, and inside
+the swarm each sub-package imports only from the layers below it (`SWARM_LAYERS`).
 
 Imports are read from the source (module level and inside functions alike: a lazy import is
 still a dependency), so a cycle is caught before it ever bites at run time.
@@ -12,6 +13,18 @@ from pathlib import Path
 import diloco_p2p
 
 PACKAGE = Path(diloco_p2p.__file__).parent
+
+# The swarm's layers, bottom up. A module imports only from its own unit and from lower layers;
+# units side by side in one layer import nothing of each other. A unit is a sub-package of
+# `diloco_p2p.swarm`, or "facade" for the modules at its top (`sync`, `shards`), the node's way in.
+SWARM_LAYERS: list[set[str]] = [
+    {"trust"},  # signing, validators, admission, guard
+    {"transport"},  # the DHT (it signs with `trust`), event loop, reachability, stream framing
+    {"collective", "membership", "state"},  # all-reduce; groups, records, resync; state and data sharing
+    {"facade"},
+]
+# Above the swarm: data flows node -> contract -> swarm, so nothing in the swarm imports these.
+ABOVE_SWARM = ("diloco_p2p.node", "diloco_p2p.cli", "diloco_p2p.commands")
 
 
 def _modules() -> dict[str, Path]:
@@ -66,6 +79,33 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def swarm_unit(module: str) -> str | None:
+    """The layer unit of `module`: a swarm sub-package, "facade", "above" (`ABOVE_SWARM`), or
+    None for the rest of the package (config, contract, errors...: free to import)."""
+    parts = module.split(".")
+    if any(module == a or module.startswith(a + ".") for a in ABOVE_SWARM):
+        return "above"
+    if parts[:2] != ["diloco_p2p", "swarm"]:
+        return None
+    is_package = (PACKAGE / "swarm" / parts[2]).is_dir() if len(parts) > 2 else False
+    return parts[2] if is_package else "facade"
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[set[str]], unit=swarm_unit) -> list[str]:
+    """Each import of a swarm module that goes up a layer, sideways within one, or above the swarm."""
+    rank = {u: i for i, layer in enumerate(layers) for u in layer} | {"above": len(layers)}
+    found = []
+    for module, deps in sorted(graph.items()):
+        mine = unit(module)
+        if mine is None or mine == "above":
+            continue
+        for dep in sorted(deps):
+            theirs = unit(dep)
+            if theirs is not None and theirs != mine and rank[theirs] >= rank[mine]:
+                found.append(f"{module} -> {dep}")
+    return found
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
@@ -98,3 +138,21 @@ def test_modules_and_functions_stay_readable():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80:
                 long_functions.append(f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long_functions
+
+
+def test_the_layer_checker_flags_an_import_up_or_sideways():
+    def unit(module: str) -> str | None:
+        return {"t": "trust", "x": "transport", "c": "collective", "m": "membership", "n": "above"}.get(module)
+
+    graph = {"t": {"x"}, "x": {"t", "elsewhere"}, "c": {"m", "x", "t"}, "m": {"t", "n"}, "elsewhere": {"c"}}
+    assert upward_imports(graph, SWARM_LAYERS, unit) == ["c -> m", "m -> n", "t -> x"]
+    assert upward_imports({"x": {"t"}, "c": {"x"}, "m": {"t"}}, SWARM_LAYERS, unit) == []
+
+
+def test_each_swarm_sub_package_imports_only_the_layers_below_it():
+    graph = import_graph()
+    units = {swarm_unit(m) for m in graph} - {None, "above"}
+    assert units == set().union(*SWARM_LAYERS), "place each swarm sub-package in SWARM_LAYERS"
+    assert swarm_unit("diloco_p2p.swarm.transport.dht") == "transport"
+    assert swarm_unit("diloco_p2p.swarm.sync") == "facade" and swarm_unit("diloco_p2p.commands.train") == "above"
+    assert not upward_imports(graph, SWARM_LAYERS)

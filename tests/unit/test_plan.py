@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from diloco_p2p import cli, plan
-from diloco_p2p.swarm import streams, wire
+from diloco_p2p.swarm.collective import wire
+from diloco_p2p.swarm.transport import streams
 
 
 @pytest.mark.parametrize("compression", wire.COMPRESSIONS)
@@ -171,7 +172,7 @@ def test_matchmaking_costs_the_leader_n_squared_bytes():
 def test_sparse_and_4bit_sizes_are_what_the_codecs_encode(numel):
     import torch
 
-    from diloco_p2p.swarm import codecs
+    from diloco_p2p.swarm.collective import codecs
 
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     assert plan.payload_size(numel, "int4") == len(codecs.encode_int4(x))

@@ -195,7 +195,7 @@ def test_the_dataset_id_is_agreed_by_the_swarm_and_names_both_ids(corpus, tmp_pa
     assert ca.swarm_view()["data.dataset_id"] == a.id
     assert diff_swarm_fields(ca.swarm_view(), cb.swarm_view()) == [f"data.dataset_id: {a.id!r} != {b.id!r}"]
     assert "data.dataset_id" not in Config().swarm_view()  # a plain corpus: as before, older checkpoints resume
-    from diloco_p2p.swarm.resync import check_config
+    from diloco_p2p.swarm.membership.resync import check_config
     from tests.unit.dht_fixtures import PEERS, make
 
     swarm = {p: make(p, cfg=cb) for p in PEERS[:2]}  # the swarm trains on b; we start with a

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.status import format_warning, status_rows
-from diloco_p2p.swarm.reach import PRIVATE, PUBLIC, observed_host, resolve, shortage, tcp_ports
-from diloco_p2p.swarm.records import ProgressRecord
+from diloco_p2p.swarm.membership.records import ProgressRecord
+from diloco_p2p.swarm.transport.reach import PRIVATE, PUBLIC, observed_host, resolve, shortage, tcp_ports
 
 PEER = "QmZXf19uXjuRJiLLUV1ipad3YtYm8BVkt5VNp8pia8fUGr"
 

@@ -9,7 +9,7 @@ import pytest
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from diloco_p2p.swarm.records import (
+from diloco_p2p.swarm.membership.records import (
     DEFAULT_TTL,
     ProgressRecord,
     _tombstone_expiration,

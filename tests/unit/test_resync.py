@@ -9,7 +9,7 @@ import pytest
 
 from diloco_p2p.config import Config
 from diloco_p2p.errors import UserError
-from diloco_p2p.swarm.resync import (
+from diloco_p2p.swarm.membership.resync import (
     MAX_UNBACKED_ROUNDS,
     Resync,
     check_config,

@@ -10,8 +10,9 @@ import struct
 
 import pytest
 
-from diloco_p2p.swarm import streams, wire
-from diloco_p2p.swarm.streams import WireError
+from diloco_p2p.swarm.collective import wire
+from diloco_p2p.swarm.transport import streams
+from diloco_p2p.swarm.transport.streams import WireError
 
 
 class _Writer:

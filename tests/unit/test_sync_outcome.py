@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco_p2p.swarm.allreduce_state import AllreduceResult
+from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
 from diloco_p2p.swarm.sync import round_outcome
 
 AGREE = {"params_agree": True, "config_agree": True}

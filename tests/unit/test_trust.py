@@ -12,10 +12,10 @@ from hivemind.p2p import P2P, PeerID
 
 from diloco_p2p.config import AdmissionConfig
 from diloco_p2p.errors import UserError
-from diloco_p2p.swarm import signing
-from diloco_p2p.swarm.admission import Admission, TokenError, issue_token, verify_token
-from diloco_p2p.swarm.guard import Guard
-from diloco_p2p.swarm.records import progress_key, progress_validator
+from diloco_p2p.swarm.membership.records import progress_key, progress_validator
+from diloco_p2p.swarm.trust import signing
+from diloco_p2p.swarm.trust.admission import Admission, TokenError, issue_token, verify_token
+from diloco_p2p.swarm.trust.guard import Guard
 from tests.unit.dht_fixtures import KEYS, NOW, PEERS, dht_record, make, subkey
 
 

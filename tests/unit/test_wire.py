@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from diloco_p2p.swarm import wire
+from diloco_p2p.swarm.collective import wire
 
 
 def vector(n: int = 10_000, seed: int = 0) -> torch.Tensor:

@@ -2,7 +2,8 @@
 joiners stream it from one of them and verify it before using it.
 
 Modules: `codec` (the blob), `announcements` (the DHT record and the order joiners try donors
-in), `server` (the donor, `StateServer`), `client` (the joiner, `fetch_state`).
+in), `server` (the donor, `StateServer`), `client` (the joiner, `fetch_state`); and `datashare`,
+the corpus's shards served and fetched the same way (its own docstring).
 
 The state is an opaque blob to the protocol. A node builds it with `pack_state` (safetensors
 bytes of the global fp32 parameters θ, the outer momentum and, optionally, its inner optimizer
@@ -23,7 +24,7 @@ Protocol:
 - **Fetch.** One libp2p stream per attempt (handler ``f"{run_id}.state.v1"``): the joiner sends
   a JSON request ``{sha256, offset}``; the donor answers with a JSON header (``ok`` and the
   size, or ``gone`` / ``busy`` / ``bad-request``), then the raw bytes from `offset`. Headers are
-  JSON frames (`diloco_p2p.swarm.streams`) read with an upper bound. After the
+  JSON frames (`diloco_p2p.swarm.transport.streams`) read with an upper bound. After the
   last byte the joiner sends one byte of verdict (sha256 matched or not) and the donor one byte
   back, so both sides know the transfer is complete (`served_count` counts verified ones).
 - **Choosing a donor.** hivemind's `DecentralizedAverager.load_state_from_peers` sorts donors by
@@ -49,13 +50,13 @@ Protocol:
 
 A donor may announce a state it made up, with a matching sha256: the blob's hash only proves
 that the donor sent what it announced. So a node resyncs to a (round, θ hash) that the swarm's
-signed progress records vouch for (`diloco_p2p.swarm.resync`), tries only donors announcing
+signed progress records vouch for (`diloco_p2p.swarm.membership.resync`), tries only donors announcing
 that state or a later one the records vouch for by then (`fetch_state(accept=...)`), and checks
 what it received (`verify=codec.StateCheck`, which hashes the θ): a donor whose blob holds
 another θ or round than it announced is refused and named (`FetchedState.forged`), and the
 next one tried. Without a
 `params_hash` (a plain `diloco-p2p fetch`), a joiner prefers the θ hash most donors announce.
-Donors announce under a signed subkey (`diloco_p2p.swarm.signing`): nobody announces, or
+Donors announce under a signed subkey (`diloco_p2p.swarm.trust.signing`): nobody announces, or
 withdraws, in another donor's name. In a closed run the donor serves admitted peers only.
 
 Costs: the blob lives in memory on both sides (the joiner briefly holds it twice when it hands

@@ -18,7 +18,7 @@ import pydantic.v1 as pydantic
 from hivemind.dht.schema import SchemaValidator
 from hivemind.p2p import PeerID
 
-from diloco_p2p.swarm.schema import Hex64, live_values, subkey_validator
+from diloco_p2p.swarm.trust.schema import Hex64, live_values, subkey_validator
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 
 from diloco_p2p.logs import short_peer
-from diloco_p2p.swarm import streams
 from diloco_p2p.swarm.state.announcements import (
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
@@ -28,7 +27,8 @@ from diloco_p2p.swarm.state.announcements import (
     order_candidates,
     state_key,
 )
-from diloco_p2p.swarm.streams import NETWORK_ERRORS, WireError
+from diloco_p2p.swarm.transport import streams
+from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS, WireError
 
 logger = logging.getLogger(__name__)
 

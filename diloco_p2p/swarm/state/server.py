@@ -13,8 +13,6 @@ import hivemind
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from diloco_p2p.swarm import streams
-from diloco_p2p.swarm.signing import own_subkey
 from diloco_p2p.swarm.state.announcements import (
     DEFAULT_ANNOUNCE_TTL,
     MAX_HEADER_BYTES,
@@ -25,7 +23,9 @@ from diloco_p2p.swarm.state.announcements import (
     handler_name,
     state_key,
 )
-from diloco_p2p.swarm.streams import NETWORK_ERRORS, AnnouncedHandler, WireError
+from diloco_p2p.swarm.transport import streams
+from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS, AnnouncedHandler, WireError
+from diloco_p2p.swarm.trust.signing import own_subkey
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class StateServer:
         self._lock = asyncio.Lock()
         self._served = AnnouncedHandler(p2p, handler_name(run_id), self._handle, self._refresh, announce_ttl / 3)
         # Whether to serve a peer (its id proven by p2pd): a closed run serves its members only
-        # (`diloco_p2p.swarm.admission.Admission.check_stream`); None serves everyone.
+        # (`diloco_p2p.swarm.trust.admission.Admission.check_stream`); None serves everyone.
         self.admit: Callable[[str, str], Awaitable[bool]] | None = None
 
     @property

@@ -1,6 +1,6 @@
 """What our DHT records have in common: one key per run holding a dictionary (subkey = the
 publisher's base58 peer id and the public key that signs the entry, ``peer[owner:ssh-rsa ...]``
-(`diloco_p2p.swarm.signing`), value = a strict pydantic.v1 model, ``None`` = a tombstone).
+(`diloco_p2p.swarm.trust.signing`), value = a strict pydantic.v1 model, ``None`` = a tombstone).
 
 Validation happens twice. Storing peers run hivemind's `SchemaValidator` (`subkey_validator`,
 given to `start_dht(record_validators=...)`), which rejects values that need any type
@@ -20,7 +20,7 @@ import pydantic.v1 as pydantic
 from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
 
-from diloco_p2p.swarm.signing import OWNED_SUBKEY, owner_of
+from diloco_p2p.swarm.trust.signing import OWNED_SUBKEY, owner_of
 
 PeerB58 = pydantic.constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
 Hex64 = pydantic.constr(strict=True, regex=r"^[0-9a-f]{64}$")
@@ -47,7 +47,7 @@ def subkey_validator(name: str, key: str, value_model: type[pydantic.BaseModel])
     return SchemaValidator(schema, allow_extra_keys=True)
 
 
-# Called with (peer, reason, detail) for each entry a reader refuses: `diloco_p2p.swarm.guard`.
+# Called with (peer, reason, detail) for each entry a reader refuses: `diloco_p2p.swarm.trust.guard`.
 OnReject = Callable[[str, str, str], None]
 
 

@@ -2,7 +2,7 @@
 and the checks a receiver applies at the boundary.
 
 Everything here is a pure function of bytes and tensors (no sockets, no event loop), so the precision and validation rules are unit-tested on their own; the
-protocol that moves these bytes is `diloco_p2p.swarm.allreduce`.
+protocol that moves these bytes is `diloco_p2p.swarm.collective.allreduce`.
 
 Compression (`fp32 | fp16 | int8 | int4`) is applied chunk by chunk, so a part of any size streams in
 bounded memory:
@@ -19,12 +19,12 @@ bounded memory:
   out) and its error is not bounded per element; per-block absmax streams and keeps an outlier
   from crushing the resolution of the rest of the vector (the scheme of LLM.int8 / bitsandbytes
   blockwise quantization, Dettmers et al. 2022). Overhead: 4 bytes per 1024 elements (0.4%).
-- ``int4``: the same per-block absmax scheme with 4-bit codes (`diloco_p2p.swarm.codecs`).
+- ``int4``: the same per-block absmax scheme with 4-bit codes (`diloco_p2p.swarm.collective.codecs`).
 
 The sparse ``topk2`` (top-k + 2-bit values, `codecs`) does not go through a reduce-scatter:
-its messages (kind ``contrib``) are the all-gather of `diloco_p2p.swarm.allgather`.
+its messages (kind ``contrib``) are the all-gather of `diloco_p2p.swarm.collective.allgather`.
 
-Messages are length-prefixed frames (`diloco_p2p.swarm.streams`): the first frame of a message
+Messages are length-prefixed frames (`diloco_p2p.swarm.transport.streams`): the first frame of a message
 is a small JSON header (never pickle); the following frames are the compressed chunks, then for
 a scatter the sender's norm of its part (`pack_norm`: 8 bytes) and for a streamed gather a
 one-byte trailer (ok or void).
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco_p2p.swarm import codecs
-from diloco_p2p.swarm.streams import WireError, dump_json, load_json
+from diloco_p2p.swarm.collective import codecs
+from diloco_p2p.swarm.transport.streams import WireError, dump_json, load_json
 
 COMPRESSIONS = ("fp32", "fp16", "int8", "int4")  # dense: reduce-scatter + all-gather
 SPARSE = ("topk2",)  # sparse: an all-gather of every member's contribution (`allgather`)
@@ -311,7 +311,7 @@ def _is_norm(v: Any) -> bool:
 
 
 def _check_part_lists(h: dict[str, Any], k: int) -> None:
-    """A mask's optional per-part lists (`diloco_p2p.swarm.aggregate`): the sha256 of each part
+    """A mask's optional per-part lists (`diloco_p2p.swarm.collective.aggregate`): the sha256 of each part
     gathered ("part_digests", None where not held) and our contribution's norm ("norms")."""
     digests, norms, relayed = h.get("part_digests"), h.get("norms"), h.get("relayed_norms")
     # A public member relays the private members' norms it heard ("relayed_norms": member index ->

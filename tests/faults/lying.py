@@ -5,18 +5,19 @@ group can do as a sender and as a reducer, so that the members' checks meet it o
 ``understate-norm`` (its scatter streams and masks state 1e-6 of its contributions' norms),
 ``scale-output`` (its averaged part × 1000, the same bytes to every member), ``split-output``
 (its averaged part changed for one member only, `victim`: a member index; with no victim, each
-other member gets its own changed copy). A node uses it only when ``DILOCO_P2P_FAULTS`` plans a lie as a
-reducer (``scale@reduce:R``, ``split@reduce:R``, `diloco_p2p.faults`); in-process tests use it
-directly (`tests/faults/hostile.py`). What the members do about each lie is
-`diloco_p2p.swarm.aggregate`'s docstring.
+other member gets its own changed copy). A node started as ``python -m tests.faults.lying_node``
+uses it when ``DILOCO_P2P_FAULTS`` plans a lie as a reducer (``scale@reduce:R``,
+``split@reduce:R``, `diloco_p2p.faults`); in-process tests use it directly
+(`tests/faults/hostile.py`). What the members do about each lie is
+`diloco_p2p.swarm.collective.aggregate`'s docstring.
 """
 
 from __future__ import annotations
 
 import torch
 
-from diloco_p2p.swarm import wire
-from diloco_p2p.swarm.allreduce import AllreduceService, _frames
+from diloco_p2p.swarm.collective import wire
+from diloco_p2p.swarm.collective.allreduce import AllreduceService, _frames
 
 SCALE = 1000.0  # scale-output's factor
 NUDGE = 0.01  # split-output: member j gets NUDGE × (1 + j) added to every value

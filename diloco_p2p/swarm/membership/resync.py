@@ -1,11 +1,11 @@
 """What a node concludes from the swarm's progress records: pure functions, no DHT I/O
-(the records are read by `diloco_p2p.swarm.records`).
+(the records are read by `diloco_p2p.swarm.membership.records`).
 
 - `check_config`: refuse to join a swarm whose majority config differs from ours, naming the
   differing fields.
 - `vouched_records`: the records that may move a node at all. A (round, θ hash) counts only
   when `quorum` distinct peers report it (each record is signed by its peer,
-  `diloco_p2p.swarm.signing`), and never past `train.max_rounds`. Where no state has a quorum
+  `diloco_p2p.swarm.trust.signing`), and never past `train.max_rounds`. Where no state has a quorum
   (a swarm of one, or nodes that all end rounds alone) every record counts, as before: there
   is no agreement for a liar to override. So a lone record claiming a later round, or a
   superseding `averaged_round`, moves nobody while `quorum` honest nodes agree.
@@ -37,7 +37,7 @@ from typing import Any
 from diloco_p2p import __version__
 from diloco_p2p.config import diff_swarm_fields
 from diloco_p2p.errors import UserError
-from diloco_p2p.swarm.records import ProgressRecord
+from diloco_p2p.swarm.membership.records import ProgressRecord
 
 
 def majority(values: Iterable[str]) -> str | None:

@@ -12,7 +12,7 @@ nobody else.
 In a closed run a node refuses matchmaking, all-reduce and state streams from any other peer
 (`Admission.check_stream` at each handler's entry), ignores their progress records, and the
 state service serves nobody else; each refusal is a ``not-admitted`` rejection
-(`diloco_p2p.swarm.guard`).
+(`diloco_p2p.swarm.trust.guard`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from diloco_p2p.config import AdmissionConfig
 from diloco_p2p.errors import UserError
-from diloco_p2p.swarm.guard import Guard
+from diloco_p2p.swarm.trust.guard import Guard
 
 TOKEN_VERSION = 1
 # A peer unknown to us may have published its token a moment ago: re-read the records at most

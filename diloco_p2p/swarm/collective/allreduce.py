@@ -84,7 +84,7 @@ CPU-bound on a 2-core host running all four members); in training nodes (`benchm
 bytes between the same hosts at once takes 1.0-1.5x. Stream setup is one libp2p stream per
 message over the connection p2pd keeps open between the peers (no TCP or TLS handshake per round).
 
-Robust aggregation and reducer checks (`diloco_p2p.swarm.aggregate`, `robust=`):
+Robust aggregation and reducer checks (`diloco_p2p.swarm.collective.aggregate`, `robust=`):
 
 - A part is reduced by ``aggregate.reduce_chunk`` / ``aggregate.reduce_part`` (``mean`` is
   ``wire.reduce_chunk`` bit for bit), pure functions of the complete, ordered per-sender
@@ -102,7 +102,7 @@ Robust aggregation and reducer checks (`diloco_p2p.swarm.aggregate`, `robust=`):
   average's norm exceeds what its contributors' stated norms allow, on every member alike, and
   names its reducer (``AllreduceResult.reducers``).
 
-Private members (behind NAT; `diloco_p2p.swarm.reach` finds out, matchmaking tells every member
+Private members (behind NAT; `diloco_p2p.swarm.transport.reach` finds out, matchmaking tells every member
 who is who: ``public[j]``). Such a member can open streams but not accept connections. libp2p
 opens a stream on any existing connection in either direction, so a public member reaches a
 private one over the connection the private member opened (verified through real NAT,
@@ -120,7 +120,7 @@ member sends (P-1)·n/P in the scatter and (k-1)·n/P in the gather, (k+P-2)/P·
 
 Where later schemes plug in (keep these properties when changing this module):
 
-- The hierarchical (2-D grid) all-reduce (`diloco_p2p.swarm.hierarchy`) runs this protocol over
+- The hierarchical (2-D grid) all-reduce (`diloco_p2p.swarm.collective.hierarchy`) runs this protocol over
   rows with a ``part_hook``: the reducer reduces its part whole (the unstreamed path of step 3),
   hands it to the hook (a column all-reduce of that part across rows) and gathers what the hook
   returns, in fp32 when re-encoding it would not be exact. Its agreement across rows is two
@@ -161,9 +161,10 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from diloco_p2p.swarm import aggregate, allgather, streams, wire
-from diloco_p2p.swarm.allreduce_state import AllreduceResult, Session, conclude
-from diloco_p2p.swarm.streams import NETWORK_ERRORS
+from diloco_p2p.swarm.collective import aggregate, allgather, wire
+from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult, Session, conclude
+from diloco_p2p.swarm.transport import streams
+from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ class AllreduceService:
         self._handlers: set[asyncio.Task] = set()  # incoming streams being served
         self._running = False
         # Whether to serve a peer's stream (its id proven by p2pd): a closed run admits its members
-        # only (`diloco_p2p.swarm.admission`); None serves everyone.
+        # only (`diloco_p2p.swarm.trust.admission`); None serves everyone.
         self.admit: Callable[[str, str], Awaitable[bool]] | None = None
 
     async def start(self) -> None:
@@ -255,7 +256,7 @@ class AllreduceService:
     ) -> AllreduceResult:
         """Weighted average of `tensor` over `peers` (this peer included, same order on all members).
 
-        `part_hook` (a level of `diloco_p2p.swarm.hierarchy`): our part is reduced whole, then
+        `part_hook` (a level of `diloco_p2p.swarm.collective.hierarchy`): our part is reduced whole, then
         ``await part_hook(values, total_weight)`` gives what we gather instead: ``(values,
         compression)``, or None (the part is lost). `public[j]`: whether member j can be dialled
         (None: all can); see "Private members" (not for sparse wires: their all-gather needs everyone)."""

@@ -38,7 +38,7 @@ from hivemind.p2p import P2P, PeerID
 
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.errors import UserError
-from diloco_p2p.swarm.signing import signature_validator
+from diloco_p2p.swarm.trust.signing import signature_validator
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def start_dht(
     """Start a DHT node (a forked process with its own p2pd) and join `p2p_cfg.initial_peers`.
 
     Create it before starting threads of your own (hivemind forks). Every DHT signs its entries
-    with its identity and verifies those of others (`diloco_p2p.swarm.signing`); without an
+    with its identity and verifies those of others (`diloco_p2p.swarm.trust.signing`); without an
     identity file a DHT that stores gets a throwaway one (tests), deleted once p2pd has read it,
     and a client (status, fetch) only verifies. `record_validators` must be
     given here, not added later: validators added to a running DHT are pickled to its process,

@@ -5,7 +5,7 @@ the multihash of that key's public half; p2pd proves that key on every stream. W
 entries with the same key, through hivemind's own `RSASignatureValidator`:
 
 - The subkey of an entry is ``f"{peer_id}[owner:{ssh public key}]"`` (`owned_subkey`). hivemind's
-  validator, given to every DHT we start (`diloco_p2p.swarm.dht.start_dht`), signs each entry
+  validator, given to every DHT we start (`diloco_p2p.swarm.transport.dht.start_dht`), signs each entry
   whose subkey names our key and rejects any entry naming a key without a valid signature by
   it, over key, subkey, value and expiration (a replay cannot extend a record's life, a tombstone
   cannot be forged). Storing peers and readers both run it.
@@ -14,7 +14,7 @@ entries with the same key, through hivemind's own `RSASignatureValidator`:
   which names the key's real owner as the forger.
 
 So an entry about peer P can only be written by whoever holds P's private key. Our schemas
-(`diloco_p2p.swarm.schema`) require the owner part, so an unsigned entry is rejected too.
+(`diloco_p2p.swarm.trust.schema`) require the owner part, so an unsigned entry is rejected too.
 """
 
 from __future__ import annotations
@@ -92,4 +92,4 @@ def own_subkey(dht: hivemind.DHT, peer_id: str) -> str:
             if peer_id_of_public_key(ssh) != peer_id:
                 raise ValueError(f"the DHT of {peer_id} signs with another key than its identity")
             return owned_subkey(peer_id, ssh)
-    raise ValueError("this DHT signs no records: start it with diloco_p2p.swarm.dht.start_dht")
+    raise ValueError("this DHT signs no records: start it with diloco_p2p.swarm.transport.dht.start_dht")

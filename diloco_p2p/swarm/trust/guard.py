@@ -65,7 +65,7 @@ class Guard:
 
     def distrusted(self) -> set[str]:
         """Peers caught as a reducer within `excluded_for`, whatever they were refused for since:
-        matchmaking keeps them out of our groups (`diloco_p2p.swarm.aggregate`)."""
+        matchmaking keeps them out of our groups (`diloco_p2p.swarm.collective.aggregate`)."""
         now = self.clock()
         with self._lock:
             return {p for p, t in self._caught.items() if now - t <= self.excluded_for}

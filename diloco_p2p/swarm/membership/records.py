@@ -3,13 +3,13 @@
 One DHT key per run, ``f"{run_id}.progress"``, holds a dictionary: subkey = the node's peer id
 (base58), value = its `ProgressRecord` (round, tokens, throughput, losses, hash of θ, hash and
 view of the swarm-relevant config). Readers use it to refuse a node whose config differs from the swarm's, to decide whether a
-node must adopt the swarm's state (both in `diloco_p2p.swarm.resync`), and to show what the
+node must adopt the swarm's state (both in `diloco_p2p.swarm.membership.resync`), and to show what the
 swarm is doing (`diloco-p2p status`).
 
-Each entry is signed by the node it is about (`diloco_p2p.swarm.signing`): the subkey holds
+Each entry is signed by the node it is about (`diloco_p2p.swarm.trust.signing`): the subkey holds
 the node's peer id and public key, hivemind's signature validator checks the signature, and a
 reader refuses an entry whose key is not the peer id's, or whose record names another peer
-(``forged-record``, naming the signer). Validation happens twice (`diloco_p2p.swarm.schema`):
+(``forged-record``, naming the signer). Validation happens twice (`diloco_p2p.swarm.trust.schema`):
 storing peers run hivemind's `SchemaValidator` (give `progress_validator(run_id)` to
 `start_dht`), and every reader parses each entry again with the same strict model. An entry
 that does not parse or has expired is dropped, never trusted.
@@ -35,8 +35,8 @@ from hivemind.utils import get_dht_time
 
 from diloco_p2p import __version__
 from diloco_p2p.contract import REJECTION_REASONS
-from diloco_p2p.swarm.schema import Count, Hex64, OnReject, PeerB58, live_values, subkey_validator
-from diloco_p2p.swarm.signing import own_subkey
+from diloco_p2p.swarm.trust.schema import Count, Hex64, OnReject, PeerB58, live_values, subkey_validator
+from diloco_p2p.swarm.trust.signing import own_subkey
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +70,11 @@ class ProgressRecord(pydantic.BaseModel):
     joined_at_round: Count
     resyncs: Count
     averaged_round: Optional[Count] = None  # the last round its θ came out of a group (None: none yet)
-    # Peers this node refuses to trust right now, with the reason (`diloco_p2p.swarm.guard`).
+    # Peers this node refuses to trust right now, with the reason (`diloco_p2p.swarm.trust.guard`).
     excluded: Optional[dict[PeerB58, Literal[REJECTION_REASONS]]] = None  # type: ignore[valid-type]
-    # A closed run's admission token for this peer (`diloco_p2p.swarm.admission`).
+    # A closed run's admission token for this peer (`diloco_p2p.swarm.trust.admission`).
     admission_token: Optional[pydantic.constr(strict=True, max_length=4096)] = None
-    # Whether other peers can dial this node (`diloco_p2p.swarm.reach`); None: an older node, public.
+    # Whether other peers can dial this node (`diloco_p2p.swarm.transport.reach`); None: an older node, public.
     reachability: Optional[Literal["public", "private"]] = None
     version: pydantic.constr(strict=True, min_length=1, max_length=64)
     updated: NonNegFloat

@@ -1,6 +1,6 @@
 """One all-reduce's bookkeeping on one peer: its parts and deadlines, what arrived from whom,
 and the commit rule that turns the masks members exchanged into the result. No sockets here;
-the protocol that fills a `Session` is `diloco_p2p.swarm.allreduce` (its docstring describes
+the protocol that fills a `Session` is `diloco_p2p.swarm.collective.allreduce` (its docstring describes
 the steps and the deadlines).
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
-from diloco_p2p.swarm import aggregate, wire
+from diloco_p2p.swarm.collective import aggregate, wire
 
-log = logging.getLogger("diloco_p2p.swarm.allreduce")
+log = logging.getLogger("diloco_p2p.swarm.collective.allreduce")
 
 SCATTER_FRACTION = 0.4
 GATHER_FRACTION = 0.7
@@ -62,7 +62,7 @@ class Session:
         self.me, self.k, self.n = me, len(peer_ids), n
         self.index = {name: i for i, name in enumerate(self.names)}
         self.others = [j for j in range(self.k) if j != me]
-        # Members that cannot be dialled (NAT, `diloco_p2p.swarm.reach`) reduce no part; two of
+        # Members that cannot be dialled (NAT, `diloco_p2p.swarm.transport.reach`) reduce no part; two of
         # them never talk to each other (`silent`). Their empty parts count as gathered by all.
         if public is not None and len(public) != self.k:
             raise ValueError("public must flag every member")
@@ -102,7 +102,7 @@ class Session:
         self.part_hook: Any = None  # `AllreduceService.allreduce(part_hook=...)`: a hierarchy's next level
         self.bytes_sent = self.bytes_received = 0
         self.phases: dict[str, float] = {}
-        # Robust aggregation and reducer checks (`diloco_p2p.swarm.aggregate`): set by allreduce().
+        # Robust aggregation and reducer checks (`diloco_p2p.swarm.collective.aggregate`): set by allreduce().
         self.robust = aggregate.MEAN
         self.norms: dict[int, float | None] = {}  # stated norms of the contributions to our part
         self.part_norms: dict[int, float] = {}  # our contribution's norm per part, summed as it was sent

@@ -2,7 +2,7 @@
 
 Every node at round r joins one membership (`sync`: matchmaking closes one group per round), so
 the swarm keeps one θ whatever its size. Up to `butterfly_max` members (`sync.target_group_size`)
-average with one butterfly (`diloco_p2p.swarm.allreduce`): each member sends 3(N-1) messages a
+average with one butterfly (`diloco_p2p.swarm.collective.allreduce`): each member sends 3(N-1) messages a
 round, which stops scaling long before the bytes do. Larger memberships run the butterfly over
 sub-groups of a grid, the exact (no gossip, no approximation) counterpart of Moshpit SGD's grid
 averaging (Ryabinin et al. 2021, arXiv:2103.03239) and of the 2-D torus all-reduce (Mikami et al.
@@ -91,9 +91,9 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
-from diloco_p2p.swarm import wire
-from diloco_p2p.swarm.allreduce import AllreduceService
-from diloco_p2p.swarm.allreduce_state import GATHER_FRACTION, AllreduceResult
+from diloco_p2p.swarm.collective import wire
+from diloco_p2p.swarm.collective.allreduce import AllreduceService
+from diloco_p2p.swarm.collective.allreduce_state import GATHER_FRACTION, AllreduceResult
 
 MAX_MEMBERS = 4096  # one round's membership: matchmaking closes a group at this many (`sync`)
 ROW_FRACTION, AGREE_FRACTION, COLUMN_SHARE = 0.7, 0.15, 0.6
@@ -157,7 +157,7 @@ async def average(
 ) -> AllreduceResult:
     """The round's all-reduce: one butterfly up to `butterfly_max` members, else the grid. Sparse
     compressions (an all-gather, not a reduce) always run as one butterfly call, and so does a
-    membership with members behind NAT (``public``, `diloco_p2p.swarm.reach`): the grid's rows
+    membership with members behind NAT (``public``, `diloco_p2p.swarm.transport.reach`): the grid's rows
     would each need a public reducer per part, which it does not arrange yet."""
     sparse = kwargs.get("compression") in getattr(wire, "SPARSE", ())
     nat = kwargs.get("public") is not None and not all(kwargs["public"])

@@ -47,8 +47,9 @@ from typing import Any
 
 import torch
 
-from diloco_p2p.swarm import codecs, streams, wire
-from diloco_p2p.swarm.allreduce_state import AllreduceResult, Session
+from diloco_p2p.swarm.collective import codecs, wire
+from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult, Session
+from diloco_p2p.swarm.transport import streams
 
 NO_GO, GO = b"\x00", b"\x01"
 

@@ -1,6 +1,6 @@
 """The pure rules of matchmaking: one round's session, who leads whom, the one answer a leader
 hands every member, and the checks on what peers send. No I/O here (the protocol that moves
-these values is `diloco_p2p.swarm.matchmaking`, whose docstring describes it); `now` comes in as
+these values is `diloco_p2p.swarm.membership.matchmaking`, whose docstring describes it); `now` comes in as
 an argument, so the rules are unit-tested on their own.
 """
 
@@ -98,7 +98,7 @@ class Session:
     expected: frozenset[str] = frozenset()
     refresh: Callable[[], Awaitable[Collection[str]]] | None = None  # reads `expected` again (the leader)
     speed: float = 0.0  # our tokens per second of compute this round (0: not measured)
-    public: bool = True  # whether others can dial us (`diloco_p2p.swarm.reach`)
+    public: bool = True  # whether others can dial us (`diloco_p2p.swarm.transport.reach`)
 
     @property
     def close_at(self) -> float:

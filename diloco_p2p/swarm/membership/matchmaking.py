@@ -80,7 +80,7 @@ instant the leader sends the final list ends alone while the others count it in.
 must therefore treat a member that never shows up with the agreed `group_id` like a member
 that died (see the all-reduce module), which it has to handle anyway.
 
-At scale (one group per round, `diloco_p2p.swarm.hierarchy` says what it costs): 1 read + 2 stores per node.
+At scale (one group per round, `diloco_p2p.swarm.collective.hierarchy` says what it costs): 1 read + 2 stores per node.
 
 Not defended here: a hostile peer can claim an early registration time and answer
 ``closed: expired``; matchmaking only decides who talks to whom, and the data each member
@@ -100,8 +100,7 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from diloco_p2p.swarm import streams
-from diloco_p2p.swarm.grouping import (
+from diloco_p2p.swarm.membership.grouping import (
     ABORTED,
     ALONE,
     GROUP,
@@ -120,6 +119,7 @@ from diloco_p2p.swarm.grouping import (
     parse_view,
     valid_weight,
 )
+from diloco_p2p.swarm.transport import streams
 
 # The outcomes `Matchmaker.last_outcome` reports and the `Group` it returns live in `grouping`
 # (its pure rules produce them); callers read them from here, with the matchmaker.
@@ -182,7 +182,7 @@ class Matchmaker:
         self._tokens = itertools.count(1)
         self._started = False
         # Whether to serve a peer's stream (its id proven by p2pd): a closed run admits its members
-        # only (`diloco_p2p.swarm.admission`); None serves everyone.
+        # only (`diloco_p2p.swarm.trust.admission`); None serves everyone.
         self.admit: Callable[[str, str], Awaitable[bool]] | None = None
         self.distrusted: Callable[[], Collection[str]] = frozenset  # caught reducers (`Guard`): out of our groups
         # Test-only fault injection: awaited right before / after our registration is stored; and,

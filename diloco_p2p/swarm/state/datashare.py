@@ -3,7 +3,7 @@ shards to nodes that hold only its dataset id (`diloco_p2p.data.cache`).
 
 - **Announce.** A node serving dataset D stores ``{n, have}`` under DHT key ``data.<D>``
   (not per run: any run on this DHT may train on D), subkey = its signed peer id
-  (`diloco_p2p.swarm.signing`), ``have`` a hex bitmap of the shards it holds, refreshed every
+  (`diloco_p2p.swarm.trust.signing`), ``have`` a hex bitmap of the shards it holds, refreshed every
   ``announce_ttl / 3`` so shards a node fetched since are offered too, and withdrawn (a
   tombstone) when it stops.
 - **Fetch.** One libp2p stream per attempt (handler ``diloco-data.v1``), as state sharing does
@@ -47,12 +47,12 @@ from diloco_p2p.data.cache import PartFile, ShardUnavailable, parse_manifest
 from diloco_p2p.data.manifest import Manifest
 from diloco_p2p.errors import UserError
 from diloco_p2p.logs import short_peer
-from diloco_p2p.swarm import streams
-from diloco_p2p.swarm.runner import BackgroundLoop
-from diloco_p2p.swarm.schema import live_values
-from diloco_p2p.swarm.signing import own_subkey
 from diloco_p2p.swarm.state.announcements import rendezvous_order
-from diloco_p2p.swarm.streams import NETWORK_ERRORS, AnnouncedHandler, WireError
+from diloco_p2p.swarm.transport import streams
+from diloco_p2p.swarm.transport.runner import BackgroundLoop
+from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS, AnnouncedHandler, WireError
+from diloco_p2p.swarm.trust.schema import live_values
+from diloco_p2p.swarm.trust.signing import own_subkey
 
 log = logging.getLogger(__name__)
 

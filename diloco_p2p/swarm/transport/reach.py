@@ -3,7 +3,7 @@
 A node behind a home router can open connections but not accept them. The swarm needs to know
 which nodes are *public* (dialable): only they lead matchmaking groups, reduce all-reduce parts
 and serve state; *private* nodes take part through the connections they open themselves
-(`diloco_p2p.swarm.allreduce`, "Private members").
+(`diloco_p2p.swarm.collective.allreduce`, "Private members").
 
 How a node learns it (libp2p AutoNAT's idea, Seemann et al., libp2p specs "autonat"): it asks a
 peer it can reach, over a libp2p stream (`PROTOCOL`), to dial it back. The request names the TCP
@@ -33,9 +33,9 @@ import multiaddr
 from hivemind.p2p import P2P, PeerID
 
 from diloco_p2p.config import P2PConfig
-from diloco_p2p.swarm import streams
-from diloco_p2p.swarm.dht import validate_maddrs
-from diloco_p2p.swarm.streams import NETWORK_ERRORS
+from diloco_p2p.swarm.transport import streams
+from diloco_p2p.swarm.transport.dht import validate_maddrs
+from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ import math
 import numpy as np
 import torch
 
-from diloco_p2p.swarm.streams import WireError
+from diloco_p2p.swarm.transport.streams import WireError
 
 INT4_BLOCK = 64
 LLOYD_STEPS = 4  # of the 2-level quantizer of kept magnitudes (`_levels`)

@@ -1,6 +1,6 @@
 """Robust aggregation of one part's contributions, and the checks members run on a reducer.
 
-Pure functions of tensors and bytes (no sockets): the all-reduce (`diloco_p2p.swarm.allreduce`)
+Pure functions of tensors and bytes (no sockets): the all-reduce (`diloco_p2p.swarm.collective.allreduce`)
 and the replica simulator (`diloco_p2p.simulate`) both reduce through `reduce_part` /
 `reduce_chunk` here, so what a benchmark measures in-process is what the swarm computes.
 
@@ -71,7 +71,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from diloco_p2p.swarm import wire
+from diloco_p2p.swarm.collective import wire
 
 AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
 NORM_TOLERANCE = 1e-4  # relative: a claimed norm vs the one recomputed from the same bytes (fp64 sums)
