@@ -337,8 +337,8 @@ def test_inner_with_tau_0_lands_the_average_once_known_and_at_the_latest_after_h
         if node.step == 4:  # round 2, its first step: round 1's average becomes known
             gates[1].set()
             assert node.pipeline.inflight_done(wait=True)
-        if node.step == 8:  # round 3: round 2's average comes 0.3 s after its latest landing point
-            threading.Timer(0.3, gates[2].set).start()
+        if node.step == 10:  # round 3's (H − 1)-th step, its latest landing point: round 2's average comes
+            threading.Timer(0.3, gates[2].set).start()  # 0.3 s after it (started here: slow steps cannot hide it)
         return out
 
     node.trainer.step = gate
