@@ -165,7 +165,8 @@ class OuterOptimizer:
             assert part is None  # config: fragments need delayed Nesterov unset
             self._delayed_step(delta)
         else:
-            self._momentum_step(delta, self.cfg.nesterov, lo, hi, *outer_step(self.cfg, round or 1 << 30))
+            lr, beta = outer_step(self.cfg, round) if round else (self.cfg.lr, self.cfg.momentum)
+            self._momentum_step(delta, self.cfg.nesterov, lo, hi, lr, beta)
         self._changed(lo, hi)
 
     def _changed(self, lo: int, hi: int) -> None:

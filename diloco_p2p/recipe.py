@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from diloco_p2p.schedule import qsr_start
+
 ALLREDUCE_BUDGET = 2.0  # at most this many times the all-reduces of a constant H
 LONG_HORIZON = 64  # rounds from which momentum has time to build up
 
@@ -36,8 +38,6 @@ def recipe(nodes: int, max_rounds: int, inner_steps: int, schedules: bool = True
     """The outer fields (`OuterConfig`) for M = `nodes` planned over `max_rounds` rounds of H = `inner_steps`;
     with `schedules` false (sync.overlap, sync.fragments, delayed Nesterov or dynamic local updates, whose
     rounds do not start from θ or whose H is their own) a constant H and no outer warmup."""
-    from diloco_p2p.schedule import qsr_start
-
     if nodes == 1:  # no averaging to lose: the lookahead-like outer step of the tiny preset's sweep
         return {"h_schedule": "constant", "lr": 0.7, "momentum": 0.3}
     start = qsr_start(inner_steps, max_rounds, int(ALLREDUCE_BUDGET * max_rounds)) if schedules else inner_steps
