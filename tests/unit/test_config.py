@@ -96,7 +96,7 @@ def test_every_config_file_in_repo_loads():
     from pathlib import Path
 
     files = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml"))
-    assert {f.stem for f in files} >= {"tiny-cpu", "150m", "1b"}
+    assert {f.stem for f in files} >= {"tiny-cpu", "small-cpu", "35m", "150m", "1b"}
     for f in files:
         load_config(f)
 

@@ -32,3 +32,15 @@ def test_field_overrides_and_local_pretrained_path(tmp_path):
     assert torch.equal(model(ids).logits, loaded(ids).logits)
     assert isinstance(build_tokenizer(ModelConfig(pretrained_path=str(tmp_path))).encode(b"a").tolist()[0], int)
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.num_hidden_layers == 1
+
+
+def test_the_small_and_35m_presets_have_the_shapes_their_quality_tables_assume():
+    from diloco_p2p.config import ModelConfig
+    from diloco_p2p.model import ByteTokenizer, build_model
+
+    def non_embedding(preset: str) -> int:
+        model = build_model(ModelConfig(preset=preset), ByteTokenizer.vocab_size, 0)
+        return sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n)
+
+    assert non_embedding("small") == 4 * (4 * 256 * 256 + 3 * 256 * 1024 + 2 * 256) + 256
+    assert non_embedding("35m") == 6 * (4 * 512 * 512 + 3 * 512 * 2048 + 2 * 512) + 512  # about 25M
