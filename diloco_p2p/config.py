@@ -502,11 +502,14 @@ class Config(_Section):
             train = data.get("train") if isinstance(data.get("train"), dict) else {}
             sync = data.get("sync") if isinstance(data.get("sync"), dict) else {}
             fields = OuterConfig.model_fields
-            schedules = (sync.get("overlap", "none") == "none" and int(sync.get("fragments", 1)) == 1
-                         and not outer.get("delayed_nesterov") and not outer.get("dynamic_local_updates"))
-            chosen = recipe(int(outer.get("nodes", fields["nodes"].default)),
-                            int(train.get("max_rounds", TrainConfig.model_fields["max_rounds"].default)),
-                            int(outer.get("inner_steps", fields["inner_steps"].default)), schedules)
+            try:
+                schedules = (sync.get("overlap", "none") == "none" and int(sync.get("fragments", 1)) == 1
+                             and not outer.get("delayed_nesterov") and not outer.get("dynamic_local_updates"))
+                chosen = recipe(int(outer.get("nodes", fields["nodes"].default)),
+                                int(train.get("max_rounds", TrainConfig.model_fields["max_rounds"].default)),
+                                int(outer.get("inner_steps", fields["inner_steps"].default)), schedules)
+            except (TypeError, ValueError):
+                return data  # a malformed input: the field's own check names it
             data = {**data, "outer": {**chosen, **outer}}
         return data
 

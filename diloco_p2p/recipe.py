@@ -44,5 +44,4 @@ def recipe(nodes: int, max_rounds: int, inner_steps: int, schedules: bool = True
     sync = {"h_schedule": "qsr" if start < inner_steps else "constant", "h_start": start}
     if max_rounds < LONG_HORIZON:
         return {**sync, "lr": 1.0, "momentum": 0.0}
-    return {**sync, "lr": 0.7, "momentum": 0.9, "nesterov": True, "warmup_rounds": 16 if schedules else 0,
-            "lr_start": 0.7}
+    return {**sync, "lr": 0.7, "momentum": 0.9, "warmup_rounds": 16 if schedules else 0}

@@ -117,3 +117,8 @@ def test_the_recipe_keeps_h_constant_where_rounds_do_not_start_from_theta():
         assert (cfg.outer.h_schedule, cfg.outer.warmup_rounds) == ("constant", 0)
     long = load_config(None, base)  # 100 rounds: the long horizon's outer step, its momentum warmed up
     assert (long.outer.h_schedule, long.outer.momentum, long.outer.warmup_rounds) == ("qsr", 0.9, 16)
+
+
+def test_a_malformed_value_under_the_recipe_is_named_by_its_own_field():
+    with pytest.raises(UserError, match="field 'train.max_rounds'"):
+        load_config(None, ["outer.recipe=auto", "train.max_rounds=abc"])
