@@ -95,6 +95,12 @@ class RoundOutcome:
     donor: str | None = None
     rejections: dict[str, list[str]] | None = None  # peer -> why it was refused this round (`REJECTION_REASONS`)
     wire_ratio: float | None = None  # all-reduce seconds / wire time of bytes_sent at sync.link_mbit (1.0 = line rate)
+    # Liveness (`diloco_p2p.swarm.membership.liveness`): how many peers the round waited for, the
+    # peers that missed rounds as this node saw them (peer -> missed, away_s, away), the deadlines used.
+    waited_for: int | None = None
+    away: dict[str, dict[str, Any]] | None = None
+    matchmaking_deadline: float | None = None
+    allreduce_deadline: float | None = None
 
 
 @dataclass
@@ -139,6 +145,10 @@ class RoundRecord:
     donor: str | None = None
     rejections: dict[str, list[str]] | None = None
     wire_ratio: float | None = None
+    waited_for: int | None = None  # liveness (`RoundOutcome`)
+    away: dict[str, dict[str, Any]] | None = None
+    matchmaking_deadline: float | None = None
+    allreduce_deadline: float | None = None
     compute_seconds: float | None = None  # inner steps of the round (the work a volunteer's GPU does)
     exposed_seconds: float | None = None  # the loop stood still for the swarm: matchmaking + all-reduce
     outer_seconds: float | None = None  # θ to the model, Δ back, the outer step and the hash of the new θ

@@ -188,6 +188,7 @@ class NodeMetrics:
         self.rejections = Counter(
             "diloco_rejections", "Peers this node refused, by reason (once per peer and reason per round; "
             "diloco_p2p.swarm.trust.guard).", ["reason"], registry=r)
+        self._liveness_gauges(r)
         for status in ROUND_STATUSES:
             self.rounds.labels(status=status)
         for reason in REJECTION_REASONS:
@@ -196,6 +197,23 @@ class NodeMetrics:
                   self.dht_peers, self.exposed_seconds, self.outer_seconds, self.utilization, self.wire_ratio):
             g.set(NAN)
         self._warned: set[str] = set()
+
+    def _liveness_gauges(self, r: CollectorRegistry) -> None:
+        """Liveness (`diloco_p2p.swarm.membership.liveness`): per peer as this node saw it, and the deadlines."""
+        self.peer_missed = Gauge("diloco_peer_missed_rounds", "Rounds of this node that did not wait for the peer "
+                                 "(it was behind, silent or distrusted).", ["peer"], registry=r)
+        self.peer_away_seconds = Gauge("diloco_peer_away_seconds", "Seconds this node has not waited for the peer, "
+                                       "in all (the current absence included).", ["peer"], registry=r)
+        self.peer_away = Gauge("diloco_peer_away", "1 while the peer is not waited for, 0 once it is back.", ["peer"],
+                               registry=r)
+        self.waited_for = Gauge("diloco_peers_waited_for", "Peers the last round's matchmaking waited for.", registry=r)
+        self.matchmaking_deadline = Gauge("diloco_matchmaking_deadline_seconds", "How long the last round's group "
+                                          "waited at most for the peers it expected (adaptive, at most "
+                                          "sync.matchmaking_timeout).", registry=r)
+        self.allreduce_deadline = Gauge("diloco_allreduce_deadline_seconds", "The last all-reduce's deadline "
+                                        "(adaptive, at most sync.allreduce_timeout).", registry=r)
+        for g in (self.waited_for, self.matchmaking_deadline, self.allreduce_deadline):
+            g.set(NAN)
 
     def observe_inner_step(self, tokens: int, loss: float) -> None:
         self.inner_steps.inc()
@@ -246,6 +264,15 @@ class NodeMetrics:
             self.state_bytes.inc(v)
         if (v := _number(get("state_seconds"))) is not None:
             self.state_seconds.observe(v)
+        for key, gauge in (("waited_for", self.waited_for), ("matchmaking_deadline", self.matchmaking_deadline),
+                           ("allreduce_deadline", self.allreduce_deadline)):
+            if (v := _number(get(key))) is not None:
+                gauge.set(v)
+        for peer, seen in (get("away") or {}).items():
+            if isinstance(seen, Mapping):
+                self.peer_missed.labels(peer=peer).set(_number(seen.get("missed")) or 0.0)
+                self.peer_away_seconds.labels(peer=peer).set(_number(seen.get("away_s")) or 0.0)
+                self.peer_away.labels(peer=peer).set(1.0 if seen.get("away") else 0.0)
         for reasons in (get("rejections") or {}).values():
             for reason in reasons if isinstance(reasons, list) else [reasons]:
                 if reason in REJECTION_REASONS:

@@ -11,6 +11,11 @@ peers a closed run has not admitted, states nobody vouches for; `diloco_p2p.swar
 how many nodes refuse each, and entries status itself found forged (signed by another peer than
 the one they name). In JSON, each node's row carries its `excluded` map.
 
+MISSED and AWAY are what the other nodes saw of this one (`liveness` in their records): the most
+rounds any of them did not wait for it, and the longest time away any of them counted (``now``
+after it while one of them is not waiting for it at this moment). A peer the others report away
+that has no record any more (it left or crashed a while ago) is listed under the table.
+
 REACH says whether other peers can dial the node (`public`) or it sits behind NAT (`private`,
 `diloco_p2p.swarm.transport.reach`); a swarm with too few public nodes for its private ones gets a
 ``WARNING`` line under the table (and, in JSON, `swarm_warning` in the first row).
@@ -35,7 +40,8 @@ from diloco_p2p.swarm.transport.reach import PRIVATE, shortage
 
 # A client needs no reachable address; listening on loopback only exposes nothing.
 CLIENT_HOST_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
-COLUMNS = ("PEER", "ROUND", "TOKENS/S", "TRAIN_LOSS", "EVAL_LOSS", "LAST_SEEN", "HASH_AGREES", "STATUS", "REACH")
+COLUMNS = ("PEER", "ROUND", "TOKENS/S", "TRAIN_LOSS", "EVAL_LOSS", "LAST_SEEN", "HASH_AGREES", "STATUS", "REACH",
+           "MISSED", "AWAY")
 
 
 def run_status(
@@ -57,7 +63,7 @@ def run_status(
     except UserError as e:
         print(f"error: {e}", file=err)
         return e.exit_code
-    table = format_table(rows) + format_excluded(rows) + format_warning(rows)
+    table = format_table(rows) + format_away(rows) + format_excluded(rows) + format_warning(rows)
     print(json.dumps(rows, indent=2) if as_json else table, file=out)
     return 0
 
@@ -121,15 +127,37 @@ def status_rows(
                 "version": r.version,
                 "excluded": dict(r.excluded or {}),
                 "reachability": r.reachability or "public",
+                **absence(records, peer),
             }
         )
     private = sum(r.reachability == PRIVATE for r in records.values())
     warning = shortage(len(records) - private, private)
     if warning and rows:
         rows[0]["swarm_warning"] = warning
+    gone = {peer: absence(records, peer) for r in records.values() for peer in (r.away or {}) if peer not in records}
+    if gone and rows:
+        rows[0]["away_without_record"] = gone
     if seen_forged:  # status's own finding, in the first row so JSON stays a list of nodes
         rows[0]["status_saw_forged"] = dict(seen_forged)
     return rows
+
+
+def absence(records: dict[str, ProgressRecord], peer: str) -> dict[str, Any]:
+    """What the other nodes' records say of `peer`'s absences: the most rounds missed, the
+    longest time away, and whether any of them is not waiting for it now."""
+    seen = [r.away[peer] for p, r in records.items() if p != peer and r.away and peer in r.away]
+    return {"missed_rounds": max((a.missed for a in seen), default=0),
+            "away_s": max((a.away_s for a in seen), default=0.0), "away_now": any(a.away for a in seen)}
+
+
+def format_away(rows: list[dict[str, Any]]) -> str:
+    """The footer for peers reported away that have no record any more (empty when none)."""
+    gone = rows[0].get("away_without_record") if rows else None
+    if not gone:
+        return ""
+    lines = [f"  {short_peer(peer)}  missed {a['missed_rounds']} rounds, away {a['away_s']:.0f}s"
+             f"{' (now)' if a['away_now'] else ''}" for peer, a in sorted(gone.items())]
+    return "\n\nAWAY, NO RECORD\n" + "\n".join(lines)
 
 
 def excluded_peers(rows: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
@@ -169,6 +197,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             "yes" if row["hash_agrees"] else "no",
             row["status"],
             row.get("reachability", "public"),
+            str(row.get("missed_rounds", 0)),
+            f"{row.get('away_s', 0.0):.0f}s{' now' if row.get('away_now') else ''}" if row.get("missed_rounds") else "-",
         )
         for row in rows
     ]

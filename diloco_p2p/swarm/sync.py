@@ -35,15 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hivemind.utils import get_dht_time
 
 from diloco_p2p import __version__
 from diloco_p2p.config import P2PConfig, SyncConfig
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState, view_hash
 from diloco_p2p.faults import Faults
+from diloco_p2p.logs import short_peer
 from diloco_p2p.swarm.collective import hierarchy
 from diloco_p2p.swarm.collective.aggregate import robust_of
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
+from diloco_p2p.swarm.membership.liveness import AdaptiveDeadline, Presence, verdicts, waited_for
 from diloco_p2p.swarm.membership.matchmaking import Matchmaker
 from diloco_p2p.swarm.membership.records import (
     ProgressRecord,
@@ -67,6 +70,8 @@ from diloco_p2p.swarm.trust.guard import Guard
 log = logging.getLogger(__name__)
 
 PROGRESS_TTL = 60.0
+PROGRESS_REFRESH = PROGRESS_TTL / 4  # a live node republishes its record at least this often
+STALE_AFTER = 2 * PROGRESS_REFRESH + 5.0  # a record older than this is a node that stopped heart-beating
 _RECORDS_TIMEOUT = 5.0  # reading who is at our round, before matchmaking
 
 
@@ -100,6 +105,14 @@ class SwarmSync:
         self.resync_exclude: frozenset[str] = frozenset()  # peers whose state is not the swarm's
         self.last_group: frozenset[str] | None = None  # the members we last committed a round with
         self.donor: str | None = None  # whose state we adopted, until we next commit a round (a tie: follow it)
+        # Who a round waits for and how long (`liveness`): the configured timeouts are the upper bounds.
+        self.presence = Presence()
+        self.group_deadline = AdaptiveDeadline(ceiling=cfg.matchmaking_timeout, floor=1.5)
+        # An all-reduce that runs out of time fails for the whole group: a wider margin than matchmaking's.
+        self.allreduce_deadline = AdaptiveDeadline(ceiling=cfg.allreduce_timeout, floor=5.0, slack=2.0, k=6.0,
+                                                   spread=0.5)
+        self._lag = 0 if cfg.overlap == "none" else 1  # under overlap a record trails by the round in flight
+        self._liveness: dict[str, object] = {}  # this round's liveness numbers, for its outcome
         run_dir.mkdir(parents=True, exist_ok=True)
         identity = Path(p2p.identity_path) if p2p.identity_path else run_dir / "identity.key"
         # Behind NAT (nobody can dial us) we join the DHT as a client and reduce no all-reduce part.
@@ -260,24 +273,31 @@ class SwarmSync:
                 log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
                 return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement))
             self.faults.fire("group", round)
-            result = self._interruptible(self._average(round, group, delta, weight),
-                                         timeout=self.cfg.allreduce_timeout + 30)
+            if group.wait is not None:
+                self.group_deadline.observe(group.wait)
+            allreduce_timeout = self.allreduce_deadline.current()
+            self._liveness["allreduce_deadline"] = allreduce_timeout
+            result = self._interruptible(self._average(round, group, delta, weight, allreduce_timeout),
+                                         timeout=allreduce_timeout + 30)
         except Interrupted as e:
             log.warning("round %d: averaging interrupted (%s)", round, e)
             return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement, interrupted=True))
         self._keep(round, delta, weight, result)
         if result.status != "failed":
             self.last_group = frozenset(p.to_base58() for p in group.peers)
+        if result.status == "committed" and len(result.contributors) == len(group.peers):
+            self.allreduce_deadline.observe(result.seconds)  # everyone in time: a sample of how long it takes
         blame(self.guard, round, result)
         return self._seen(round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement))
 
-    async def _average(self, round: int, group: Any, delta: torch.Tensor, weight: float) -> AllreduceResult:
+    async def _average(self, round: int, group: Any, delta: torch.Tensor, weight: float,
+                       timeout: float) -> AllreduceResult:
         """The group's all-reduce: one butterfly, or the grid past target_group_size (`hierarchy`);
         then our matchmaking registration is withdrawn (held back meanwhile: `Matchmaker.release`)."""
         try:
             return await hierarchy.average(
                 self.allreduce, group.group_id, group.peers, delta, weight, butterfly_max=self.cfg.target_group_size,
-                compression=self.cfg.compression, timeout=self.cfg.allreduce_timeout,
+                compression=self.cfg.compression, timeout=timeout,
                 max_weight_ratio=self.cfg.max_weight_ratio, robust=robust_of(self.cfg), density=self.cfg.topk_density,
                 public=group.public_flags(), on_scattered=lambda: self.faults.fire("allreduce", round),
             )
@@ -285,18 +305,22 @@ class SwarmSync:
             self.matchmaker.release()
 
     def _seen(self, outcome: RoundOutcome) -> RoundOutcome:
-        """The round's refusals of peers go into its record (`diloco_p2p.swarm.trust.guard`), and the
+        """The round's refusals of peers go into its record (`diloco_p2p.swarm.trust.guard`), its
+        liveness numbers (who it waited for, who is away, the deadlines: `liveness`), and the
         all-reduce's wire-time ratio when the operator declared the link (`sync.link_mbit`)."""
+        for name, value in self._liveness.items():
+            setattr(outcome, name, value)
+        self._liveness = {}
         if self.cfg.link_mbit and outcome.bytes_sent and outcome.allreduce_seconds > 0:
             outcome.wire_ratio = outcome.allreduce_seconds / (outcome.bytes_sent * 8 / (self.cfg.link_mbit * 1e6))
         outcome.rejections = self.guard.drain()
         return outcome
 
     async def _form_group(self, round: int, params_hash: str, weight: float):
-        """Matchmaking for `round`, expecting the live swarm: every peer whose progress record is
-        not past this round (at it, or catching up to it by a resync), read again while we lead; a
-        group closes once they are all in, or at the timeout for one that does not come (it went
-        quiet, or caught up too late)."""
+        """Matchmaking for `round`, expecting the live swarm (`liveness`: peers at the round,
+        heart-beating and trusted), read again while we lead; a group closes once they are all
+        in, or at the adaptive deadline for one that went quiet in this very round. A peer that
+        missed a round is not waited for: it catches up by a state download."""
         try:
             records = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
         except Exception as e:  # no view of the swarm: the group closes when full or at the timeout
@@ -304,15 +328,23 @@ class SwarmSync:
             records = {}
         distrusted = self.guard.distrusted()  # caught reducers: not waited for, not grouped with
 
-        def live(records: dict[str, ProgressRecord]) -> list[str]:
-            # (Under sync.overlap a node publishes round r once r's average is known: the same rule holds.)
-            return [peer for peer, r in records.items() if peer != self.peer_id and r.round < round
-                    and peer not in distrusted]
+        def judge(records: dict[str, ProgressRecord]) -> dict[str, str | None]:
+            others = {peer: r for peer, r in records.items() if peer != self.peer_id}
+            return verdicts(others, round, get_dht_time(), stale_after=STALE_AFTER, lag=self._lag,
+                            distrusted=distrusted)
 
-        async def refresh() -> list[str]:  # while we lead: who started or left the round since
-            return live(await self._read_records())
+        async def refresh() -> list[str]:  # while we lead: who started, came back or left since
+            return waited_for(judge(await self._read_records()))
 
-        expected = live(records)
+        found = judge(records)
+        expected = waited_for(found)
+        if records:  # no view: no verdicts either (a DHT hiccup is not everybody leaving)
+            ahead = [p for p, r in records.items() if p != self.peer_id and r.round >= round]
+            for event in self.presence.update(round, found, get_dht_time(), ahead):
+                log.info("%s", event.message(short_peer(event.peer) or event.peer))
+        close_after = self.group_deadline.current()
+        self._liveness = {"waited_for": len(expected), "away": self.presence.away(get_dht_time()) or None,
+                          "matchmaking_deadline": close_after}
         self._check_public(records)
         computing = time.perf_counter() - self._computing_since if self._computing_since else 0.0
         self._computing_since = None
@@ -322,7 +354,8 @@ class SwarmSync:
                                                 target_group_size=hierarchy.MAX_MEMBERS,
                                                 timeout=self.cfg.matchmaking_timeout, expected=expected,
                                                 refresh_expected=refresh, hold_withdrawal=True,
-                                                speed=weight / computing if computing > 0 else 0.0)
+                                                speed=weight / computing if computing > 0 else 0.0,
+                                                close_after=close_after)
 
     def _check_public(self, records: dict[str, ProgressRecord]) -> None:
         """Log (once per change) when the swarm has too few public peers for its private ones."""
@@ -377,7 +410,8 @@ class SwarmSync:
                                               config_hash=self.config_hash, config_view=self.swarm_view,
                                               averaged_round=self.averaged_round, excluded=self.guard.excluded(),
                                               admission_token=self.admission.token,
-                                              reachability=self.reachability))
+                                              reachability=self.reachability,
+                                              away=self.presence.away(get_dht_time())))
 
     def close(self) -> None:
         """Withdraw our records and stop serving; bounded so a shutdown never hangs."""

@@ -72,6 +72,14 @@ def test_sigstop_past_the_deadline_the_others_proceed_and_it_catches_up(swarm):
     for node in (a, b):
         # the frozen reducer's part is dropped, unless it streamed out whole before the stop
         assert node.by_round()[2]["parts_committed"] in (2, 3)
+        # From round 3 on the victim, which never finished round 2, is not waited for (`liveness`):
+        # the survivors' group closes when the two of them are in, not at the matchmaking timeout.
+        r3 = node.by_round()[3]
+        assert r3["waited_for"] == 1, r3
+        (seen,) = r3["away"].values()
+        assert seen["away"] and seen["missed"] == 1, seen
+        log = (node.run_dir / "node.log").read_text()
+        assert "is no longer waited for from round 3: missed round 2" in log
     statuses = [r["status"] for r in victim.records()]
     assert "resynced" in statuses, statuses  # it noticed it fell behind and downloaded the state
     resync = next(r for r in victim.records() if r["status"] == "resynced")

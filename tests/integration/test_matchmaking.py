@@ -488,7 +488,33 @@ def test_group_closes_once_the_expected_swarm_is_in_and_waits_for_a_quiet_peer(s
     assert all(g.speeds == {m.me: 100.0 * (i + 1) for i, m in enumerate(mms[:3])} for g in quick + slow)
     assert quick_s < timeout / 2, f"everyone expected was in, yet formation took {quick_s:.2f}s"
     assert slow_s >= timeout * 0.9, f"a quiet expected peer was not waited for ({slow_s:.2f}s)"
+    # the leader's wait reaches every member alike: a sample for the adaptive deadline (`liveness`)
+    assert len({g.wait for g in quick}) == 1 and 0 <= quick[0].wait < quick_s
+    assert len({g.wait for g in slow}) == 1 and timeout * 0.9 <= slow[0].wait <= slow_s  # closed at the deadline
     print(f"\n3 expected peers: {quick_s * 1000:.0f} ms; with a quiet 4th: {slow_s:.2f} s")
+
+
+def test_a_quiet_expected_peer_is_waited_for_only_until_the_adaptive_deadline(swarm: MatchmakingPeers) -> None:
+    """`close_after` (the deadline a node learnt) closes the leader's group early; a follower
+    whose own deadline is shorter than its leader's still waits for the leader's answer."""
+    timeout, close_after = 20.0, 1.0
+
+    async def scenario():
+        async with swarm.matchmakers(4) as mms:
+            quiet = mms[3].me  # expected, never comes
+            t0 = time.perf_counter()
+            leader = _form(mms[0], round=1, target_group_size=8, timeout=timeout, expected=[m.me for m in mms[1:]],
+                           close_after=close_after)
+            await _until(lambda: _members(mms[0], mm.matchmaking_key(mms[0].run_id, 1, HASH_A)) >= 1)
+            followers = [_form(m, round=1, target_group_size=8, timeout=timeout, expected=[quiet], close_after=0.1)
+                         for m in mms[1:3]]
+            groups = await asyncio.gather(leader, *followers)
+            return groups, time.perf_counter() - t0, mms
+
+    groups, elapsed, mms = swarm.loop.run(scenario(), timeout=60)
+    _assert_same_group(groups, mms[:3])
+    assert all(close_after <= g.wait < close_after + 1.0 for g in groups)  # closed by the adaptive deadline
+    assert elapsed < timeout / 2, f"the group waited {elapsed:.1f} s, past its adaptive deadline"
 
 
 def test_a_leader_rereads_who_it_expects_while_its_group_is_open(swarm: MatchmakingPeers) -> None:

@@ -31,6 +31,7 @@ def test_the_round_record_splits_compute_from_exposed_communication(tmp_path):
 def test_wire_ratio_needs_the_declared_link():
     class Stub:
         guard = type("G", (), {"drain": staticmethod(lambda: {})})()
+        _liveness: dict = {}
 
     outcome = RoundOutcome(status="committed", allreduce_seconds=2.0, bytes_sent=2_500_000)  # 20 Mbit in 1 s
     stub = Stub()

@@ -18,6 +18,7 @@ from hivemind.p2p import PeerID
 
 PROTOCOL_VERSION = 1
 MAX_WEIGHT = 1e18
+MAX_WAIT = 86400.0  # a group's reported wait past a day is not believed
 
 # Why form_group returned None (or "group"): `Matchmaker.last_outcome`.
 # group: a Group; alone: nobody joined; void: closed below min_group_size; late: the round's group
@@ -37,6 +38,9 @@ class Group:
     leader: PeerID | None = None
     speeds: dict[str, float] | None = None  # base58 peer id -> its compute speed (tokens/s), for DyLU
     public: dict[str, bool] | None = None  # base58 peer id -> whether it can be dialled (None: all can)
+    # Seconds from the leader's registration to the close (None: a leader that does not say).
+    # The samples of `liveness.AdaptiveDeadline`.
+    wait: float | None = None
 
     def public_flags(self) -> list[bool] | None:
         """`public` in member order, for the all-reduce (None when every member is public)."""
@@ -99,10 +103,14 @@ class Session:
     refresh: Callable[[], Awaitable[Collection[str]]] | None = None  # reads `expected` again (the leader)
     speed: float = 0.0  # our tokens per second of compute this round (0: not measured)
     public: bool = True  # whether others can dial us (`diloco_p2p.swarm.transport.reach`)
+    # When we lead: close after this many seconds instead of `timeout` (an adaptive deadline,
+    # `liveness.AdaptiveDeadline`, at most `timeout`). A follower's patience stays `timeout`:
+    # its leader may not have learnt the same deadline.
+    close_after: float | None = None
 
     @property
     def close_at(self) -> float:
-        return self.t + self.timeout
+        return self.t + min(self.timeout, self.close_after or self.timeout)
 
     @property
     def deadline(self) -> float:
@@ -160,6 +168,7 @@ class Session:
             "w": {p: epoch.members[p][0] for p in peers},
             "sp": {p: epoch.speeds.get(p, 0.0) for p in peers},
             "pub": {p: epoch.public.get(p, True) for p in peers},
+            "wait": now - self.t,
         })
 
     def final(self, answer: dict[str, Any], *, own: bool) -> Final | None:
@@ -195,9 +204,12 @@ class Session:
         public = answer.get("pub")  # optional: absent = every member public
         public = (dict(public) if isinstance(public, dict) and set(public) == set(peers)
                   and all(isinstance(v, bool) for v in public.values()) else None)
+        why = why if why in ("full", "complete", "expired") else None
+        wait = answer.get("wait")  # optional: absent = unknown
+        wait = float(wait) if finite_number(wait) and 0 <= wait <= MAX_WAIT else None
         group = Group(group_id, peer_ids, peers.index(self.me), {p: float(w) for p, w in weights.items()}, leader_id,
-                      speeds, public)
-        return Final(group, GROUP, why if why in ("full", "complete", "expired") else None)
+                      speeds, public, wait)
+        return Final(group, GROUP, why)
 
     def rejects(self, request: dict[str, Any], follower: str) -> bool:
         """Whether a join request for this session is malformed (answered ``closed: bad_request``)."""

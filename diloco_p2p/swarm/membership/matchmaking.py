@@ -34,11 +34,13 @@ Protocol
    leader had counted it in.
 4. **Close.** The leader closes the group as soon as it has `target_group_size` members
    (``full``), as soon as every peer it expects has joined (``complete``), or at ``t + timeout``
-   (its own registration time; ``expired``). It expects the live swarm: the peers the caller
-   names (`SwarmSync`: those whose progress record is not past this round, so a node catching
-   up by a resync is waited for too). So a round of three nodes closes when the third joins, not
-   at the timeout; only a peer that went quiet (or catches up too slowly) makes the group wait
-   for it. With nothing expected (no records) it waits as before: registrations alone do not
+   (its own registration time; ``expired``; the caller may give a shorter ``close_after``, an
+   adaptive deadline learnt from the ``wait`` every answer reports: `liveness`). It expects the
+   live swarm: the peers the caller names (`SwarmSync`: those `liveness` says are live, at the
+   round and heart-beating; a node that missed a round comes back by catching up, not by
+   making the others wait). So a round of three nodes closes when the third joins, not
+   at the timeout; only a peer that went quiet in this very round makes the group wait for it,
+   and only until the deadline. With nothing expected (no records) it waits as before: registrations alone do not
    say who is still computing its inner steps. The leader reads the expected set again at each
    poll (the caller's `refresh_expected`): a node that started after the first read closes the
    group when it joins instead of at the timeout; one whose record left the round is dropped. Every member gets the *same* answer object:
@@ -225,6 +227,7 @@ class Matchmaker:
         refresh_expected: Callable[[], Awaitable[Collection[str]]] | None = None,
         speed: float = 0.0,
         hold_withdrawal: bool = False,
+        close_after: float | None = None,
     ) -> Group | None:
         """Find the peers at `round` with `params_hash`; return our group, or None if we end alone.
 
@@ -237,7 +240,10 @@ class Matchmaker:
         that started after our first read, is then waited for and closes the group when it joins;
         one that left the round is no longer waited for). `speed` (tokens per second of compute) reaches every member
         in `Group.speeds`, for dynamic local updates. `hold_withdrawal`: when a group formed, our
-        registration is withdrawn at `release()`, not at once (step 5).
+        registration is withdrawn at `release()`, not at once (step 5). `close_after`: a group we
+        lead closes this many seconds after our registration if it is not complete by then (an
+        adaptive deadline, `liveness`; at most `timeout`, the default), while as a follower we
+        still wait up to `timeout` for our leader's answer.
         """
         if not self._started:
             raise RuntimeError("Matchmaker.start() must be awaited before form_group()")
@@ -254,7 +260,7 @@ class Matchmaker:
             key=key, round=int(round), params_hash=params_hash, me=self.me, t=get_dht_time(),
             weight=float(weight), min_size=min_group_size, target=target_group_size, timeout=timeout,
             request_timeout=request_timeout, expected=frozenset(expected) - {self.me}, refresh=refresh_expected,
-            speed=float(speed) if valid_weight(speed) else 0.0, public=self.public)
+            speed=float(speed) if valid_weight(speed) else 0.0, public=self.public, close_after=close_after)
         session.lead()  # serve join requests from the start: they may arrive before our first read
         self._sessions[key] = session
         final = Final(None, TIMEOUT)

@@ -50,6 +50,19 @@ MAX_EXCLUDED = 32  # peers listed in a record's `excluded`
 
 FiniteFloat = pydantic.confloat(strict=True, allow_inf_nan=False)
 NonNegFloat = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
+MAX_AWAY = 32  # peers listed in a record's `away`
+
+
+class Absence(pydantic.BaseModel):
+    """How a node saw one peer miss rounds (`diloco_p2p.swarm.membership.liveness`)."""
+
+    missed: Count  # rounds of the reporter that did not wait for it
+    away_s: NonNegFloat  # seconds it was not waited for, in all
+    away: bool  # not waited for right now
+
+    class Config:
+        extra = pydantic.Extra.forbid
+        allow_mutation = False
 
 
 class ProgressRecord(pydantic.BaseModel):
@@ -76,6 +89,9 @@ class ProgressRecord(pydantic.BaseModel):
     admission_token: Optional[pydantic.constr(strict=True, max_length=4096)] = None
     # Whether other peers can dial this node (`diloco_p2p.swarm.transport.reach`); None: an older node, public.
     reachability: Optional[Literal["public", "private"]] = None
+    # Peers this node saw miss rounds (`liveness.Presence`); absent while nobody did, so a swarm
+    # without churn publishes what older nodes accept.
+    away: Optional[dict[PeerB58, Absence]] = None
     version: pydantic.constr(strict=True, min_length=1, max_length=64)
     updated: NonNegFloat
 
@@ -105,6 +121,7 @@ class ProgressRecord(pydantic.BaseModel):
         excluded: Mapping[str, str] | None = None,
         admission_token: str | None = None,
         reachability: str | None = None,
+        away: Mapping[str, Mapping[str, Any]] | None = None,
         updated: float | None = None,
         version: str = __version__,
     ) -> ProgressRecord:
@@ -133,6 +150,8 @@ class ProgressRecord(pydantic.BaseModel):
             excluded=dict(sorted(excluded.items())[:MAX_EXCLUDED]) if excluded else None,
             admission_token=admission_token,
             reachability=reachability,
+            away={peer: Absence(missed=int(a["missed"]), away_s=float(a["away_s"]), away=bool(a["away"]))
+                  for peer, a in sorted(away.items())[:MAX_AWAY]} if away else None,
             version=version,
             updated=float(get_dht_time() if updated is None else updated),
         )

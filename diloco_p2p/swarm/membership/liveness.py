@@ -1,0 +1,195 @@
+"""Who a round waits for, and for how long: the liveness rule and the adaptive deadlines.
+
+A round's group closes as soon as every peer it expects has joined (`matchmaking`), so the
+expected set decides how long the whole swarm stands still. Waiting for every peer whose
+record is not past the round (the rule before this module) made one absent volunteer cost every
+round of every other node a full matchmaking timeout until it was back: with 4 tiny nodes and a
+fault every 30-60 s the swarm kept 65% of its work. The rule here waits only for peers that are
+*live*:
+
+- **at the round**: its record says it finished the previous round (``round == r - 1``; under
+  `sync.overlap` one round of lag is normal: its record is published once the average in flight
+  is known). A peer further behind has missed a round (crashed, stopped, cut off, or still
+  downloading); it comes back by catching up, with a state download that ends at the swarm's
+  round, and is waited for again from the record that download publishes. A member that an
+  all-reduce left out is the same case: it did not finish that round with the swarm's θ.
+- **heart-beating**: its record was refreshed within `stale_after` seconds (a node republishes
+  every round and every 15 s in a long one), so a node that died in a long round is dropped
+  without waiting for its record to expire.
+- **trusted**: not a reducer we caught lying (`trust.guard`).
+
+What this costs a peer is one round: the first round a node misses is still waited for (its
+record cannot say yet that it is gone), but at most the adaptive deadline, not the fixed timeout.
+
+Deadlines adapt to what the swarm measures. `AdaptiveDeadline` keeps the last `window` samples
+of a duration (how long a group took to close once its leader registered; how long an
+all-reduce took) and proposes ``median + k·max(1.4826·MAD, spread·median) + slack``, never below
+`floor` nor above the configured timeout, which stays the upper bound (and the deadline until
+`min_samples` samples are in). A group the deadline closed is a sample too, of the deadline
+itself: one fault now and then does not move the median, but a volunteer who is cut every round
+(a slower GPU) is not cut for long: once half the window's samples sit at the deadline, the
+median is the deadline and the next one about twice it, until that volunteer fits in or the
+configured timeout is reached. Only
+all-reduces in which every member was in time are samples of the all-reduce's deadline: one
+that ran out of time fails for the whole group, so its deadline keeps a wide margin instead.
+
+`Presence` turns the per-round verdicts into what an operator reads: per peer, the rounds it
+was not waited for (missed) and the seconds it was away, and one log line when a peer stops
+being waited for and one when it is back (`diloco-p2p status`, Prometheus `diloco_peer_*`).
+
+Everything here is pure: times come in as arguments, so the rules are tested with explicit clocks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+MAD_TO_SIGMA = 1.4826  # the MAD of a normal sample times this estimates its standard deviation
+MAX_TRACKED = 64  # peers `Presence` keeps numbers for (the most recently seen); older ones are forgotten
+
+
+class Progress(Protocol):
+    """What the rule reads of a peer's progress record (`records.ProgressRecord`)."""
+
+    round: int
+    updated: float
+
+
+def verdicts(records: Mapping[str, Progress], round: int, now: float, *, stale_after: float, lag: int = 0,
+             distrusted: Collection[str] = ()) -> dict[str, str | None]:
+    """For each peer not past `round` (its record's round below it): None if round `round`
+    waits for it, else why not, in words for the log. Peers already past the round are not in
+    the result: they are neither waited for nor away."""
+    out: dict[str, str | None] = {}
+    for peer, r in records.items():
+        if r.round >= round:
+            continue
+        if peer in distrusted:
+            out[peer] = "a reducer caught lying"
+        elif r.round < round - 1 - lag:
+            out[peer] = f"missed round {r.round + 1}"
+        elif now - r.updated > stale_after:
+            out[peer] = f"silent for {now - r.updated:.0f} s"
+        else:
+            out[peer] = None
+    return out
+
+
+def waited_for(found: Mapping[str, str | None]) -> list[str]:
+    """The peers `verdicts` says a round waits for."""
+    return sorted(peer for peer, why in found.items() if why is None)
+
+
+@dataclass
+class AdaptiveDeadline:
+    """A deadline learned from recent durations; `ceiling` (the configured timeout) bounds it."""
+
+    ceiling: float
+    floor: float = 1.0
+    slack: float = 0.5  # seconds on top: scheduling and DHT jitter that a tight history does not show
+    k: float = 4.0  # deviations above the median
+    spread: float = 0.25  # the deviation is at least this fraction of the median (a very regular history)
+    window: int = 16
+    min_samples: int = 4
+    samples: deque[float] = field(default_factory=deque)
+
+    def observe(self, seconds: float) -> None:
+        """One duration that ended because it was complete (not cut by the deadline)."""
+        if seconds >= 0:
+            self.samples.append(float(seconds))
+            while len(self.samples) > self.window:
+                self.samples.popleft()
+
+    def current(self) -> float:
+        if len(self.samples) < self.min_samples:
+            return self.ceiling
+        median = statistics.median(self.samples)
+        mad = statistics.median(abs(x - median) for x in self.samples)
+        proposed = median + self.k * max(MAD_TO_SIGMA * mad, self.spread * median) + self.slack
+        return min(self.ceiling, max(self.floor, proposed))
+
+
+@dataclass
+class PeerPresence:
+    missed_rounds: int = 0  # rounds of ours that did not wait for it
+    away_seconds: float = 0.0  # time not waited for, ended stretches only (see `Presence.away`)
+    away_since: float | None = None  # when the current stretch began (None: present)
+    why: str | None = None  # why it is not waited for, while away
+    last_round: int = -1  # the last round we judged it at
+
+
+@dataclass
+class Event:
+    """A change a node logs once: `peer` stopped being waited for (`back` False) or is back."""
+
+    peer: str
+    round: int
+    back: bool
+    why: str | None = None  # why it is not waited for (back False)
+    missed: int = 0  # rounds missed in the stretch that ended (back True)
+    seconds: float = 0.0  # length of that stretch (back True)
+
+    def message(self, short: str) -> str:
+        if self.back:
+            return (f"peer {short} is back at round {self.round} after {self.missed} missed "
+                    f"round{'s' if self.missed != 1 else ''} ({self.seconds:.1f} s away)")
+        return f"peer {short} is no longer waited for from round {self.round}: {self.why}"
+
+
+class Presence:
+    """Per peer, the rounds it missed and the time it was away, as this node saw them."""
+
+    def __init__(self) -> None:
+        self.peers: dict[str, PeerPresence] = {}
+        self._stretch_missed: dict[str, int] = {}
+
+    def update(self, round: int, found: Mapping[str, str | None], now: float, ahead: Collection[str] = ()) -> list[Event]:
+        """Take round `round`'s verdicts (`verdicts`; `ahead`: peers past the round, present).
+        A peer absent from both has no live record: it is away too (it left or its record expired)."""
+        events: list[Event] = []
+        for peer, why in found.items():
+            events += self._judge(peer, round, why, now)
+        for peer in ahead:
+            events += self._judge(peer, round, None, now)
+        for peer, p in list(self.peers.items()):
+            if peer not in found and peer not in ahead and p.last_round < round:
+                events += self._judge(peer, round, "no live progress record", now)
+        while len(self.peers) > MAX_TRACKED:
+            oldest = min(self.peers, key=lambda q: self.peers[q].last_round)
+            del self.peers[oldest]
+            self._stretch_missed.pop(oldest, None)
+        return events
+
+    def _judge(self, peer: str, round: int, why: str | None, now: float) -> list[Event]:
+        p = self.peers.setdefault(peer, PeerPresence())
+        if p.last_round >= round:
+            return []
+        p.last_round = round
+        if why is None:
+            if p.away_since is None:
+                return []
+            seconds, missed = now - p.away_since, self._stretch_missed.pop(peer, 0)
+            p.away_seconds += seconds
+            p.away_since, p.why = None, None
+            return [Event(peer, round, back=True, missed=missed, seconds=seconds)]
+        p.missed_rounds += 1
+        self._stretch_missed[peer] = self._stretch_missed.get(peer, 0) + 1
+        if p.away_since is not None:
+            p.why = why
+            return []
+        p.away_since, p.why = now, why
+        return [Event(peer, round, back=False, why=why)]
+
+    def away(self, now: float) -> dict[str, dict[str, float | int | bool]]:
+        """Per peer ever missed: ``missed`` rounds, ``away_s`` seconds (the current stretch
+        included) and whether it is ``away`` now."""
+        return {
+            peer: {"missed": p.missed_rounds,
+                   "away_s": round(p.away_seconds + (now - p.away_since if p.away_since is not None else 0.0), 1),
+                   "away": p.away_since is not None}
+            for peer, p in sorted(self.peers.items()) if p.missed_rounds
+        }
