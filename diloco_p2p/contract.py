@@ -149,6 +149,7 @@ class RoundRecord:
     away: dict[str, dict[str, Any]] | None = None
     matchmaking_deadline: float | None = None
     allreduce_deadline: float | None = None
+    first_commit_seconds: float | None = None  # the process's first committed round: seconds since it started
     compute_seconds: float | None = None  # inner steps of the round (the work a volunteer's GPU does)
     exposed_seconds: float | None = None  # the loop stood still for the swarm: matchmaking + all-reduce
     outer_seconds: float | None = None  # θ to the model, Δ back, the outer step and the hash of the new θ

@@ -212,7 +212,10 @@ class NodeMetrics:
                                           "sync.matchmaking_timeout).", registry=r)
         self.allreduce_deadline = Gauge("diloco_allreduce_deadline_seconds", "The last all-reduce's deadline "
                                         "(adaptive, at most sync.allreduce_timeout).", registry=r)
-        for g in (self.waited_for, self.matchmaking_deadline, self.allreduce_deadline):
+        self.first_commit = Gauge("diloco_first_commit_seconds", "Seconds from this process's start to its first "
+                                  "round committed with the swarm (a restart's time to be back; NaN until then).",
+                                  registry=r)
+        for g in (self.waited_for, self.matchmaking_deadline, self.allreduce_deadline, self.first_commit):
             g.set(NAN)
 
     def observe_inner_step(self, tokens: int, loss: float) -> None:
@@ -265,7 +268,7 @@ class NodeMetrics:
         if (v := _number(get("state_seconds"))) is not None:
             self.state_seconds.observe(v)
         for key, gauge in (("waited_for", self.waited_for), ("matchmaking_deadline", self.matchmaking_deadline),
-                           ("allreduce_deadline", self.allreduce_deadline)):
+                           ("allreduce_deadline", self.allreduce_deadline), ("first_commit_seconds", self.first_commit)):
             if (v := _number(get(key))) is not None:
                 gauge.set(v)
         for peer, seen in (get("away") or {}).items():

@@ -54,6 +54,7 @@ from diloco_p2p.fsdp import (
 )
 from diloco_p2p.inner import InnerTrainer, StepStats
 from diloco_p2p.logs import log_context, set_log_context
+from diloco_p2p.metrics import process_start_time
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
 from diloco_p2p.outer import OuterOptimizer, dylu_steps
 from diloco_p2p.overlap import InFlight, Pipeline
@@ -96,6 +97,7 @@ class Node:
         self.round = self.step = self.tokens = 0
         self.swarm_view = config.swarm_view()
         self.joined_at_round: int | None = None
+        self._first_commit = False  # whether this process has committed a round with the swarm yet
         self.resyncs = 0
         self._node_hash: tuple[int, str] | None = None
         self._outer_seconds = 0.0  # this round's outer work so far (`_outer_timer`)
@@ -464,6 +466,9 @@ class Node:
         cfg = self.config
         if self.round % cfg.train.checkpoint_every == 0 or self.round >= self.last_round:
             self._save()
+        if record.status == "committed" and not self._first_commit:  # a (re)start is back in the swarm
+            self._first_commit = True
+            record.first_commit_seconds = time.time() - process_start_time()
         self._append(record)
         if self.metrics:
             self.metrics.observe_round(record.as_dict())
@@ -514,6 +519,9 @@ class Node:
             log.info("round %d/%d  step %d  loss %s  eval %s  %.0f tok/s  %s (group %d)  params %s", r.round,
                      self.last_round, r.step, _loss(r.train_loss), _loss(r.eval_loss), r.tokens_per_s,
                      r.status, r.group_size, r.params_sha256[:12])
+            if r.first_commit_seconds is not None:
+                log.info("first committed round with the swarm, %.1f s after this process started",
+                         r.first_commit_seconds)
 
     # -- checkpoints -----------------------------------------------------------------------------
 

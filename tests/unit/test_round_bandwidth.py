@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from diloco_p2p.config import load_config
 from diloco_p2p.contract import RoundOutcome
-from diloco_p2p.metrics import NodeMetrics
+from diloco_p2p.metrics import NodeMetrics, process_start_time
 from diloco_p2p.swarm.sync import SwarmSync
 from tests.unit.test_metrics import value as sample
 from tests.unit.test_node import ScriptedSync, _node
@@ -51,3 +53,19 @@ def test_prometheus_exports_exposed_seconds_utilization_and_wire_ratio():
     assert sample(m, "diloco_outer_step_seconds") == 0.25
     assert sample(m, "diloco_compute_utilization_ratio") == 0.75
     assert sample(m, "diloco_allreduce_wire_time_ratio") == 1.1
+
+
+def test_the_first_committed_round_of_a_process_says_how_long_it_took_to_be_back(tmp_path):
+    """A (re)started node's time to be back in the swarm: on its first committed round only,
+    the seconds since its process started (a round alone before that does not count)."""
+    def committed(delta):
+        return RoundOutcome(status="committed", average=delta, group_size=2)
+
+    metrics = NodeMetrics()
+    node = _node(tmp_path, ScriptedSync({2: committed, 3: committed}), rounds=3)
+    node.metrics = metrics
+    records = {r.round: r for r in node.run()}
+    assert records[1].status == "alone" and records[1].first_commit_seconds is None
+    assert 0 < records[2].first_commit_seconds <= time.time() - process_start_time()
+    assert records[3].first_commit_seconds is None
+    assert sample(metrics, "diloco_first_commit_seconds") == pytest.approx(records[2].first_commit_seconds)
