@@ -279,10 +279,14 @@ class SyncConfig(_Section):
         "a larger one averages on a grid of sub-groups of about this size (the same result, fewer messages).",
     )
     matchmaking_timeout: float = Field(
-        15.0, gt=0, description="Seconds a round waits for peers to form a group before closing it."
+        15.0, gt=0, description="The most seconds a round's group waits for a live peer that has not joined yet; once 4 "
+        "rounds are measured it waits only the swarm's usual wait plus a margin (the adaptive deadline: median + 4 "
+        "deviations + 0.5 s, at least 1.5 s). A peer that missed a round is not waited for at all."
     )
     allreduce_timeout: float = Field(
-        60.0, gt=0, description="Seconds the all-reduce may take; peers silent past it are left out."
+        60.0, gt=0, description="The most seconds the all-reduce may take; peers silent past it are left out. Once 4 "
+        "all-reduces are measured the deadline is the usual time plus a wide margin (median + 6 deviations + 2 s, at "
+        "least 5 s)."
     )
     link_mbit: float | None = Field(
         None, gt=0, description="This node's uplink in Mbit/s, if known: the all-reduce then writes at `sync.pace` of it, and each round record carries `wire_ratio`, the all-reduce's seconds over the time its bytes take at this rate (1.0 = line rate). Unset: no ratio."
