@@ -110,6 +110,9 @@ class SwarmState:
     tensors: dict[str, torch.Tensor]
     round: int
     outcome: RoundOutcome
+    # How long ago the swarm began round `round + 1` (its members published `round`), when known:
+    # the node joins that round in flight with the steps the others have left (`outer.catch_up_steps`).
+    behind_seconds: float | None = None
 
 
 @dataclass

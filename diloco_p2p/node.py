@@ -56,7 +56,7 @@ from diloco_p2p.inner import InnerTrainer, StepStats
 from diloco_p2p.logs import log_context, set_log_context
 from diloco_p2p.metrics import process_start_time
 from diloco_p2p.model import build_model, build_tokenizer, count_parameters
-from diloco_p2p.outer import OuterOptimizer, dylu_steps
+from diloco_p2p.outer import OuterOptimizer, catch_up_steps, dylu_steps
 from diloco_p2p.overlap import InFlight, Pipeline
 from diloco_p2p.ranks import Ranks, resolve_device
 from diloco_p2p.rundir import node_key, prepare_run_dir
@@ -98,6 +98,9 @@ class Node:
         self.swarm_view = config.swarm_view()
         self.joined_at_round: int | None = None
         self._first_commit = False  # whether this process has committed a round with the swarm yet
+        # After a resync: (the round the swarm is computing, how far behind it we were, perf_counter then);
+        # that round runs only the steps the others have left (`outer.catch_up_steps`).
+        self._catch_up: tuple[int, float, float] | None = None
         self.resyncs = 0
         self._node_hash: tuple[int, str] | None = None
         self._outer_seconds = 0.0  # this round's outer work so far (`_outer_timer`)
@@ -173,10 +176,12 @@ class Node:
                     self.outer.copy_into(self.layout.local_views(), offset)
                 self._carry = self.fragments.on  # fragments: each part takes θ at its own round
 
-            for _ in range(self._inner_steps()):  # H inner steps on our own data
-                if self._stopping():
+            h, behind, compute_s = self._inner_steps(), self._behind(), 0.0
+            for _ in range(h):  # H inner steps on our own data
+                if self._stopping() or (steps and len(steps) >= catch_up_steps(h, behind, compute_s / len(steps))):
                     break
                 steps.append(self.trainer.step(self._next_batch))
+                compute_s = time.perf_counter() - start
                 round_tokens += steps[-1].tokens
                 self.step += 1
                 if len(steps) > 1:  # the step before: its loss is read while the GPU runs this one
@@ -384,6 +389,15 @@ class Node:
             return self.config.outer.inner_steps
         return dylu_steps(speeds, self.sync.peer_id, self.config.outer.inner_steps)
 
+    def _behind(self) -> float | None:
+        """Seconds between the swarm's start of this round and ours, right after a resync (None:
+        not catching up). Only where every round starts from θ: under overlap or fragments a
+        round carries the last one's work, and it runs its full H."""
+        catch_up, self._catch_up = self._catch_up, None
+        if catch_up is None or catch_up[0] != self.round + 1 or self.pipeline is not None or self.fragments.on:
+            return None
+        return catch_up[1] + time.perf_counter() - catch_up[2]
+
     def _stopping(self) -> bool:
         """A stop request on any local rank, seen by every rank at the same point of the loop."""
         return self.ranks.any(self.stop.requested)
@@ -433,6 +447,8 @@ class Node:
         else:
             self.resyncs += 1
         self.round = resync.round
+        if resync.behind_seconds is not None:
+            self._catch_up = (resync.round + 1, resync.behind_seconds, time.perf_counter())
         return self._commit(self._record(resync.outcome, start, [], 0, dropped_round=dropped, resyncs=self.resyncs,
                                          joined_at_round=self.joined_at_round))
 

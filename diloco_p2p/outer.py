@@ -67,6 +67,18 @@ def dylu_steps(speeds: Mapping[str, float], me: str, h: int) -> int:
     return max(1, min(h, math.floor(mine / fastest * h)))
 
 
+def catch_up_steps(h: int, behind_s: float | None, step_s: float) -> int:
+    """A node that adopted the swarm's state `behind_s` seconds after the swarm began the round
+    joins that round in flight: it runs only the steps the others have left, H − ⌊behind/step⌋
+    (at least 1), so it reaches the round's group with them instead of after it closed and
+    having to download again. `step_s` is its own step time, taken as the others' too. The token
+    weighting of the average accounts for the fewer steps, as with dynamic local updates. H when
+    either time is unknown."""
+    if behind_s is None or not (behind_s > 0 and step_s > 0):
+        return h
+    return max(1, min(h, h - math.floor(behind_s / step_s)))
+
+
 HASH_CHUNK_BYTES = 64 << 20
 _CHUNKED = b"diloco-p2p sha256 of 64 MiB chunks\n"
 

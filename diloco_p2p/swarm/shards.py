@@ -49,9 +49,14 @@ from diloco_p2p.faults import Faults
 from diloco_p2p.overlap import Background, InFlight
 from diloco_p2p.ranks import Ranks
 from diloco_p2p.schedule import rounds
-from diloco_p2p.swarm.membership.records import read_progress_async, withdraw_progress_async
+from diloco_p2p.swarm.membership.records import (
+    ProgressPublisher,
+    progress_fields,
+    read_progress_async,
+    withdraw_progress_async,
+)
 from diloco_p2p.swarm.membership.resync import check_config, majority
-from diloco_p2p.swarm.sync import ProgressPublisher, SwarmSync, progress_fields
+from diloco_p2p.swarm.sync import SwarmSync
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,6 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
-from diloco_p2p import __version__
 from diloco_p2p.config import P2PConfig, SyncConfig
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState, view_hash
 from diloco_p2p.faults import Faults
@@ -49,9 +49,11 @@ from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
 from diloco_p2p.swarm.membership.liveness import AdaptiveDeadline, Presence, verdicts, waited_for
 from diloco_p2p.swarm.membership.matchmaking import Matchmaker
 from diloco_p2p.swarm.membership.records import (
+    PROGRESS_REFRESH,
+    ProgressPublisher,
     ProgressRecord,
+    progress_fields,
     progress_validator,
-    publish_progress_async,
     read_progress_async,
     withdraw_progress_async,
 )
@@ -69,8 +71,6 @@ from diloco_p2p.swarm.trust.guard import Guard
 
 log = logging.getLogger(__name__)
 
-PROGRESS_TTL = 60.0
-PROGRESS_REFRESH = PROGRESS_TTL / 4  # a live node republishes its record at least this often
 STALE_AFTER = 2 * PROGRESS_REFRESH + 5.0  # a record older than this is a node that stopped heart-beating
 _RECORDS_TIMEOUT = 5.0  # reading who is at our round, before matchmaking
 
@@ -203,7 +203,21 @@ class SwarmSync:
         log.warning("%s; downloading the swarm's state", target.reason)
         # What we serve is stale from now on: a joiner must not download it while we catch up.
         self.loop.run(self.state_server.withdraw(), timeout=15)
-        return self.fetch(target.min_round, target.exclude, target.params_hash)
+        state = self.fetch(target.min_round, target.exclude, target.params_hash)
+        if state is not None:
+            state.behind_seconds = self._behind(state.round)
+        return state
+
+    def _behind(self, round: int) -> float | None:
+        """How long ago the swarm began round `round + 1`: now minus the median time its members
+        published `round` (None: no record at that round, or no view of the records). Clocks of
+        different machines enter here; `outer.catch_up_steps` only shortens one round by it."""
+        try:
+            records = self.loop.run(self._read_records(), timeout=_RECORDS_TIMEOUT)
+        except Exception:  # no view of the swarm: run the round whole
+            return None
+        published = [r.updated for p, r in records.items() if p != self.peer_id and r.round == round]
+        return max(0.0, get_dht_time() - statistics.median(published)) if published else None
 
     def fetch(self, min_round: int, exclude: frozenset[str] | None = None,
               params_hash: str | None = None) -> SwarmState | None:
@@ -386,17 +400,19 @@ class SwarmSync:
                     raise Interrupted("stop requested" if self.stop.requested else "timed out") from None
 
     def after_round(self, node: NodeState, record: RoundRecord) -> None:
-        """Publish our progress record and serve the new state to joiners."""
+        """Serve the new state to joiners and publish our progress record."""
         if record.status == "committed":
             self.averaged_round, self.donor = node.round, None
         elif record.status == "resynced":
             self.averaged_round, self.donor = self._adopted_averaged_round, record.donor or None
-        self._publish(node, record)
         meta = {"round": node.round, "params_sha256": node.shard_sha256, "config_hash": self.config_hash,
                 "averaged_round": self.averaged_round}
         if self.public:  # nobody could dial a private donor
             self.loop.run(self.state_server.set_state(node.round, pack_state(node.state, meta), node.shard_sha256),
                           timeout=60)
+        # The state first: a node that reads our record at this round and falls behind finds the
+        # state to download (it is not waited for, so a failed download would cost it a round).
+        self._publish(node, record)
 
     def dht_peers(self) -> int:
         """DHT peers this node knows (its routing table), for the node's metrics."""
@@ -468,41 +484,3 @@ def round_outcome(delta: torch.Tensor, result: AllreduceResult | None, group_siz
         outcome.parts_committed, outcome.parts = len(result.committed_parts), result.num_parts
         outcome.dropped_peers = group_size - len(result.contributors)
     return outcome
-
-
-class ProgressPublisher:
-    """One progress record of ours in one DHT namespace, refreshed every `PROGRESS_TTL / 4`
-    while a long round runs, so we do not look gone."""
-
-    def __init__(self, dht: Any, loop: BackgroundLoop, run_id: str):
-        self.dht, self.loop, self.run_id = dht, loop, run_id
-        self.fields: dict[str, Any] = {}
-        self._refresh = loop.submit(self._refresh_forever())
-
-    def publish(self, fields: dict[str, Any]) -> None:
-        self.fields = fields
-        self.loop.run(self._publish(), timeout=30)
-
-    async def _publish(self) -> None:
-        if self.fields:
-            record = ProgressRecord.build(**dict(self.fields, updated=None))
-            await publish_progress_async(self.dht, self.run_id, record, ttl=PROGRESS_TTL)
-
-    async def _refresh_forever(self) -> None:
-        while True:
-            await asyncio.sleep(PROGRESS_TTL / 4)
-            await self._publish()
-
-    def stop_refreshing(self) -> None:
-        self._refresh.cancel()
-
-
-def progress_fields(node: NodeState, record: RoundRecord | None, **endpoint: Any) -> dict[str, Any]:
-    """A DHT progress record's fields: the node's counters, the round's numbers (None: the node
-    has just started) and the endpoint's identity, hash and config view."""
-    return dict(
-        round=node.round, step=node.step, tokens=node.tokens, joined_at_round=node.joined_at_round or 0,
-        resyncs=node.resyncs, version=__version__, status=record.status if record else "started",
-        tokens_per_s=(record.tokens_per_s if record else 0.0) or 0.0, train_loss=record.train_loss if record else None,
-        eval_loss=record.eval_loss if record else None, group_size=record.group_size if record else 0, **endpoint,
-    )

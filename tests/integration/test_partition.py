@@ -3,14 +3,17 @@
 Four hosts in network namespaces (`tests.netns`), links shaped to 50 Mbit/s: a seed and three
 nodes. Once all three average together, node c's link goes down while its process keeps
 running (unlike SIGSTOP, nothing answers for it: not even the kernel's TCP). a and b go on
-averaging as two; c ends its rounds alone, and alone rounds are quicker than averaged ones, so
-c runs ahead of them in round number with θ that holds only its own data. When the link comes
+averaging as two; c ends its rounds alone. A cut-off node often runs ahead in round number with θ
+that holds only its own data (a and b may be slower, or busy); here a and b are frozen
+(SIGSTOP, both at once, so neither misses the other) until c is two rounds ahead. When the link comes
 back, c must go back to a and b's state (`resynced`) and average with them, and a and b must
 never adopt c's state (before the partition rule in `resync_target`, they did: c had the
 newest round, so they counted themselves behind and downloaded it).
 """
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 
@@ -34,9 +37,8 @@ def test_partitioned_node_rejoins_without_pulling_the_swarm_back(tmp_path):
             opts = ["train.max_rounds=1000", "sync.target_group_size=3"]  # the test stops them; only a leak bound
             a, b = (swarm.node(name, [*opts, "sync.matchmaking_timeout=8"], host=hosts[i + 1])
                     for i, name in enumerate("ab"))
-            # c gives up on matchmaking sooner (a per-node setting): once cut off, it ends its alone
-            # rounds quicker than a and b (who wait for a third member) average theirs, and gets
-            # ahead of them in round number, as a cut-off node often does
+            # c gives up on matchmaking sooner (a per-node setting): once cut off, its alone rounds
+            # are short, so it gets ahead while a and b are frozen
             c = swarm.node("c", [*opts, "sync.matchmaking_timeout=3"], host=hosts[3])
             swarm.release(a, b, c)
             wait_until(lambda: any(r["group_size"] == 3 and r["status"] == "committed" for r in c.records()), 90,
@@ -49,8 +51,12 @@ def test_partitioned_node_rejoins_without_pulling_the_swarm_back(tmp_path):
                 return all(sum(1 for rnd, st in statuses(n, cut_at + 1) if st == "committed") >= 2 for n in (a, b))
 
             wait_until(pair_went_on, 150, "a and b to average two rounds without c", a, b, c)
-            wait_until(lambda: max(c.by_round()) > max(a.by_round(), default=0) + 1, 150,
-                       "c, cut off, to run ahead of a in round number", a, b, c)
+            for node in (a, b):
+                node.signal(signal.SIGSTOP)
+            wait_until(lambda: max(c.by_round()) > max(a.by_round(), max(b.by_round())) + 1, 150,
+                       "c, cut off, to run ahead of a and b in round number", c)
+            for node in (a, b):
+                node.signal(signal.SIGCONT)
             a_rounds, b_rounds = a.by_round(), b.by_round()
             both = [rnd for rnd in a_rounds if rnd > cut_at + 1 and a_rounds[rnd]["status"] == "committed"
                     and b_rounds.get(rnd, {}).get("status") == "committed"]

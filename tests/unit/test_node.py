@@ -17,7 +17,7 @@ from diloco_p2p.checkpoint import load_checkpoint
 from diloco_p2p.config import load_config
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState
 from diloco_p2p.node import Node
-from diloco_p2p.outer import OuterOptimizer
+from diloco_p2p.outer import OuterOptimizer, catch_up_steps
 
 SMALL = ["model.preset=tiny", "data.max_bytes=200000", "data.eval_fraction=0.05", "inner.batch_size=2",
          "inner.seq_len=32", "inner.warmup_steps=1", "outer.inner_steps=2", "train.eval_batches=1",
@@ -119,6 +119,29 @@ def test_a_downloaded_state_replaces_ours_and_the_round_jumps(tmp_path):
     assert [r.round for r in records] == [0, 7, 8]  # then one round of its own from the swarm's θ
     assert sync.seen[1].round == 7 and sync.seen[1].step == 0
     assert load_checkpoint(node.run_dir / "checkpoints").round == 8
+
+
+@pytest.mark.parametrize("behind, steps", [(None, 8), (1e9, 1)])
+def test_a_node_that_adopted_the_state_late_joins_the_round_in_flight(tmp_path, behind, steps):
+    """After a resync the next round runs only the steps the swarm has left (`catch_up_steps`):
+    far behind, one step; unknown, all H. The round after runs H again."""
+    def late_state(node):
+        theta = node.state["outer.theta"].clone()
+        return SwarmState(tensors={"outer.theta": theta, "outer.momentum": torch.zeros_like(theta)}, round=3,
+                          outcome=RoundOutcome(status="resynced", group_size=0), behind_seconds=behind)
+
+    node = _node(tmp_path, ScriptedSync(resyncs={0: late_state}), rounds=5, extra=["outer.inner_steps=8"])
+    records = {r.round: r for r in node.run()}
+    assert records[3].status == "resynced"
+    assert records[4].step - records[3].step == steps
+    assert records[5].step - records[4].step == 8
+
+
+def test_catch_up_runs_the_steps_the_others_have_left():
+    assert catch_up_steps(20, None, 0.1) == 20 and catch_up_steps(20, 0.0, 0.1) == 20
+    assert catch_up_steps(20, 0.55, 0.1) == 15  # 5.5 steps behind: 15 left
+    assert catch_up_steps(20, 5.0, 0.1) == 1  # a whole round behind: one step, still a contribution
+    assert catch_up_steps(20, 0.5, 0.0) == 20  # no step time yet
 
 
 def test_a_later_resync_of_a_trained_node_counts_as_one(tmp_path):

@@ -34,7 +34,8 @@ from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
 
 from diloco_p2p import __version__
-from diloco_p2p.contract import REJECTION_REASONS
+from diloco_p2p.contract import REJECTION_REASONS, NodeState, RoundRecord
+from diloco_p2p.swarm.transport.runner import BackgroundLoop
 from diloco_p2p.swarm.trust.schema import Count, Hex64, OnReject, PeerB58, live_values, subkey_validator
 from diloco_p2p.swarm.trust.signing import own_subkey
 
@@ -46,6 +47,8 @@ STATUSES = ("started", "committed", "alone", "failed", "skipped", "resynced")
 # A sensible lifetime for a record: a node republishes at least once per round and when it
 # leaves; a record older than this belongs to a node that died without saying so.
 DEFAULT_TTL = 600.0
+PROGRESS_TTL = 60.0  # a running node's record: republished every round and every PROGRESS_REFRESH
+PROGRESS_REFRESH = PROGRESS_TTL / 4
 MAX_EXCLUDED = 32  # peers listed in a record's `excluded`
 
 FiniteFloat = pydantic.confloat(strict=True, allow_inf_nan=False)
@@ -272,3 +275,41 @@ def parse_progress(
             continue
         out[peer] = record
     return out
+
+
+class ProgressPublisher:
+    """One progress record of ours in one DHT namespace, refreshed every `PROGRESS_REFRESH`
+    while a long round runs, so we do not look gone."""
+
+    def __init__(self, dht: Any, loop: BackgroundLoop, run_id: str):
+        self.dht, self.loop, self.run_id = dht, loop, run_id
+        self.fields: dict[str, Any] = {}
+        self._refresh = loop.submit(self._refresh_forever())
+
+    def publish(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+        self.loop.run(self._publish(), timeout=30)
+
+    async def _publish(self) -> None:
+        if self.fields:
+            record = ProgressRecord.build(**dict(self.fields, updated=None))
+            await publish_progress_async(self.dht, self.run_id, record, ttl=PROGRESS_TTL)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_REFRESH)
+            await self._publish()
+
+    def stop_refreshing(self) -> None:
+        self._refresh.cancel()
+
+
+def progress_fields(node: NodeState, record: RoundRecord | None, **endpoint: Any) -> dict[str, Any]:
+    """A DHT progress record's fields: the node's counters, the round's numbers (None: the node
+    has just started) and the endpoint's identity, hash and config view."""
+    return dict(
+        round=node.round, step=node.step, tokens=node.tokens, joined_at_round=node.joined_at_round or 0,
+        resyncs=node.resyncs, version=__version__, status=record.status if record else "started",
+        tokens_per_s=(record.tokens_per_s if record else 0.0) or 0.0, train_loss=record.train_loss if record else None,
+        eval_loss=record.eval_loss if record else None, group_size=record.group_size if record else 0, **endpoint,
+    )
