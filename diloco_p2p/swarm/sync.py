@@ -104,6 +104,8 @@ class SwarmSync:
         self._adopted_averaged_round: int | None = None
         self.resync_exclude: frozenset[str] = frozenset()  # peers whose state is not the swarm's
         self.last_group: frozenset[str] | None = None  # the members we last committed a round with
+        # (round, members whose masks we heard) of our last all-reduce: they finished that round with us
+        self._grouped: tuple[int, frozenset[str]] = (-1, frozenset())
         self.donor: str | None = None  # whose state we adopted, until we next commit a round (a tie: follow it)
         # Who a round waits for and how long (`liveness`): the configured timeouts are the upper bounds.
         self.presence = Presence()
@@ -299,6 +301,7 @@ class SwarmSync:
         self._keep(round, delta, weight, result)
         if result.status != "failed":
             self.last_group = frozenset(p.to_base58() for p in group.peers)
+            self._grouped = (round, frozenset(result.agreed_with))  # who finished the round with us
         if result.status == "committed" and len(result.contributors) == len(group.peers):
             self.allreduce_deadline.observe(result.seconds)  # everyone in time: a sample of how long it takes
         blame(self.guard, round, result)
@@ -342,10 +345,12 @@ class SwarmSync:
             records = {}
         distrusted = self.guard.distrusted()  # caught reducers: not waited for, not grouped with
 
+        members = self._grouped[1] if self._grouped[0] == round - 1 else ()  # did the last round with us
+
         def judge(records: dict[str, ProgressRecord]) -> dict[str, str | None]:
             others = {peer: r for peer, r in records.items() if peer != self.peer_id}
             return verdicts(others, round, get_dht_time(), stale_after=STALE_AFTER, lag=self._lag,
-                            distrusted=distrusted)
+                            distrusted=distrusted, members=members)
 
         async def refresh() -> list[str]:  # while we lead: who started, came back or left since
             return waited_for(judge(await self._read_records()))

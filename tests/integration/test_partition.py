@@ -53,7 +53,7 @@ def test_partitioned_node_rejoins_without_pulling_the_swarm_back(tmp_path):
             wait_until(pair_went_on, 150, "a and b to average two rounds without c", a, b, c)
             for node in (a, b):
                 node.signal(signal.SIGSTOP)
-            wait_until(lambda: max(c.by_round()) > max(a.by_round(), max(b.by_round())) + 1, 150,
+            wait_until(lambda: max(c.by_round()) > max(max(a.by_round()), max(b.by_round())) + 1, 150,
                        "c, cut off, to run ahead of a and b in round number", c)
             for node in (a, b):
                 node.signal(signal.SIGCONT)

@@ -176,3 +176,13 @@ def test_a_volunteer_cut_every_round_soon_widens_the_deadline():
         deadlines.append(d.current())
     assert deadlines[-1] >= 6.0 > quick
     assert min(deadlines) >= quick
+
+
+def test_a_member_of_our_last_group_is_waited_for_before_its_record_arrives():
+    """It committed round 6 with us; its record of round 6 may still be on its way."""
+    records = {"slow-store": Seen(5), "stranger": Seen(5)}
+    found = verdicts(records, 7, NOW, stale_after=STALE, members={"slow-store"})
+    assert found == {"slow-store": None, "stranger": "missed round 6"}
+    silent = verdicts({"slow-store": Seen(5, updated=NOW - STALE - 1)}, 7, NOW, stale_after=STALE,
+                      members={"slow-store"})
+    assert silent["slow-store"].startswith("silent")  # but not one that stopped heart-beating

@@ -9,7 +9,9 @@ fault every 30-60 s the swarm kept 65% of its work. The rule here waits only for
 
 - **at the round**: its record says it finished the previous round (``round == r - 1``; under
   `sync.overlap` one round of lag is normal: its record is published once the average in flight
-  is known). A peer further behind has missed a round (crashed, stopped, cut off, or still
+  is known), or it finished our previous round's all-reduce with us (its mask was heard: it
+  holds the same θ; its record may still be on its way, as a tiny round can be quicker than a
+  DHT store). A member that froze or died inside that all-reduce did not finish it. A peer further behind has missed a round (crashed, stopped, cut off, or still
   downloading); it comes back by catching up, with a state download that ends at the swarm's
   round, and is waited for again from the record that download publishes. A member that an
   all-reduce left out is the same case: it did not finish that round with the swarm's θ.
@@ -60,17 +62,18 @@ class Progress(Protocol):
 
 
 def verdicts(records: Mapping[str, Progress], round: int, now: float, *, stale_after: float, lag: int = 0,
-             distrusted: Collection[str] = ()) -> dict[str, str | None]:
+             distrusted: Collection[str] = (), members: Collection[str] = ()) -> dict[str, str | None]:
     """For each peer not past `round` (its record's round below it): None if round `round`
     waits for it, else why not, in words for the log. Peers already past the round are not in
-    the result: they are neither waited for nor away."""
+    the result: they are neither waited for nor away. `members`: the peers that finished round
+    `round - 1`'s all-reduce with us."""
     out: dict[str, str | None] = {}
     for peer, r in records.items():
         if r.round >= round:
             continue
         if peer in distrusted:
             out[peer] = "a reducer caught lying"
-        elif r.round < round - 1 - lag:
+        elif r.round < round - 1 - lag and peer not in members:
             out[peer] = f"missed round {r.round + 1}"
         elif now - r.updated > stale_after:
             out[peer] = f"silent for {now - r.updated:.0f} s"
