@@ -17,7 +17,13 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from diloco_p2p.swarm.state.announcements import LEGACY_VERSION, VERIFIED, handler_name, list_donors, state_key
+from diloco_p2p.swarm.state.announcements import (
+    LEGACY_VERSION,
+    VERIFIED,
+    handler_name,
+    list_donors,
+    state_key,
+)
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import pack_state, unpack_state
 from diloco_p2p.swarm.state.server import StateServer
@@ -125,7 +131,7 @@ def test_two_joiners_spread_over_two_donors(swarm: StatePeers):
     assert f1.blob == blob and f2.blob == blob
     assert {f1.donor, f2.donor} == {d.peer_id for d in donors}
     assert [d.served_count for d in donors] == [1, 1]
-    assert (f1.attempts, f2.attempts) == (1, 2) and f2.donors == [f2.donor]
+    assert (f1.attempts, f2.attempts) == (1, 2) and list(f2.by_donor) == [f2.donor]
     assert sum(d.refused_count for d in donors) == 1 and f2.failures == []
 
 
@@ -263,7 +269,7 @@ def test_donors_serving_another_theta_under_the_vouched_hash_are_refused_and_nam
                 await donor.stop()
 
     fetched, check, a, b, d = swarm.loop.run(scenario(), timeout=60)
-    assert fetched.blob == good and fetched.donors == [a.peer_id]
+    assert fetched.blob == good and list(fetched.by_donor) == [a.peer_id]
     assert sorted(fetched.forged) == sorted([b.peer_id, d.peer_id])
     assert all("served θ" in why for why in fetched.forged.values())
     assert theta_sha256(check.unpacked[0]) == vouched
@@ -292,7 +298,8 @@ def test_three_donors_stream_stripes_of_the_identical_blob(swarm: StatePeers):
 
     donors, fetched = swarm.loop.run(scenario(), timeout=60)
     assert fetched.blob == blob and fetched.sha256 == hashlib.sha256(blob).hexdigest()
-    assert sorted(fetched.donors) == sorted(d.peer_id for d in donors) and fetched.donor == fetched.donors[0]
+    assert fetched.by_donor == {d.peer_id: d.bytes_served for d in donors}  # all three, nothing discarded
+    assert fetched.donor == next(iter(fetched.by_donor))
     assert fetched.attempts == 3 and fetched.failures == [] and fetched.forged == {}
     assert all(d.bytes_served >= PIPELINE * STRIPE for d in donors)
     assert sum(d.bytes_served for d in donors) == fetched.bytes == len(blob)

@@ -45,14 +45,14 @@ class FetchedState:
     blob: bytes
     round: int
     sha256: str
-    donor: str  # the donor that served the most bytes of it
+    donor: str  # the donor that served the most bytes of it (`by_donor`)
     seconds: float
     attempts: int  # donor streams opened, the successful ones included
     bytes: int  # bytes received over the wire, discarded ones included
     params_hash: str | None = None
     failures: list[str] = field(default_factory=list)  # one line per failed attempt
     forged: dict[str, str] = field(default_factory=dict)  # donors caught lying, and why
-    donors: list[str] = field(default_factory=list)  # every donor that served a stripe of it, most bytes first
+    by_donor: dict[str, int] = field(default_factory=dict)  # bytes of the blob each donor served, most first
 
 
 @dataclass
@@ -163,13 +163,13 @@ async def fetch_state(
             await asyncio.sleep(min(backoff, max(0.0, fetch.remaining())))
             backoff = min(2 * backoff, 1.0)
             continue
-        blob = await fetch.striped(group, stall_timeout, progress)
-        if blob is None:
+        part = await fetch.striped(group, stall_timeout, progress)
+        if part is None:
             continue
-        if verify is not None and (refused := await asyncio.to_thread(verify, blob, group[0])) is not None:
+        if verify is not None and (refused := await asyncio.to_thread(verify, part.buf, group[0])) is not None:
             fetch.refuse(group, *refused)
             continue
-        return fetch.fetched(group[0], blob)
+        return fetch.fetched(group[0], part.buf, part.by_donor())
 
 
 class _Fetch:
@@ -253,10 +253,11 @@ class _Fetch:
             f"no announcement qualifies (newest: round {newest.round} from {short_peer(newest.peer_id)})"
         )
 
-    async def striped(self, group: list[StateAnnouncement], stall: float, progress: Progress | None) -> bytearray | None:
+    async def striped(self, group: list[StateAnnouncement], stall: float,
+                      progress: Progress | None) -> stripes.Assembly | None:
         """One pass: open every donor of `group`, stream the stripes still missing from those
-        that agree on the layout, check the whole blob against the announced sha256. The blob,
-        or None (the failures are noted; verified stripes are kept for the next pass)."""
+        that agree on the layout, check the whole blob against the announced sha256. The whole
+        blob, or None (the failures are noted; verified stripes are kept for the next pass)."""
         ann = group[0]
         opened = await asyncio.gather(
             *(_open(self.p2p, self.run_id, a, stall=stall, deadline=self.deadline) for a in group)
@@ -296,7 +297,7 @@ class _Fetch:
                 for d in donors:
                     self.record_failure(d.ann, "forged", "its stripe digests do not make up the sha256 it announced")
                 return None
-            return part.buf
+            return part
         finally:
             for d in opened:
                 if isinstance(d, DonorStream):
@@ -310,17 +311,16 @@ class _Fetch:
         for a in group:
             self.failed[(a.peer_id, a.sha256)] = why
 
-    def fetched(self, ann: StateAnnouncement, blob: bytearray) -> FetchedState:
+    def fetched(self, ann: StateAnnouncement, blob: bytearray, by_donor: dict[str, int]) -> FetchedState:
         seconds = self.elapsed()
-        donors = [d.ann.peer_id for d in sorted(self.served, key=lambda d: -d.stripes) if d.stripes]
-        donors = donors or [self.served[0].ann.peer_id]  # an empty blob
+        donor = next(iter(by_donor), self.served[0].ann.peer_id)  # (an empty blob has no stripes)
         logger.info(
             "fetched state round %d (%s) from %d donor(s) (%s) in %.2f s, %d attempt(s)",
-            ann.round, _mb(ann.size), len(donors), ", ".join(map(short_peer, donors)), seconds, self.attempts,
+            ann.round, _mb(ann.size), len(by_donor), ", ".join(map(short_peer, by_donor)), seconds, self.attempts,
         )
         return FetchedState(
-            blob, ann.round, ann.sha256, donors[0], seconds, self.attempts, self.received,
-            ann.params_hash, self.failures, self.forged, donors,
+            blob, ann.round, ann.sha256, donor, seconds, self.attempts, self.received,
+            ann.params_hash, self.failures, self.forged, by_donor,
         )
 
     def record_failure(self, ann: StateAnnouncement, status: str, reason: str) -> None:

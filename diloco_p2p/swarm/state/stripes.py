@@ -92,14 +92,23 @@ class Assembly:
     sha256: str
     layout: Layout
     buf: bytearray = field(init=False)
-    done: list[bool] = field(init=False)
+    source: list[str | None] = field(init=False)  # who served each stripe that matched
 
     def __post_init__(self) -> None:
         self.buf = bytearray(self.layout.size)
-        self.done = [False] * self.layout.count
+        self.source = [None] * self.layout.count
 
     def missing(self) -> list[int]:
-        return [i for i, ok in enumerate(self.done) if not ok]
+        return [i for i, peer in enumerate(self.source) if peer is None]
+
+    def by_donor(self) -> dict[str, int]:
+        """Bytes of the blob each donor served, most first."""
+        out: dict[str, int] = {}
+        for i, peer in enumerate(self.source):
+            if peer is not None:
+                a, b = self.layout.bounds(i)
+                out[peer] = out.get(peer, 0) + b - a
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 @dataclass
@@ -190,7 +199,7 @@ async def download(
                 await r
         if await asyncio.to_thread(lambda: hashlib.sha256(view).digest()) != part.layout.digest(i):
             raise _Failed("forged", f"stripe {i} (bytes {a}-{b}) does not match the sha256 in its own header")
-        part.done[i] = True
+        part.source[i] = peer
         d.stripes += 1
 
     async def work(d: DonorStream) -> None:
