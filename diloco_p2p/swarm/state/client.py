@@ -4,7 +4,6 @@ See `diloco_p2p.swarm.state` for the protocol and the failure handling."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -290,7 +289,7 @@ class _Fetch:
                     self.record_failure(d.ann, d.status, d.reason)
             if part.missing():
                 return None
-            ok = await asyncio.to_thread(lambda: hashlib.sha256(part.buf).hexdigest()) == ann.sha256
+            ok = part.hasher.hexdigest() == ann.sha256  # fed during the download (`Assembly.hash_in_order`)
             await stripes.finish(donors, ok, timeout=max(0.1, min(5.0, self.remaining())))
             self.part, self.served = None, donors
             if not ok:  # every stripe matched the layout and the whole does not: the layout is a lie

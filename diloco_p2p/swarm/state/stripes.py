@@ -93,10 +93,31 @@ class Assembly:
     layout: Layout
     buf: bytearray = field(init=False)
     source: list[str | None] = field(init=False)  # who served each stripe that matched
+    hasher: Any = field(init=False)  # the whole blob's sha256 over stripes [0, hashed), fed as they land
+    hashed: int = 0
 
     def __post_init__(self) -> None:
         self.buf = bytearray(self.layout.size)
         self.source = [None] * self.layout.count
+        self.hasher = hashlib.sha256()
+
+    async def hash_in_order(self, landed: asyncio.Event, stop: Callable[[], bool]) -> None:
+        """Feed the whole-blob hash each run of stripes that landed in order (in a thread,
+        overlapping the download), until every stripe is hashed or `stop()`; a pass that ends
+        early leaves `hashed` where the next pass picks it up."""
+        while self.hashed < self.layout.count:
+            landed.clear()
+            end = self.hashed
+            while end < self.layout.count and self.source[end] is not None:
+                end += 1
+            if end == self.hashed:
+                if stop():
+                    return
+                await landed.wait()
+                continue
+            view = memoryview(self.buf)[self.layout.bounds(self.hashed)[0] : self.layout.bounds(end - 1)[1]]
+            await asyncio.to_thread(self.hasher.update, view)
+            self.hashed = end
 
     def missing(self) -> list[int]:
         return [i for i, peer in enumerate(self.source) if peer is None]
@@ -168,11 +189,12 @@ async def download(
     donors: list[DonorStream], part: Assembly, *, stall: float, deadline: float, progress: Progress | None,
     sent_by: dict[str, int],
 ) -> None:
-    """Fill `part`'s missing stripes from `donors` at once; returns when every stripe is in or
-    every donor failed (each `DonorStream` says how it ended). `sent_by` counts bytes per donor
-    over the whole fetch (what `progress` reports)."""
+    """Fill `part`'s missing stripes from `donors` at once; returns when every stripe is in (and
+    fed to `part.hasher`) or every donor failed (each `DonorStream` says how it ended).
+    `sent_by` counts bytes per donor over the whole fetch (what `progress` reports)."""
     queue = _Queue(part.missing())
     loop = asyncio.get_running_loop()
+    landed, stopped = asyncio.Event(), False
 
     def budget() -> float:
         return max(0.0, min(stall, deadline - loop.time()))
@@ -201,6 +223,7 @@ async def download(
             raise _Failed("forged", f"stripe {i} (bytes {a}-{b}) does not match the sha256 in its own header")
         part.source[i] = peer
         d.stripes += 1
+        landed.set()
 
     async def work(d: DonorStream) -> None:
         asked: deque[int] = deque()
@@ -236,7 +259,13 @@ async def download(
             queue.give_back(asked)
             d.writer.close()
 
-    await asyncio.gather(*(work(d) for d in donors))
+    hashing = asyncio.ensure_future(part.hash_in_order(landed, lambda: stopped))
+    try:
+        await asyncio.gather(*(work(d) for d in donors))
+    finally:
+        stopped = True  # not cancelled: a thread may be feeding the hasher; let it finish
+        landed.set()
+        await asyncio.shield(hashing)
 
 
 async def read_layout(reader: asyncio.StreamReader, reply: dict[str, Any], size: int) -> Layout | str:
