@@ -15,7 +15,9 @@ member arrived).
 
     python benchmarks/join_time.py [--sizes tiny,256x4,512x4] [--join-at 3] [--set a.b=v ...]
 
-A size is `tiny` or `HIDDENxLAYERS` (intermediate = 3 x hidden, 64-wide heads).
+A size is `tiny` or `HIDDENxLAYERS` (intermediate = 3 x hidden, 64-wide heads). The download
+alone, from 1, 2 and 4 donors at once on shaped links and on loopback beside the transport's
+ceiling, is `benchmarks/join_stripes.py`.
 """
 
 from __future__ import annotations

@@ -297,6 +297,9 @@ class SyncConfig(_Section):
     state_timeout: float = Field(
         3600.0, gt=0, description="Seconds a resync or join may spend downloading the swarm's state (θ and momentum: 8 bytes per parameter); a donor silent for 10 s is left for the next one well before this."
     )
+    state_donors: int = Field(
+        4, ge=1, description="Donors a resync or join streams the state from at once, in verified stripes (docs/architecture.md, 'Joining'); 1: one donor at a time."
+    )
     max_weight_ratio: float = Field(
         16.0, gt=1, description="Reject a weight above this multiple of the lower median of the weights offered for the same part (a peer claiming to have trained far more than the others)."
     )

@@ -143,12 +143,13 @@ def _congestion(name: str | None) -> Iterator[None]:
 
 
 class Hosts:
-    def __init__(self, n: int, rate_mbit: float | None = None, private: tuple[int, ...] = (), tag: str = "dlp",
-                 congestion: str | None = None):
+    def __init__(self, n: int, rate_mbit: float | list[float | None] | None = None, private: tuple[int, ...] = (),
+                 tag: str = "dlp", congestion: str | None = None):
+        """`rate_mbit`: every host's link rate, or one per host (None: that link unshaped)."""
         with _congestion(congestion):
-            self._create(n, rate_mbit, private, tag)
+            self._create(n, rate_mbit if isinstance(rate_mbit, list) else [rate_mbit] * n, private, tag)
 
-    def _create(self, n: int, rate_mbit: float | None, private: tuple[int, ...], tag: str) -> None:
+    def _create(self, n: int, rates: list[float | None], private: tuple[int, ...], tag: str) -> None:
         _remove_orphans()
         self.tag = f"{tag}{os.getpid()}"
         self.hub = f"{self.tag}-hub"
@@ -166,9 +167,9 @@ class Hosts:
                 _ip("-n", uplink, "link", "set", "eth0", "up")
                 _ip("-n", self.hub, "link", "set", f"p{i}", "master", "br0")
                 _ip("-n", self.hub, "link", "set", f"p{i}", "up")
-                if rate_mbit is not None:
-                    _tc(uplink, "eth0", rate_mbit)
-                    _tc(self.hub, f"p{i}", rate_mbit)
+                if rates[i] is not None:
+                    _tc(uplink, "eth0", rates[i])
+                    _tc(self.hub, f"p{i}", rates[i])
                 if i in private:
                     host = Host(f"{self.tag}-h{i}", f"192.168.{i + 1}.2", f"p{i}", public_ip=f"{SUBNET}.{i + 1}")
                     self._add_ns(host.ns)

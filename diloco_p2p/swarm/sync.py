@@ -247,7 +247,8 @@ class SwarmSync:
         try:
             fetched = self._interruptible(
                 fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=min_round, exclude=exclude,
-                            verify=check, accept=accept, timeout=self.cfg.state_timeout),
+                            verify=check, accept=accept, timeout=self.cfg.state_timeout,
+                            max_donors=self.cfg.state_donors),
                 timeout=self.cfg.state_timeout + 10,
             )
         except (StateUnavailable, TimeoutError, Interrupted) as e:

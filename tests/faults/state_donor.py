@@ -3,7 +3,7 @@ blob read from a file (raw bytes, throttled) and prints ``READY <peer id> <sha25
 announcement is stored. Then it serves until it is killed (or its stdin closes).
 
     python -m tests.faults.state_donor --initial-peer MADDR --run-id ID --blob PATH --round N \
-        [--throttle BYTES_PER_S] [--chunk-size BYTES] [--corrupt]
+        [--throttle BYTES_PER_S] [--chunk-size BYTES] [--stripe-size BYTES] [--corrupt]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--round", type=int, required=True)
     ap.add_argument("--throttle", type=float, default=None)
     ap.add_argument("--chunk-size", type=int, default=1 << 16)
+    ap.add_argument("--stripe-size", type=int, default=1 << 20)
     ap.add_argument("--corrupt", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -35,7 +36,7 @@ def main() -> None:
     loop = peers.loop
     server = StateServer(
         peers.dhts[0], peers.p2ps[0], run_id=args.run_id, chunk_size=args.chunk_size, throttle_bytes_per_s=args.throttle,
-        corrupt=args.corrupt,
+        corrupt=args.corrupt, stripe_size=args.stripe_size,
     )
 
     async def serve() -> None:

@@ -22,7 +22,8 @@ from diloco_p2p.swarm.trust.schema import Hex64, live_values, subkey_validator
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: striped transfers (`stripes`); 1: one stream, the whole blob from an offset
+LEGACY_VERSION = 1  # still served, so joiners of older releases keep working
 DEFAULT_ANNOUNCE_TTL = 60.0
 MAX_HEADER_BYTES = 4096  # our JSON request/reply headers
 VERIFIED, REJECTED = b"\x01", b"\x00"  # the joiner's verdict on the bytes, and the donor's last byte
@@ -32,8 +33,8 @@ def state_key(run_id: str) -> str:
     return f"{run_id}.state"
 
 
-def handler_name(run_id: str) -> str:
-    return f"{run_id}.state.v{PROTOCOL_VERSION}"
+def handler_name(run_id: str, version: int = PROTOCOL_VERSION) -> str:
+    return f"{run_id}.state.v{version}"
 
 
 @dataclass(frozen=True)

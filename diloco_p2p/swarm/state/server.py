@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import suppress
 from typing import Any
 
 import hivemind
@@ -15,6 +16,7 @@ from hivemind.utils import get_dht_time
 
 from diloco_p2p.swarm.state.announcements import (
     DEFAULT_ANNOUNCE_TTL,
+    LEGACY_VERSION,
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
     VERIFIED,
@@ -23,6 +25,7 @@ from diloco_p2p.swarm.state.announcements import (
     handler_name,
     state_key,
 )
+from diloco_p2p.swarm.state.stripes import STRIPE_SIZE, stripe_count, stripe_digests
 from diloco_p2p.swarm.transport import streams
 from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS, AnnouncedHandler, WireError
 from diloco_p2p.swarm.trust.signing import own_subkey
@@ -33,11 +36,13 @@ logger = logging.getLogger(__name__)
 class StateServer:
     """Serves this node's current state blob to joiners and keeps it announced in the DHT.
 
-    `throttle_bytes_per_s` caps each transfer's rate (a volunteer's uplink; tests use it to
-    make a transfer slow enough to kill the donor in the middle). `max_concurrent` caps the
-    transfers served at once; past it, joiners are told ``busy`` and go to another donor.
-    `corrupt` is a fault-injection knob for tests: every chunk served has its first byte
-    flipped, so joiners must reject the state by its hash.
+    It serves the striped protocol (v2: the stripes a joiner asks for, `stripe_size` bytes
+    each, after a header with their digests) and, for joiners of older releases, v1 (the whole
+    blob from an offset). `throttle_bytes_per_s` caps each transfer's rate (a volunteer's
+    uplink; tests use it to make a transfer slow enough to kill the donor in the middle).
+    `max_concurrent` caps the transfers served at once; past it, joiners are told ``busy`` and
+    go to another donor. `corrupt` is a fault-injection knob for tests: every chunk served has
+    its first byte flipped, so joiners must reject it by its stripe's (or the blob's) hash.
     """
 
     def __init__(
@@ -52,14 +57,16 @@ class StateServer:
         announce_ttl: float = DEFAULT_ANNOUNCE_TTL,
         send_timeout: float = 30.0,
         corrupt: bool = False,
+        stripe_size: int = STRIPE_SIZE,
     ):
-        if chunk_size <= 0 or max_concurrent <= 0 or announce_ttl <= 0 or send_timeout <= 0:
-            raise ValueError("chunk_size, max_concurrent, announce_ttl and send_timeout must be positive")
+        if min(chunk_size, max_concurrent, announce_ttl, send_timeout, stripe_size) <= 0:
+            raise ValueError("chunk_size, max_concurrent, announce_ttl, send_timeout and stripe_size must be positive")
         if throttle_bytes_per_s is not None and throttle_bytes_per_s <= 0:
             raise ValueError("throttle_bytes_per_s must be positive or None")
         self.dht, self.p2p, self.run_id = dht, p2p, run_id
         self.chunk_size, self.throttle, self.max_concurrent = chunk_size, throttle_bytes_per_s, max_concurrent
         self.announce_ttl, self.send_timeout, self.corrupt = announce_ttl, send_timeout, corrupt
+        self.stripe_size = stripe_size
         self.peer_id = p2p.peer_id.to_base58()
         self.served_count = 0  # transfers the joiner verified
         self.rejected_count = 0  # transfers the joiner received in full and rejected by hash
@@ -67,10 +74,12 @@ class StateServer:
         self.bytes_served = 0
         self.active = 0
         self._blob: bytes | None = None
+        self._digests = b""  # of the blob's stripes (`stripes.stripe_digests`)
         self._announcement: StateAnnouncement | None = None
         self._expiration: float | None = None  # of the last record we stored
         self._lock = asyncio.Lock()
         self._served = AnnouncedHandler(p2p, handler_name(run_id), self._handle, self._refresh, announce_ttl / 3)
+        self._legacy = handler_name(run_id, LEGACY_VERSION)
         # Whether to serve a peer (its id proven by p2pd): a closed run serves its members only
         # (`diloco_p2p.swarm.trust.admission.Admission.check_stream`); None serves everyone.
         self.admit: Callable[[str, str], Awaitable[bool]] | None = None
@@ -81,11 +90,17 @@ class StateServer:
 
     async def start(self) -> None:
         """Register the stream handler; announce the state if one is already set."""
-        if await self._served.start() and self._announcement is not None:
+        if not await self._served.start():
+            return
+        await self.p2p.add_binary_stream_handler(self._legacy, self._handle_legacy)
+        if self._announcement is not None:
             await self._announce()
 
     async def stop(self) -> None:
-        """Withdraw the announcement and unregister the handler (transfers in flight may finish)."""
+        """Withdraw the announcement and unregister the handlers (transfers in flight may finish)."""
+        if self._served.started:
+            with suppress(*NETWORK_ERRORS):
+                await self.p2p.remove_binary_stream_handler(self._legacy)
         await self._served.stop(self.withdraw)
 
     async def set_state(self, round: int, blob: bytes, params_hash: str | None = None) -> None:
@@ -95,10 +110,12 @@ class StateServer:
         if not _is_int(round) or round < 0:
             raise ValueError(f"round must be a non-negative int, got {round!r}")
         blob = blob if isinstance(blob, bytes) else bytes(blob)
-        digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
+        digest, stripes = await asyncio.to_thread(
+            lambda: (hashlib.sha256(blob).hexdigest(), stripe_digests(blob, self.stripe_size))
+        )
         ann = StateAnnouncement(self.peer_id, round, digest, len(blob), params_hash)
         AnnouncementValue.parse_obj(ann.value())  # a bad params_hash fails here, not on every peer
-        self._blob, self._announcement = blob, ann
+        self._blob, self._digests, self._announcement = blob, stripes, ann
         if self._served.started:
             await self._announce()
 
@@ -106,6 +123,7 @@ class StateServer:
         """Stop serving the state (a node that fell behind must not hand out a stale one) and
         replace our record with a tombstone that outlives it. False if no peer took it."""
         self._blob = self._announcement = None
+        self._digests = b""
         if self._expiration is None:
             return True
         async with self._lock:
@@ -146,11 +164,19 @@ class StateServer:
     # ------------------------------------------------------------------------- serving
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._guarded(info, writer, self._serve_stripes(reader, writer))
+
+    async def _handle_legacy(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._guarded(info, writer, self._serve_whole(reader, writer))
+
+    async def _guarded(self, info: Any, writer: asyncio.StreamWriter, serve: Coroutine[Any, Any, None]) -> None:
+        """Run `serve` for an admitted peer; a transfer's end, however early, is not our error."""
         try:
             if self.admit is not None and not await self.admit(info.peer_id.to_base58(), "state"):
                 self.refused_count += 1
+                serve.close()
                 return  # closing the stream is all a stranger gets
-            await self._serve(reader, writer)
+            await serve
         except (TimeoutError, WireError, *NETWORK_ERRORS) as e:
             logger.debug("state transfer ended early: %r", e)
         except Exception:
@@ -158,45 +184,82 @@ class StateServer:
         finally:
             writer.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     version: int) -> tuple[bytes, bytes, int] | None:
+        """Read a request: the blob to serve, its stripe digests and the offset asked for; or
+        None once the joiner was told why not."""
         async with asyncio.timeout(self.send_timeout):
-            request = await streams.read_json(reader, MAX_HEADER_BYTES, version=PROTOCOL_VERSION)
-        blob, ann = self._blob, self._announcement
-        sha, offset = request.get("sha256"), request.get("offset")
-        if blob is None or ann is None or sha != ann.sha256:
+            request = await streams.read_json(reader, MAX_HEADER_BYTES, version=version)
+        blob, digests, ann = self._blob, self._digests, self._announcement
+        offset = request.get("offset", 0)
+        if blob is None or ann is None or request.get("sha256") != ann.sha256:
             self.refused_count += 1
             now = f"it now serves round {ann.round}" if ann else "it serves no state now"
-            return await _refuse(writer, "gone", f"the donor no longer holds it; {now}")
-        if not _is_int(offset) or not 0 <= offset <= len(blob):
-            return await _refuse(writer, "bad-request", f"offset {offset!r} out of range")
-        if self.active >= self.max_concurrent:
+            await _refuse(writer, "gone", f"the donor no longer holds it; {now}", version)
+        elif not _is_int(offset) or not 0 <= offset <= len(blob):
+            await _refuse(writer, "bad-request", f"offset {offset!r} out of range", version)
+        elif self.active >= self.max_concurrent:
             self.refused_count += 1
-            return await _refuse(writer, "busy", f"{self.active} transfers running")
+            await _refuse(writer, "busy", f"{self.active} transfers running", version)
+        else:
+            return blob, digests, offset
+        return None
+
+    async def _serve_stripes(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """v2: the layout, then each stripe the joiner asks for, until its verdict on the whole."""
+        if (admitted := await self._admit(reader, writer, PROTOCOL_VERSION)) is None:
+            return
+        blob, digests, _ = admitted
+        stripe_size = self.stripe_size
         self.active += 1
         try:
-            await self._stream(reader, writer, blob, offset)
+            count = stripe_count(len(blob), stripe_size)
+            header = {"ok": True, "size": len(blob), "stripe_size": stripe_size, "stripes": count}
+            streams.write_json(writer, header, version=PROTOCOL_VERSION)
+            streams.write_frame(writer, digests)
+            pace = _Pace(self.throttle)
+            while True:
+                async with asyncio.timeout(self.send_timeout):
+                    await writer.drain()
+                    request = await streams.read_json(reader, MAX_HEADER_BYTES, version=PROTOCOL_VERSION)
+                if "done" in request:
+                    return await self._verdict(writer, request["done"] is True)
+                i = request.get("stripe")
+                if not _is_int(i) or not 0 <= i < count:
+                    return await _refuse(writer, "bad-request", f"stripe {i!r} out of range", PROTOCOL_VERSION)
+                await self._send(writer, memoryview(blob)[i * stripe_size : (i + 1) * stripe_size], pace)
         finally:
             self.active -= 1
 
-    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, blob: bytes, offset: int):
-        loop = asyncio.get_running_loop()
-        streams.write_json(writer, {"ok": True, "size": len(blob)}, version=PROTOCOL_VERSION)
-        view, sent, t0 = memoryview(blob), 0, loop.time()
-        for start in range(offset, len(blob), self.chunk_size):
+    async def _serve_whole(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """v1 (joiners of older releases): the whole blob from an offset, then the verdict."""
+        if (admitted := await self._admit(reader, writer, LEGACY_VERSION)) is None:
+            return
+        blob, _, offset = admitted
+        self.active += 1
+        try:
+            streams.write_json(writer, {"ok": True, "size": len(blob)}, version=LEGACY_VERSION)
+            await self._send(writer, memoryview(blob)[offset:], _Pace(self.throttle))
+            await writer.drain()
+            async with asyncio.timeout(self.send_timeout):
+                verdict = await reader.readexactly(1)
+            await self._verdict(writer, verdict == VERIFIED)
+        finally:
+            self.active -= 1
+
+    async def _send(self, writer: asyncio.StreamWriter, view: memoryview, pace: _Pace) -> None:
+        for start in range(0, len(view), self.chunk_size):
             chunk = view[start : start + self.chunk_size]
             if self.corrupt:
                 chunk = bytes([chunk[0] ^ 0xFF]) + bytes(chunk[1:])
             writer.write(chunk)
             async with asyncio.timeout(self.send_timeout):
                 await writer.drain()
-            sent += len(chunk)
             self.bytes_served += len(chunk)
-            if self.throttle is not None and (ahead := sent / self.throttle - (loop.time() - t0)) > 0:
-                await asyncio.sleep(ahead)
-        await writer.drain()
-        async with asyncio.timeout(self.send_timeout):
-            verdict = await reader.readexactly(1)
-        if verdict == VERIFIED:
+            await pace.sent(len(chunk))
+
+    async def _verdict(self, writer: asyncio.StreamWriter, verified: bool) -> None:
+        if verified:
             self.served_count += 1
         else:
             self.rejected_count += 1
@@ -205,8 +268,21 @@ class StateServer:
         await writer.drain()
 
 
-async def _refuse(writer: asyncio.StreamWriter, reason: str, detail: str) -> None:
-    streams.write_json(writer, {"ok": False, "reason": reason, "detail": detail}, version=PROTOCOL_VERSION)
+class _Pace:
+    """Sleeps a transfer down to `rate` bytes/s (None: no cap)."""
+
+    def __init__(self, rate: float | None):
+        self.rate, self.bytes = rate, 0
+        self.t0 = asyncio.get_running_loop().time()
+
+    async def sent(self, n: int) -> None:
+        self.bytes += n
+        if self.rate is not None and (ahead := self.bytes / self.rate - (asyncio.get_running_loop().time() - self.t0)) > 0:
+            await asyncio.sleep(ahead)
+
+
+async def _refuse(writer: asyncio.StreamWriter, reason: str, detail: str, version: int) -> None:
+    streams.write_json(writer, {"ok": False, "reason": reason, "detail": detail}, version=version)
     await writer.drain()
 
 
