@@ -185,6 +185,15 @@ class _Failed(Exception):
         self.status, self.reason = status, reason
 
 
+async def _bounded(aw: Awaitable[Any], seconds: float, why: Callable[[], str]) -> Any:
+    """`aw`, or a failed donor saying `why()` once `seconds` have passed."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await aw
+    except TimeoutError:
+        raise _Failed("failed", why()) from None
+
+
 async def download(
     donors: list[DonorStream], part: Assembly, *, stall: float, deadline: float, progress: Progress | None,
     sent_by: dict[str, int],
@@ -206,11 +215,8 @@ async def download(
         a, b = part.layout.bounds(i)
         view, pos, peer = memoryview(part.buf)[a:b], 0, d.ann.peer_id
         while pos < len(view):
-            try:
-                async with asyncio.timeout(budget()):
-                    data = await d.reader.read(min(READ_SIZE, len(view) - pos))
-            except TimeoutError:
-                raise _Failed("failed", silent(f"after {_mb(d.received)}")) from None
+            data = await _bounded(d.reader.read(min(READ_SIZE, len(view) - pos)), budget(),
+                                  lambda: silent(f"after {_mb(d.received)}"))
             if not data:
                 raise _Failed("failed", f"died: stream ended after {_mb(d.received)}")
             view[pos : pos + len(data)] = data
@@ -235,17 +241,10 @@ async def download(
                 if not asked:
                     if not queue.left:
                         return
-                    try:
-                        async with asyncio.timeout(max(0.0, deadline - loop.time())):
-                            await queue.wait()
-                    except TimeoutError:
-                        raise _Failed("failed", "overall timeout waiting for stripes") from None
+                    await _bounded(queue.wait(), max(0.0, deadline - loop.time()),
+                                   lambda: "overall timeout waiting for stripes")
                     continue
-                try:
-                    async with asyncio.timeout(budget()):
-                        await d.writer.drain()
-                except TimeoutError:
-                    raise _Failed("failed", silent("sending a request")) from None
+                await _bounded(d.writer.drain(), budget(), lambda: silent("sending a request"))
                 await read_stripe(d, asked[0])
                 asked.popleft()
                 queue.complete()
