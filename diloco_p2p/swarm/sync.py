@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 
 STALE_AFTER = 2 * PROGRESS_REFRESH + 5.0  # a record older than this is a node that stopped heart-beating
 _RECORDS_TIMEOUT = 5.0  # reading who is at our round, before matchmaking
+_VOUCH_WAIT = 5.0  # how long a state announced one round past the records may wait for them (`_vouched`)
 
 
 class Interrupted(Exception):
@@ -114,6 +115,10 @@ class SwarmSync:
         self.allreduce_deadline = AdaptiveDeadline(ceiling=cfg.allreduce_timeout, floor=5.0, slack=2.0, k=6.0,
                                                    spread=0.5)
         self._lag = 0 if cfg.overlap == "none" else 1  # under overlap a record trails by the round in flight
+        # How long a catch-up keeps looking for a state the records vouch for: the swarm does not
+        # wait for us, so the state we saw may be gone from its donors by the time we ask, and the
+        # next one is vouched for once enough members published it (within a group's formation).
+        self._vouch_wait = 2 * cfg.matchmaking_timeout
         self._liveness: dict[str, object] = {}  # this round's liveness numbers, for its outcome
         run_dir.mkdir(parents=True, exist_ok=True)
         identity = Path(p2p.identity_path) if p2p.identity_path else run_dir / "identity.key"
@@ -231,14 +236,19 @@ class SwarmSync:
         start = time.perf_counter()
         exclude = (self.resync_exclude if exclude is None else exclude) | self.guard.excluded().keys()
         accepted: set[tuple[int, str | None]] = set()
+        refused: set[tuple[int, str | None]] = set()
 
         async def accept(ann: StateAnnouncement) -> bool:
             """Try a donor only for the target state or a later one the records vouch for."""
-            if params_hash is None or (ann.round, ann.params_hash) in accepted:
+            state = (ann.round, ann.params_hash)
+            if params_hash is None or state in accepted:
                 return True
-            if ann.round > min_round and await self._vouched(ann.round, ann.params_hash):
-                accepted.add((ann.round, ann.params_hash))
-            return (ann.round, ann.params_hash) in accepted
+            if ann.round > min_round and state not in refused:
+                if await self._vouched(ann.round, ann.params_hash, wait=_VOUCH_WAIT):
+                    accepted.add(state)
+                else:
+                    refused.add(state)  # asked once: a state nobody vouches for does not cost us each pass
+            return state in accepted
 
         if params_hash is not None:
             accepted.add((min_round, params_hash))
@@ -248,7 +258,7 @@ class SwarmSync:
             fetched = self._interruptible(
                 fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=min_round, exclude=exclude,
                             verify=check, accept=accept, timeout=self.cfg.state_timeout,
-                            max_donors=self.cfg.state_donors),
+                            max_donors=self.cfg.state_donors, wait=min(self.cfg.state_timeout, self._vouch_wait)),
                 timeout=self.cfg.state_timeout + 10,
             )
         except (StateUnavailable, TimeoutError, Interrupted) as e:
@@ -266,15 +276,25 @@ class SwarmSync:
         outcome.rejections = self.guard.drain()
         return SwarmState(tensors=tensors, round=int(meta["round"]), outcome=outcome)
 
-    async def _vouched(self, round: int, params_hash: str | None) -> bool:
-        """Whether the records, read now, vouch for θ `params_hash` at `round`."""
-        try:
-            records = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
-        except Exception:  # no view of the swarm now: not vouched
-            return False
-        others = {p: r for p, r in records.items() if p != self.peer_id}
-        vouched = vouched_records(others, quorum=self.cfg.resync_quorum, max_round=self.max_round)
-        return any((r.round, r.params_sha256) == (round, params_hash) for r in vouched.values())
+    async def _vouched(self, round: int, params_hash: str | None, wait: float = 0.0) -> bool:
+        """Whether the records vouch for θ `params_hash` at `round`. A state one round past the
+        newest record is waited for up to `wait` seconds: every donor announces a state just
+        before publishing its record of that round, so a swarm that does not wait for us is often
+        a few milliseconds (or a slow DHT read) ahead of its records when we ask."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                records = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
+            except Exception:  # no view of the swarm now: not vouched
+                return False
+            others = {p: r for p, r in records.items() if p != self.peer_id}
+            vouched = vouched_records(others, quorum=self.cfg.resync_quorum, max_round=self.max_round)
+            if any((r.round, r.params_sha256) == (round, params_hash) for r in vouched.values()):
+                return True
+            newest = max((r.round for r in others.values()), default=-1)
+            if round != newest + 1 or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.2)
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
         self.faults.fire("delta", round)
