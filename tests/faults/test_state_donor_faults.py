@@ -25,6 +25,7 @@ import torch
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import pack_state
 from diloco_p2p.swarm.state.server import StateServer
+from tests.faults.injection import flip_first_byte
 from tests.harness.loopback import LoopbackPeers
 from tests.harness.procs import Proc, Procs, wait_until
 
@@ -145,7 +146,8 @@ def test_corrupt_donor_is_rejected_by_hash_and_the_good_one_serves(swarm: DonorP
 
     async def scenario():
         good = StateServer(swarm.dhts[0], swarm.p2ps[0], run_id=run_id)
-        bad = StateServer(swarm.dhts[2], swarm.p2ps[2], run_id=run_id, corrupt=True, chunk_size=1 << 16)
+        bad = StateServer(swarm.dhts[2], swarm.p2ps[2], run_id=run_id, chunk_size=1 << 16)
+        bad._outgoing = flip_first_byte  # every chunk it serves has its first byte flipped
         for d in (good, bad):
             await d.start()
             await d.set_state(ROUND, swarm.blob)

@@ -36,8 +36,6 @@ class StateServer:
     `throttle_bytes_per_s` caps each transfer's rate (a volunteer's uplink; tests use it to
     make a transfer slow enough to kill the donor in the middle). `max_concurrent` caps the
     transfers served at once; past it, joiners are told ``busy`` and go to another donor.
-    `corrupt` is a fault-injection knob for tests: every chunk served has its first byte
-    flipped, so joiners must reject the state by its hash.
     """
 
     def __init__(
@@ -51,7 +49,6 @@ class StateServer:
         max_concurrent: int = 4,
         announce_ttl: float = DEFAULT_ANNOUNCE_TTL,
         send_timeout: float = 30.0,
-        corrupt: bool = False,
     ):
         if chunk_size <= 0 or max_concurrent <= 0 or announce_ttl <= 0 or send_timeout <= 0:
             raise ValueError("chunk_size, max_concurrent, announce_ttl and send_timeout must be positive")
@@ -59,7 +56,7 @@ class StateServer:
             raise ValueError("throttle_bytes_per_s must be positive or None")
         self.dht, self.p2p, self.run_id = dht, p2p, run_id
         self.chunk_size, self.throttle, self.max_concurrent = chunk_size, throttle_bytes_per_s, max_concurrent
-        self.announce_ttl, self.send_timeout, self.corrupt = announce_ttl, send_timeout, corrupt
+        self.announce_ttl, self.send_timeout = announce_ttl, send_timeout
         self.peer_id = p2p.peer_id.to_base58()
         self.served_count = 0  # transfers the joiner verified
         self.rejected_count = 0  # transfers the joiner received in full and rejected by hash
@@ -184,9 +181,7 @@ class StateServer:
         view, sent, t0 = memoryview(blob), 0, loop.time()
         for start in range(offset, len(blob), self.chunk_size):
             chunk = view[start : start + self.chunk_size]
-            if self.corrupt:
-                chunk = bytes([chunk[0] ^ 0xFF]) + bytes(chunk[1:])
-            writer.write(chunk)
+            writer.write(self._outgoing(chunk))
             async with asyncio.timeout(self.send_timeout):
                 await writer.drain()
             sent += len(chunk)
@@ -203,6 +198,11 @@ class StateServer:
             logger.warning("a joiner rejected our state by its sha256; our copy may be corrupt")
         writer.write(VERIFIED)  # the count above is done: lets the joiner (and tests) rely on it
         await writer.drain()
+
+    def _outgoing(self, chunk: memoryview) -> bytes | memoryview:
+        """The bytes served for `chunk`: itself. The point where a test's donor corrupts what it
+        serves (`tests.faults.injection`)."""
+        return chunk
 
 
 async def _refuse(writer: asyncio.StreamWriter, reason: str, detail: str) -> None:
