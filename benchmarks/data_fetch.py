@@ -104,7 +104,7 @@ def start_swarm(work: Path, prepared: Path) -> tuple[list[subprocess.Popen], str
     maddr = maddrs.read_text().split()[0]
     args = [a for o in [*COMMON, f"data.path={prepared}", "sync.min_group_size=2", "run_id=data-fetch-bench"]
             for a in ("--set", o)]
-    holder = _python("-m", "diloco_p2p", "train", *args, "--initial-peers", maddr, "--run-dir", str(work / "holder"),
+    holder = _python("-m", "tests.faults.node", "train", *args, "--initial-peers", maddr, "--run-dir", str(work / "holder"),
                      env={**_env(), "DILOCO_P2P_FAULTS": "hold@delta:1"}, log=work / "holder.log")
     while "round 0:" not in (work / "holder.log").read_text():  # built, serving
         if time.time() > deadline + 120 or holder.poll() is not None:

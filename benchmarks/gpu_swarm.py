@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.round_cost import local_seed, records, train
-from diloco_p2p.faults import GATE_ENV
+from tests.faults.injection import GATE_ENV
 
 
 def main() -> None:

@@ -25,7 +25,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from diloco_p2p.faults import GATE_ENV
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: the tests' start gate is imported from the repository
+from tests.faults.injection import GATE_ENV  # noqa: E402
 
 
 def records(run_dir: Path) -> dict[int, dict]:
@@ -35,7 +37,8 @@ def records(run_dir: Path) -> dict[int, dict]:
 
 
 def train(run_dir: Path, config: str, overrides: list[str], peers: list[str], env: dict[str, str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "diloco_p2p", "train", "--config", config, "--run-dir", str(run_dir),
+    # `python -m diloco_p2p train` with the tests' start gate (`tests.faults.node`)
+    cmd = [sys.executable, "-m", "tests.faults.node", "train", "--config", config, "--run-dir", str(run_dir),
            "--log-level", "WARNING", *[a for o in overrides for a in ("--set", o)]]
     if peers:
         cmd += ["--initial-peers", *peers, "--set", "p2p.host_maddrs=['/ip4/127.0.0.1/tcp/0']"]
@@ -43,7 +46,7 @@ def train(run_dir: Path, config: str, overrides: list[str], peers: list[str], en
 
 
 def run_nodes(root: Path, n: int, config: str, overrides: list[str], peers: list[str]) -> list[dict[int, dict]]:
-    """Start n nodes; in a swarm they begin round 1 together (the start gate of `diloco_p2p.faults`)."""
+    """Start n nodes; in a swarm they begin round 1 together (the start gate of `tests.faults.injection`)."""
     root.mkdir(parents=True, exist_ok=True)
     gate = root / "start-gate"
     procs = [train(root / f"node-{i}", config, overrides, peers, {GATE_ENV: str(gate)}) for i in range(n)]

@@ -1,176 +1,63 @@
-"""Deterministic fault injection for the fault tests: real signals at named points of a round.
+"""The points of a round where a test may inject faults; the product injects none.
 
-A node reads ``DILOCO_P2P_FAULTS`` once at start, a comma-separated list of
-``ACTION@POINT:ROUND`` items, e.g. ``kill@allreduce:2`` (SIGKILL itself when its round-2
-all-reduce has sent its parts) or ``nan@delta:2`` (send a NaN pseudo-gradient in round 2).
-Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: the process freezes with its sockets open, as
-a stalled machine would; the test sends SIGCONT), ``hold`` (block the training loop there
-for good while the process stays reachable: its metrics endpoint, DHT records and state server
-keep answering, so a test reads a node parked at a known round), ``nan`` (poison the
-pseudo-gradient), ``exit`` (raise SystemExit, for a local rank dying inside a multi-rank node),
-``keep`` (no fault: keep each round's Δ and the average applied, so a test can recompute the
-mean itself; ``keep@average`` with no round means every round, saved as safetensors under
-``<run dir>/deltas/``).
-Lies of a hostile member (issue 12), each for one round: ``flip@delta`` (send -Δ with a token weight
-of 0.999 × ``sync.max_weight_ratio`` × its own: the largest the bound lets through),
-``scale@delta`` (send Δ × 1000: a huge norm, finite in fp16), ``scale@reduce`` (as a reducer,
-send its averaged part × 1000 to every member) and ``split@reduce`` (as a reducer, send each
-member its own altered copy of its part). The reducer lies need a lying all-reduce, which lives
-with the tests (`tests/faults/lying.py`): only a node started as ``python -m tests.faults.lying_node``
-installs it (`lying_reducer`); any other node refuses them when it starts its swarm.
-Points: ``delta`` (the round's pseudo-gradient is computed, before matchmaking), ``group`` (a
-group formed), ``allreduce`` (our parts are sent), ``reduce`` (we reduce our part), and in a
-multi-rank node ``rankR.step`` (local rank R is about to take inner step N, the number after
-the colon). Each item fires at
-most once. A misspelt item is an error at start, not a fault that silently never fires.
-Nothing here is active unless the variable is set.
+The node calls a `Faults` at named points: ``delta`` (the round's pseudo-gradient is computed,
+before matchmaking), ``group`` (a group formed), ``allreduce`` (our parts are sent), and in a
+multi-rank node ``rankR.step`` (local rank R is about to take an inner step), plus the start of
+the first round (`start_gate`), the choice of the all-reduce class (`reducer`, `arm_reducer`) and
+the end of a round (`keep`). Here every method does nothing or returns its input.
 
-``DILOCO_P2P_START_GATE=PATH`` is the tests' start barrier (`Faults.start_gate`): once a node has joined the swarm
-it writes ``PATH.ready-<pid>`` and waits for ``PATH`` to exist before its first round, so a test
-starts several nodes' rounds together instead of hoping they start within a timeout.
+The fault tests start a node as ``python -m tests.faults.node train ARGS`` (`tests/faults/`): that
+entry `install`s its own `Faults` (kills, stalls, NaN and lying contributions, a lying reducer, a
+start barrier, kept averages) before the command runs, and the train command builds the node's
+with `make_faults`. No environment variable or option of the product plans a fault.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import re
-import signal
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
-ENV = "DILOCO_P2P_FAULTS"
-GATE_ENV = "DILOCO_P2P_START_GATE"
-ACTIONS = ("kill", "stop", "hold", "nan", "exit", "keep", "flip", "scale", "split")
-POINT = re.compile(r"delta|group|allreduce|reduce|rank\d+\.step")
-LIE_POINTS = {"nan": ("delta",), "flip": ("delta",), "scale": ("delta", "reduce"), "split": ("reduce",)}
-SCALE = 1000.0  # scale@delta's factor
-EVERY_ROUND = -1
-# The all-reduce class a planned reducer lie uses: the fault tests' node entry installs theirs
-# (`tests.faults.lying_node`); the product has none.
-lying_reducer: type | None = None
-
-
-def wait_at_start_gate(timeout: float = 300.0) -> None:
-    """Test barrier (see the module docstring); returns at once unless the variable is set."""
-    gate = os.environ.get(GATE_ENV)
-    if not gate:
-        return
-    gate_path = Path(gate)
-    Path(f"{gate}.ready-{os.getpid()}").touch()
-    deadline = time.monotonic() + timeout
-    while not gate_path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{GATE_ENV}: {gate} did not appear within {timeout:g} s")
-        time.sleep(0.05)
-
 
 class Faults:
-    def __init__(self, spec: str | None = None):
-        spec = os.environ.get(ENV, "") if spec is None else spec
-        self.pending: set[tuple[str, str, int]] = set()
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            action, _, rest = item.partition("@")
-            point, _, round_ = rest.partition(":")
-            if item == "keep@average":
-                self.pending.add(("keep", "average", EVERY_ROUND))
-                continue
-            if action not in ACTIONS or not POINT.fullmatch(point) or not round_.isdigit():
-                raise ValueError(f"{ENV}: bad item {item!r}; expected ACTION@POINT:ROUND with ACTION one of "
-                                 f"{', '.join(ACTIONS)} and POINT delta, group, allreduce, reduce or rankR.step, "
-                                 "e.g. kill@allreduce:2 (or keep@average)")
-            if action == "keep":
-                raise ValueError(f"{ENV}: bad item {item!r}; keep takes no point or round of its own: keep@average")
-            if action in LIE_POINTS and point not in LIE_POINTS[action]:
-                raise ValueError(f"{ENV}: bad item {item!r}; {action} lies at {' or '.join(LIE_POINTS[action])}")
-            if action not in LIE_POINTS and point == "reduce":
-                raise ValueError(f"{ENV}: bad item {item!r}; reduce is a point of the lies scale and split")
-            self.pending.add((action, point, int(round_)))
+    """Behaviour-free hook points (see the module docstring); a test entry installs a subclass."""
 
     def start_gate(self) -> None:
-        """The tests' start barrier, once the node has joined (see the module docstring)."""
-        wait_at_start_gate()
-
-    def keep(self, directory: Path, round_: int, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-        """With ``keep@average``: save this round's tensors under `directory`/deltas."""
-        if ("keep", "average", EVERY_ROUND) not in self.pending:
-            return
-        from safetensors.torch import save_file
-
-        (directory / "deltas").mkdir(parents=True, exist_ok=True)
-        save_file({k: t.contiguous() for k, t in tensors.items()},
-                  str(directory / "deltas" / f"round-{round_:06d}.safetensors"), metadata=meta)
-
-    def _take(self, point: str, round_: int, actions: tuple[str, ...]) -> str | None:
-        for action in actions:
-            if (action, point, round_) in self.pending:
-                self.pending.discard((action, point, round_))
-                return action
-        return None
+        """The node has joined the swarm and is about to start its first round."""
 
     def fire(self, point: str, round_: int) -> None:
-        """Deliver a process-level fault planned for this point and round, if any."""
-        action = self._take(point, round_, ("kill", "stop", "hold", "exit"))
-        if action is None:
-            return
-        log.warning("fault injection: %s at %s of round %d", action, point, round_)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif action == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        elif action == "hold":
-            while True:  # until the test kills us; other threads (metrics, DHT, state) go on
-                time.sleep(60)
-        else:
-            raise SystemExit(3)
+        """The round reached `point` (a process-level fault may be delivered here)."""
 
     def poison(self, point: str, round_: int, tensor: torch.Tensor) -> torch.Tensor:
-        """A NaN-filled copy of `tensor` if a `nan` fault is planned here, else `tensor`."""
-        if self._take(point, round_, ("nan",)) is None:
-            return tensor
-        log.warning("fault injection: NaN pseudo-gradient in round %d", round_)
-        poisoned = tensor.clone()
-        poisoned[::7] = float("nan")
-        return poisoned
-
-    @property
-    def lies_as_reducer(self) -> bool:
-        """Whether a reducer lie is planned (the node then reduces with `lying_reducer`)."""
-        return any(point == "reduce" for _, point, _ in self.pending)
-
-    def reducer(self, honest: type) -> type:
-        """The all-reduce class the node reduces with: `honest`, or `lying_reducer` when a reducer
-        lie is planned (an error where the fault tests' node entry did not install one)."""
-        if not self.lies_as_reducer:
-            return honest
-        if lying_reducer is None:
-            raise ValueError(f"{ENV}: a reducer lie (@reduce) needs the fault tests' lying all-reduce: "
-                             "start the node as python -m tests.faults.lying_node")
-        return lying_reducer
-
-    def arm_reducer(self, service: object, round_: int) -> None:
-        """Before a round's averaging: give a lying reducer this round's lie (`reducer_lie`)."""
-        if lying_reducer is not None and isinstance(service, lying_reducer):
-            service.lie = self.reducer_lie(round_)
+        """The pseudo-gradient the round averages: `tensor`."""
+        return tensor
 
     def lie(self, round_: int, delta: torch.Tensor, weight: float, max_weight_ratio: float) -> tuple[torch.Tensor, float]:
-        """The contribution a ``flip@delta`` or ``scale@delta`` planned for this round sends instead."""
-        action = self._take("delta", round_, ("flip", "scale"))
-        if action is None:
-            return delta, weight
-        log.warning("fault injection: %s pseudo-gradient in round %d", action, round_)
-        if action == "flip":
-            return -delta, 0.999 * max_weight_ratio * weight
-        return delta * SCALE, weight
+        """The contribution this node sends: its own `delta` with its own `weight`."""
+        return delta, weight
 
-    def reducer_lie(self, round_: int) -> str | None:
-        """`LyingAllreduce.lie` for this round: ``scale-output`` / ``split-output`` when planned."""
-        action = self._take("reduce", round_, ("scale", "split"))
-        if action is not None:
-            log.warning("fault injection: %s at reduce of round %d", action, round_)
-        return {"scale": "scale-output", "split": "split-output"}.get(action or "")
+    def reducer(self, honest: type) -> type:
+        """The all-reduce class the node reduces with: `honest`."""
+        return honest
+
+    def arm_reducer(self, service: Any, round_: int) -> None:
+        """Before a round's averaging, with the node's all-reduce service."""
+
+    def keep(self, directory: Path, round_: int, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        """A round's Δ and the average it applied, once the round is over."""
+
+
+_factory: Callable[[], Faults] = Faults
+
+
+def install(factory: Callable[[], Faults]) -> None:
+    """Make `make_faults` build with `factory`: for a test entry, before the command runs."""
+    global _factory
+    _factory = factory
+
+
+def make_faults() -> Faults:
+    """The `Faults` of this process's node: the installed kind, by default the one that does nothing."""
+    return _factory()

@@ -134,9 +134,17 @@ class _RankProcs:
             os.close(fd)
 
 
-def launch_local_ranks(argv: Sequence[str], nproc: int, *, module: str = "diloco_p2p",
+def entry_module() -> str:
+    """The module this process runs as (``python -m X``), so that its ranks run the same entry:
+    ``diloco_p2p`` for the ``diloco-p2p`` script, the test entry for a node the fault tests start."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return spec.name.removesuffix(".__main__") if spec is not None else "diloco_p2p"
+
+
+def launch_local_ranks(argv: Sequence[str], nproc: int, *, module: str | None = None,
                        grace_s: float = DEFAULT_GRACE_S) -> int:
-    """Run ``python -m <module> train <argv>`` as `nproc` local ranks; returns the node's exit code.
+    """Run ``python -m <module> train <argv>`` as `nproc` local ranks (`module`: by default this
+    process's own, `entry_module`); returns the node's exit code.
 
     0 when every rank exits 0. When a rank fails, the others get SIGTERM, then SIGKILL after
     `grace_s` seconds; one line on stderr names the first failed rank and its exit code, and
@@ -145,7 +153,7 @@ def launch_local_ranks(argv: Sequence[str], nproc: int, *, module: str = "diloco
     argv, _ = split_nproc_arg(argv)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    cmd = [sys.executable, "-m", module, "train", *argv]
+    cmd = [sys.executable, "-m", module or entry_module(), "train", *argv]
     procs = []
     for rank in range(nproc):
         procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),

@@ -85,12 +85,12 @@ def train(config: Config, run_dir: Path) -> int:
 
 def _train(config: Config, run_dir: Path, rank: int, world: int) -> list[Any]:
     from diloco_p2p.contract import StopRequested
-    from diloco_p2p.faults import Faults
+    from diloco_p2p.faults import make_faults
     from diloco_p2p.node import Node
     from diloco_p2p.ranks import Ranks, quiet_other_ranks
 
     quiet_other_ranks(rank)
-    stop, faults = StopRequested(), Faults()
+    stop, faults = StopRequested(), make_faults()
     stop.install()
     sync = _swarm(config, run_dir, stop, faults, rank, world)  # before any thread of ours: hivemind forks
     try:

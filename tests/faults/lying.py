@@ -5,9 +5,9 @@ group can do as a sender and as a reducer, so that the members' checks meet it o
 ``understate-norm`` (its scatter streams and masks state 1e-6 of its contributions' norms),
 ``scale-output`` (its averaged part × 1000, the same bytes to every member), ``split-output``
 (its averaged part changed for one member only, `victim`: a member index; with no victim, each
-other member gets its own changed copy). A node started as ``python -m tests.faults.lying_node``
+other member gets its own changed copy). A node started as ``python -m tests.faults.node``
 uses it when ``DILOCO_P2P_FAULTS`` plans a lie as a reducer (``scale@reduce:R``,
-``split@reduce:R``, `diloco_p2p.faults`); in-process tests use it directly
+``split@reduce:R``, `tests.faults.injection`); in-process tests use it directly
 (`tests/faults/hostile.py`). What the members do about each lie is
 `diloco_p2p.swarm.collective.aggregate`'s docstring.
 """

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from diloco_p2p.swarm.state.server import StateServer
+from tests.faults.injection import flip_first_byte
 from tests.harness.loopback import LoopbackPeers
 
 
@@ -36,8 +37,10 @@ def main() -> None:
     loop = peers.loop
     server = StateServer(
         peers.dhts[0], peers.p2ps[0], run_id=args.run_id, chunk_size=args.chunk_size, throttle_bytes_per_s=args.throttle,
-        corrupt=args.corrupt, stripe_size=args.stripe_size,
+        stripe_size=args.stripe_size,
     )
+    if args.corrupt:
+        server._outgoing = flip_first_byte  # every chunk served has its first byte flipped
 
     async def serve() -> None:
         await server.start()

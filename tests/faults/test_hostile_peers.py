@@ -11,7 +11,7 @@ anything of the attacker's, and that each names it in a log line and in its roun
 - Closed run (`sync.admission`: one node listed, one admitted by an owner-signed token): the
   stranger's record (a later round; the quorum is 1 here, so admission alone must stop it), its
   matchmaking and all-reduce streams, and its download of θ are all refused.
-- Lying members (nodes started with ``DILOCO_P2P_FAULTS`` lies, `diloco_p2p.faults`): a sign flip
+- Lying members (nodes started with ``DILOCO_P2P_FAULTS`` lies, `tests.faults.injection`): a sign flip
   at the largest weight allowed, a huge norm, a reducer that scales its part, a reducer that
   sends each member other bytes, one a round on one swarm (the in-process variants of each, per
   aggregation rule: `tests/faults/test_robust.py`).
@@ -169,7 +169,7 @@ def _cosine(u, v) -> float:
 
 def test_lying_members_and_reducers_in_a_real_swarm_are_bounded_or_dropped_and_named(tmp_path):
     """Four real nodes (`sync.aggregation: trimmed_mean`), two of them planned to lie, one lie a
-    round (`diloco_p2p.faults`): x sends -Δ at the largest weight the bound lets through (round 1)
+    round (`tests.faults.injection`): x sends -Δ at the largest weight the bound lets through (round 1)
     and Δ × 1000 (round 2), then reduces its part × 1000 (round 3); y sends each member its own
     altered copy of its part (round 4, when x, caught in round 3, is out of the group). Every round ends
     with the members' θ identical; the sign flip is bounded (inside the limits nothing tells it
@@ -179,10 +179,8 @@ def test_lying_members_and_reducers_in_a_real_swarm_are_bounded_or_dropped_and_n
     opts = _opts(4, "train.max_rounds=4", "sync.aggregation=trimmed_mean", "sync.matchmaking_timeout=6")
     with ProcessSwarm(tmp_path) as swarm:
         a, b = (swarm.node(name, opts, env={"DILOCO_P2P_FAULTS": keep}) for name in "ab")
-        liar = "tests.faults.lying_node"  # x and y lie as reducers too: this entry has the lying all-reduce
-        x = swarm.node("x", opts, env={"DILOCO_P2P_FAULTS": f"{keep},flip@delta:1,scale@delta:2,scale@reduce:3"},
-                       module=liar)
-        y = swarm.node("y", opts, env={"DILOCO_P2P_FAULTS": f"{keep},split@reduce:4"}, module=liar)
+        x = swarm.node("x", opts, env={"DILOCO_P2P_FAULTS": f"{keep},flip@delta:1,scale@delta:2,scale@reduce:3"})
+        y = swarm.node("y", opts, env={"DILOCO_P2P_FAULTS": f"{keep},split@reduce:4"})
         swarm.release(a, b, x, y)
         for node in (a, b, x, y):
             node.wait_round(4, timeout=240)

@@ -1,7 +1,7 @@
 """Real node processes hit by real faults mid-round: SIGKILL, SIGSTOP, a NaN pseudo-gradient.
 
 Each fault fires at a named point of a named round inside the victim (DILOCO_P2P_FAULTS, see
-`diloco_p2p.faults`): `allreduce` is right after the victim has delivered its scatter, so the
+`tests.faults.injection`): `allreduce` is right after the victim has delivered its scatter, so the
 survivors hold its contributions and are waiting for its reduced part. The nodes start their
 first round together (start gate), so the groups are known: all three nodes, every round.
 """

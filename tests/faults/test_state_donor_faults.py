@@ -28,6 +28,7 @@ from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import pack_state
 from diloco_p2p.swarm.state.server import StateServer
 from diloco_p2p.swarm.state.stripes import PIPELINE, stripe_digests
+from tests.faults.injection import flip_first_byte
 from tests.harness.loopback import LoopbackPeers
 from tests.harness.procs import Proc, Procs, wait_until
 
@@ -161,8 +162,8 @@ def test_corrupt_stripe_is_caught_and_blamed_and_the_honest_donor_serves(swarm: 
 
     async def scenario():
         good = StateServer(swarm.dhts[0], swarm.p2ps[0], run_id=run_id, stripe_size=STRIPE)
-        bad = StateServer(swarm.dhts[2], swarm.p2ps[2], run_id=run_id, corrupt=True, chunk_size=1 << 14,
-                          stripe_size=STRIPE)
+        bad = StateServer(swarm.dhts[2], swarm.p2ps[2], run_id=run_id, chunk_size=1 << 14, stripe_size=STRIPE)
+        bad._outgoing = flip_first_byte  # every chunk it serves has its first byte flipped
         for d in (good, bad):
             await d.start()
             await d.set_state(ROUND, swarm.blob)

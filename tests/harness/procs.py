@@ -35,6 +35,12 @@ def diloco(*args: str) -> list[str]:
     return ["-m", "diloco_p2p", *args]
 
 
+def faulty_train(*args: str) -> list[str]:
+    """The interpreter arguments of `python -m diloco_p2p train ARGS` with the fault tests' injection
+    (`tests.faults.node`: the faults and start gate that its environment plans)."""
+    return ["-m", "tests.faults.node", "train", *args]
+
+
 class Proc:
     """`python ARGV...` in its own session. Its output (stdout and stderr) goes to `log_path` and
     is kept in memory with the time each line arrived. `stdin=subprocess.PIPE` gives it a pipe

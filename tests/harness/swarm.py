@@ -6,20 +6,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.harness.procs import Proc, Procs, diloco, read_records, wait_until
+from tests.harness.procs import Proc, Procs, diloco, faulty_train, read_records, wait_until
 from tests.harness.settings import SWARM, set_args
 from tests.netns import Host
 
 
 class Node(Proc):
-    """`python -m diloco_p2p train ARGS --run-dir RUN_DIR`, its output in RUN_DIR/node.log
-    (`module`: another entry with the same command line, e.g. `tests.faults.lying_node`)."""
+    """`python -m diloco_p2p train ARGS --run-dir RUN_DIR` with the faults its `env` plans
+    (`tests.faults.node`), its output in RUN_DIR/node.log."""
 
     def __init__(self, run_dir: Path, args: list[str], env: dict[str, str] | None = None,
-                 prefix: Sequence[str] = (), module: str = "diloco_p2p"):
+                 prefix: Sequence[str] = ()):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
-        argv = ["-m", module, "train", *args, "--run-dir", str(run_dir)]
+        argv = faulty_train(*args, "--run-dir", str(run_dir))
         super().__init__(argv, run_dir / "node.log", env, prefix, name=run_dir.name)
 
     def records(self) -> list[dict]:
@@ -55,17 +55,17 @@ class ProcessSwarm:
             self.close()
             raise
         self.maddr = maddrs.read_text().split()[0]
-        self.gate = root / "start-gate"  # nodes wait here before round 1 (faults.wait_at_start_gate)
+        self.gate = root / "start-gate"  # nodes wait here before round 1 (`tests.faults.injection`)
 
     def node(self, name: str, overrides: Sequence[str] = (), env: dict[str, str] | None = None,
-             extra_args: Sequence[str] = (), host: Host | None = None, module: str = "diloco_p2p") -> Node:
+             extra_args: Sequence[str] = (), host: Host | None = None) -> Node:
         """A node joining through the seed, with `SWARM` settings plus `overrides`. It waits at
         the start gate: call `release` (a node started after that goes straight on)."""
         if host is not None:
             overrides = [f"p2p.host_maddrs=['{host.maddr()}']", *overrides]
         args = [*set_args([*SWARM, *overrides]), "--initial-peers", self.maddr, *extra_args]
         env = {"DILOCO_P2P_START_GATE": str(self.gate), **(env or {})}
-        node = Node(self.root / name, args, env, prefix=host.prefix() if host else (), module=module)
+        node = Node(self.root / name, args, env, prefix=host.prefix() if host else ())
         self.procs.add(node)
         return node
 

@@ -22,6 +22,7 @@ from diloco_p2p.model import ByteTokenizer
 from diloco_p2p.swarm.state.announcements import rendezvous_order
 from diloco_p2p.swarm.state.datashare import PROTOCOL_VERSION, DataShare
 from diloco_p2p.swarm.transport import streams
+from tests.faults.injection import flip_first_byte
 from tests.harness.loopback import LoopbackPeers
 
 CUT = 300_000  # bytes the leaving donor sends before it goes
@@ -96,14 +97,14 @@ def test_the_manifest_comes_verified_and_a_donor_leaving_mid_shard_is_resumed_fr
 def test_a_corrupt_donor_is_named_once_and_the_shards_come_from_the_other(peers, prepared, tmp_path, caplog):
     lp, shares = peers
     first, other, fetcher = _roles(shares)
-    first.corrupt = True
+    first._outgoing = flip_first_byte  # it serves every shard with its first byte flipped
     try:
         cache = _cache(prepared, tmp_path, fetcher)
         with caplog.at_level(logging.WARNING, "diloco_p2p.swarm.state.datashare"):
             for i in range(len(prepared.shards)):
                 assert cache.ensure(i).read_bytes() == prepared.path(prepared.shards[i]).read_bytes()
     finally:
-        first.corrupt = False
+        del first._outgoing
     lines = [r.getMessage() for r in caplog.records if "sha256" in r.getMessage()]
     assert len(lines) == 1 and first.peer_id[-8:] in lines[0], lines
     assert first.peer_id in fetcher.refused

@@ -20,11 +20,11 @@ from safetensors.torch import load_file
 
 from diloco_p2p.config import load_config
 from diloco_p2p.node import Node
-from tests.harness.procs import Proc, Procs, diloco, read_records, wait_until
+from tests.harness.procs import Proc, Procs, diloco, faulty_train, read_records, wait_until
 from tests.harness.settings import set_args
 from tests.harness.swarm import ProcessSwarm
 
-ENTRY = diloco("train")
+ENTRY = faulty_train()  # the faults and start gate each launch's environment plans (`tests.faults.node`)
 PER_RANK_BATCH = 2
 COMMON = [
     "model.preset=tiny", "data.max_bytes=200000", "inner.seq_len=32", "inner.warmup_steps=2", "inner.lr=0.003",
@@ -99,7 +99,7 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs):
 @pytest.mark.timeout(180)
 def test_torchrun_runs_the_same_two_rank_node(runs, tmp_path, procs):
     run_dir = tmp_path / "torchrun"
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *ENTRY[1:]]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *diloco("train")[1:]]
     proc = procs.start([*torchrun, *set_args(_overrides(PER_RANK_BATCH, 2)), "--run-dir", str(run_dir)],
                        tmp_path / "torchrun.log")
     assert proc.wait(timeout=150) == 0, proc.output()

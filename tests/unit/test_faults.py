@@ -1,5 +1,6 @@
-"""The fault-injection spec the fault tests depend on: a misspelt item must fail loudly, a planned
-fault must fire exactly once at its point and round, and the start gate must hold until released."""
+"""The fault-injection spec the fault tests depend on (`tests.faults.injection`): a misspelt item
+must fail loudly, a planned fault must fire exactly once at its point and round, and the start gate
+must hold until released. The product's hook points (`diloco_p2p.faults`) do nothing."""
 
 from __future__ import annotations
 
@@ -12,19 +13,21 @@ import time
 import pytest
 import torch
 
-from diloco_p2p.faults import GATE_ENV, Faults, wait_at_start_gate
+from diloco_p2p import faults as hooks
+from tests.faults.injection import GATE_ENV, PlannedFaults, wait_at_start_gate
+from tests.harness.procs import REPO
 
 
 def test_spec_parses_every_item():
-    faults = Faults(" kill@allreduce:2, nan@delta:3 ,hold@group:10,exit@rank1.step:7,")
+    faults = PlannedFaults(" kill@allreduce:2, nan@delta:3 ,hold@group:10,exit@rank1.step:7,")
     assert faults.pending == {("kill", "allreduce", 2), ("nan", "delta", 3), ("hold", "group", 10),
                               ("exit", "rank1.step", 7)}
 
 
 def test_empty_spec_plans_nothing(monkeypatch):
     monkeypatch.delenv("DILOCO_P2P_FAULTS", raising=False)
-    assert Faults().pending == set()
-    assert Faults("").pending == set()
+    assert PlannedFaults().pending == set()
+    assert PlannedFaults("").pending == set()
 
 
 @pytest.mark.parametrize("item", [
@@ -42,12 +45,12 @@ def test_empty_spec_plans_nothing(monkeypatch):
 ])
 def test_bad_items_are_refused_by_name(item):
     with pytest.raises(ValueError, match=f"bad item '{item}'"):
-        Faults(f"stop@group:1,{item}")
+        PlannedFaults(f"stop@group:1,{item}")
 
 
 def test_lies_happen_at_their_round_once():
-    faults = Faults("flip@delta:1,scale@delta:2,scale@reduce:3,split@reduce:4")
-    assert faults.lies_as_reducer and not Faults("flip@delta:1").lies_as_reducer
+    faults = PlannedFaults("flip@delta:1,scale@delta:2,scale@reduce:3,split@reduce:4")
+    assert faults.lies_as_reducer and not PlannedFaults("flip@delta:1").lies_as_reducer
     delta = torch.tensor([1.0, -2.0])
     assert faults.lie(3, delta, 10.0, 16.0) == (delta, 10.0)  # nothing planned for round 3's Δ
     flipped, weight = faults.lie(1, delta, 10.0, 16.0)
@@ -61,11 +64,11 @@ def test_lies_happen_at_their_round_once():
 
 def test_spec_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("DILOCO_P2P_FAULTS", "stop@group:4")
-    assert Faults().pending == {("stop", "group", 4)}
+    assert PlannedFaults().pending == {("stop", "group", 4)}
 
 
 def test_fire_only_at_its_point_and_round_and_only_once():
-    faults = Faults("exit@group:2")
+    faults = PlannedFaults("exit@group:2")
     faults.fire("group", 1)
     faults.fire("allreduce", 2)
     with pytest.raises(SystemExit) as exited:
@@ -76,7 +79,7 @@ def test_fire_only_at_its_point_and_round_and_only_once():
 
 
 def test_poison_returns_a_nan_copy_once():
-    faults = Faults("nan@delta:2")
+    faults = PlannedFaults("nan@delta:2")
     delta = torch.ones(20)
     assert faults.poison("delta", 1, delta) is delta
     poisoned = faults.poison("delta", 2, delta)
@@ -84,14 +87,14 @@ def test_poison_returns_a_nan_copy_once():
     assert torch.equal(delta, torch.ones(20))  # the caller's tensor is untouched
     assert faults.poison("delta", 2, delta) is delta
     # a process-level fault at the same point is not consumed by poison, and vice versa
-    faults = Faults("nan@delta:2,exit@delta:2")
+    faults = PlannedFaults("nan@delta:2,exit@delta:2")
     faults.poison("delta", 2, delta)
     assert faults.pending == {("exit", "delta", 2)}
 
 
 def test_kill_is_a_real_sigkill():
-    code = "from diloco_p2p.faults import Faults; Faults('kill@delta:1').fire('delta', 1); print('survived')"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    code = "from tests.faults.injection import PlannedFaults; PlannedFaults('kill@delta:1').fire('delta', 1); print('survived')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == -signal.SIGKILL
     assert "survived" not in result.stdout
 
@@ -123,24 +126,32 @@ def test_no_gate_returns_at_once(monkeypatch):
     wait_at_start_gate(timeout=0)
 
 
-def test_a_reducer_lie_needs_the_lying_all_reduce_the_tests_install(monkeypatch):
-    from diloco_p2p import faults as faults_module
-
+def test_a_reducer_lie_reduces_with_the_lying_all_reduce(monkeypatch):
     class Honest:
         pass
 
     class Lying(Honest):
         lie = None
 
-    assert Faults("flip@delta:1").reducer(Honest) is Honest
-    monkeypatch.setattr(faults_module, "lying_reducer", None)  # a plain node: the product has none
-    with pytest.raises(ValueError, match="tests.faults.lying_node"):
-        Faults("scale@reduce:3").reducer(Honest)
-    monkeypatch.setattr(faults_module, "lying_reducer", Lying)  # as `python -m tests.faults.lying_node` does
-    planned = Faults("scale@reduce:3")
+    monkeypatch.setattr(PlannedFaults, "lying_reducer", Lying)
+    assert PlannedFaults("flip@delta:1").reducer(Honest) is Honest
+    planned = PlannedFaults("scale@reduce:3")
     service = planned.reducer(Honest)()
     lies = []
     for round_ in (2, 3, 4):
         planned.arm_reducer(service, round_)
         lies.append(service.lie)
     assert lies == [None, "scale-output", None]
+
+
+def test_the_product_hooks_do_nothing_until_a_test_entry_installs_its_faults(monkeypatch):
+    quiet, delta = hooks.make_faults(), torch.ones(3)
+    assert type(quiet) is hooks.Faults
+    quiet.start_gate()
+    quiet.fire("allreduce", 1)
+    assert quiet.poison("delta", 1, delta) is delta and quiet.lie(1, delta, 2.0, 16.0) == (delta, 2.0)
+    assert quiet.reducer(int) is int
+    planned = PlannedFaults("nan@delta:1")
+    monkeypatch.setattr(hooks, "_factory", hooks._factory)  # undone after the test
+    hooks.install(lambda: planned)  # as `python -m tests.faults.node` does
+    assert hooks.make_faults() is planned

@@ -1,5 +1,9 @@
 """Pure pieces of the local-rank launcher and of the per-shard swarm config."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from diloco_p2p.config import load_config
@@ -7,6 +11,7 @@ from diloco_p2p.contract import view_hash
 from diloco_p2p.errors import UserError
 from diloco_p2p.launch import _describe, split_nproc_arg
 from diloco_p2p.swarm.shards import node_swarm_view, rank_p2p, shard_run_id
+from tests.harness.procs import REPO
 
 
 @pytest.mark.parametrize(
@@ -31,6 +36,18 @@ def test_bad_nproc_is_a_user_error(argv):
 def test_exit_codes_are_described_for_humans():
     assert _describe(3) == "exited with code 3"
     assert _describe(-9) == "was killed by SIGKILL"
+
+
+def test_the_ranks_run_the_entry_the_launcher_was_started_as(tmp_path):
+    """`python -m tests.faults.node train --nproc-per-node 2` spawns ranks with the same faults."""
+    (tmp_path / "entry.py").write_text("from diloco_p2p.launch import entry_module; print(entry_module())")
+
+    def entry(*argv: str) -> str:
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), check=True).stdout.strip()
+
+    assert entry("-m", "entry") == "entry"
+    assert entry("entry.py") == "diloco_p2p"  # a script, as the `diloco-p2p` command is
 
 
 def test_each_rank_gets_its_shard_namespace_identity_and_port():

@@ -25,6 +25,9 @@ SWARM_LAYERS: list[set[str]] = [
 ]
 # Above the swarm: data flows node -> contract -> swarm, so nothing in the swarm imports these.
 ABOVE_SWARM = ("diloco_p2p.node", "diloco_p2p.cli", "diloco_p2p.commands")
+# Fault injection is the tests' (`tests.faults.injection`, installed by `python -m tests.faults.node`):
+# the product names none of the variables that plan it.
+TEST_ONLY_VARIABLES = ("DILOCO_P2P_FAULTS", "DILOCO_P2P_START_GATE", "DILOCO_P2P_CORRUPT_SHARDS")
 
 
 def _modules() -> dict[str, Path]:
@@ -106,6 +109,16 @@ def upward_imports(graph: dict[str, set[str]], layers: list[set[str]], unit=swar
     return found
 
 
+def borrowed_from_tests(source: str) -> list[str]:
+    """What in `source` belongs to the tests: an import from `tests`, a name of `TEST_ONLY_VARIABLES`."""
+    found = [v for v in TEST_ONLY_VARIABLES if v in source]
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        found += [f"import {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    return found
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
@@ -156,3 +169,17 @@ def test_each_swarm_sub_package_imports_only_the_layers_below_it():
     assert swarm_unit("diloco_p2p.swarm.transport.dht") == "transport"
     assert swarm_unit("diloco_p2p.swarm.sync") == "facade" and swarm_unit("diloco_p2p.commands.train") == "above"
     assert not upward_imports(graph, SWARM_LAYERS)
+
+
+def test_the_borrowing_finder_finds_imports_and_variables():
+    source = 'import tests.faults.node\nfrom tests import x\nimport testsuite\nos.environ["DILOCO_P2P_FAULTS"]'
+    assert borrowed_from_tests(source) == ["DILOCO_P2P_FAULTS", "import tests.faults.node", "import tests"]
+    assert borrowed_from_tests("from . import tests\nimport torch.testing") == []
+
+
+def test_test_behaviour_stays_out_of_the_product():
+    """No module of the package imports from the tests or reads a variable that plans a fault: the
+    product keeps only the hook points (`diloco_p2p.faults`); the faults are installed by a test entry."""
+    found = {name: borrowed_from_tests(path.read_text()) for name, path in _modules().items()}
+    assert "diloco_p2p.faults" in found
+    assert not {name: what for name, what in found.items() if what}

@@ -23,16 +23,12 @@ shards to nodes that hold only its dataset id (`diloco_p2p.data.cache`).
 - **Limits.** A donor serves at most `max_concurrent` transfers at once (past it, ``busy``); in a
   closed run (``sync.admission``) it serves admitted peers only (`admit`, the check the state
   and all-reduce services use).
-
-``DILOCO_P2P_CORRUPT_SHARDS=1`` is a fault for tests: the node serves every shard with its
-first byte flipped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -60,7 +56,6 @@ PROTOCOL_VERSION = 1
 HANDLER = f"diloco-data.v{PROTOCOL_VERSION}"
 MAX_HEADER_BYTES = 4096
 MAX_MANIFEST_BYTES = 64 << 20
-CORRUPT_ENV = "DILOCO_P2P_CORRUPT_SHARDS"
 
 
 def data_key(dataset: str) -> str:
@@ -95,11 +90,10 @@ class DataShare:
 
     def __init__(self, dht: hivemind.DHT, p2p: P2P, loop: BackgroundLoop, *, serving: bool = True,
                  max_concurrent: int = 4, chunk_size: int = 1 << 20, announce_ttl: float = 60.0,
-                 stall: float = 15.0, corrupt: bool | None = None):
+                 stall: float = 15.0):
         self.dht, self.p2p, self.loop = dht, p2p, loop
         self.serving, self.max_concurrent, self.chunk_size = serving, max_concurrent, chunk_size
         self.announce_ttl, self.stall = announce_ttl, stall
-        self.corrupt = os.environ.get(CORRUPT_ENV) == "1" if corrupt is None else corrupt
         self.peer_id = p2p.peer_id.to_base58()
         self.datasets: dict[str, _Served] = {}
         self.refused: dict[str, str] = {}  # donors whose bytes failed their hash -> why
@@ -198,14 +192,17 @@ class DataShare:
             f.seek(offset)
             streams.write_json(writer, {"ok": True, "size": size}, version=PROTOCOL_VERSION)
             while chunk := await asyncio.to_thread(f.read, self.chunk_size):
-                if self.corrupt:
-                    chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]
-                writer.write(chunk)
+                writer.write(self._outgoing(chunk))
                 async with asyncio.timeout(self.stall):
                     await writer.drain()
                 self.bytes_served += len(chunk)
         self.served += 1
         await streams.linger(reader, self.stall)
+
+    def _outgoing(self, chunk: bytes) -> bytes:
+        """The bytes served for `chunk`: itself. The point where a test's donor corrupts what it
+        serves (`tests.faults.injection`)."""
+        return chunk
 
     # ------------------------------------------------------------------ fetching
 

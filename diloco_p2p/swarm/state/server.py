@@ -41,8 +41,7 @@ class StateServer:
     blob from an offset). `throttle_bytes_per_s` caps each transfer's rate (a volunteer's
     uplink; tests use it to make a transfer slow enough to kill the donor in the middle).
     `max_concurrent` caps the transfers served at once; past it, joiners are told ``busy`` and
-    go to another donor. `corrupt` is a fault-injection knob for tests: every chunk served has
-    its first byte flipped, so joiners must reject it by its stripe's (or the blob's) hash.
+    go to another donor.
     """
 
     def __init__(
@@ -56,7 +55,6 @@ class StateServer:
         max_concurrent: int = 4,
         announce_ttl: float = DEFAULT_ANNOUNCE_TTL,
         send_timeout: float = 30.0,
-        corrupt: bool = False,
         stripe_size: int = STRIPE_SIZE,
     ):
         if min(chunk_size, max_concurrent, announce_ttl, send_timeout, stripe_size) <= 0:
@@ -65,7 +63,7 @@ class StateServer:
             raise ValueError("throttle_bytes_per_s must be positive or None")
         self.dht, self.p2p, self.run_id = dht, p2p, run_id
         self.chunk_size, self.throttle, self.max_concurrent = chunk_size, throttle_bytes_per_s, max_concurrent
-        self.announce_ttl, self.send_timeout, self.corrupt = announce_ttl, send_timeout, corrupt
+        self.announce_ttl, self.send_timeout = announce_ttl, send_timeout
         self.stripe_size = stripe_size
         self.peer_id = p2p.peer_id.to_base58()
         self.served_count = 0  # transfers the joiner verified
@@ -250,9 +248,7 @@ class StateServer:
     async def _send(self, writer: asyncio.StreamWriter, view: memoryview, pace: _Pace) -> None:
         for start in range(0, len(view), self.chunk_size):
             chunk = view[start : start + self.chunk_size]
-            if self.corrupt:
-                chunk = bytes([chunk[0] ^ 0xFF]) + bytes(chunk[1:])
-            writer.write(chunk)
+            writer.write(self._outgoing(chunk))
             async with asyncio.timeout(self.send_timeout):
                 await writer.drain()
             self.bytes_served += len(chunk)
@@ -266,6 +262,11 @@ class StateServer:
             logger.warning("a joiner rejected our state by its sha256; our copy may be corrupt")
         writer.write(VERIFIED)  # the count above is done: lets the joiner (and tests) rely on it
         await writer.drain()
+
+    def _outgoing(self, chunk: memoryview) -> bytes | memoryview:
+        """The bytes served for `chunk`: itself. The point where a test's donor corrupts what it
+        serves (`tests.faults.injection`)."""
+        return chunk
 
 
 class _Pace:
