@@ -477,6 +477,8 @@ def table(result: dict) -> str:
             notes = [f.get("note", ""), f.get("skipped", "")]
             if f["kind"] == "kill":
                 notes.append(f"main exit {f.get('main_exit')}")
+            if f["kind"] == "term":
+                notes.append(f"exited {_f(f.get('exit_s'), '{:.1f}')} s after SIGTERM")
             if f["kind"] in ("kill", "term"):
                 notes.append(f"exit {f.get('exit_code')}, helpers alive at restart {len(f.get('helpers_left', []))}, "
                              f"left after reap {len(f.get('left_after_reap', []))}")
@@ -564,7 +566,8 @@ def main() -> None:
 
     # this run's own marker (not one inherited from a test session): the final reap kills only ours
     os.environ[reaping.SESSION_VAR] = f"{os.getpid()}-{reaping.new_token()}"
-    signal.signal(signal.SIGTERM, _interrupt)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also where SIGINT was ignored at start (a background job)
+        signal.signal(sig, _interrupt)
     faults = schedule(args.seed, args.nodes, seconds, args.faults, args.interval)
     print(f"{len(faults)} faults scheduled: " + ", ".join(f"{f.at:.0f}s n{f.node} {f.kind}" for f in faults),
           flush=True)
@@ -608,4 +611,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted: every process it started is gone, and its namespaces")
