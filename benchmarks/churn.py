@@ -29,14 +29,17 @@ groups could hold them), resyncs, restarts (time and rounds to the first committ
 restart whose process exits or never commits has failed), eval loss at the highest round, and the
 median round time of the other nodes while one is away against the run without faults.
 
-One table (both runs side by side, the restarts, the fault log) is printed and written beside the
-JSON; a PNG draws the highest committed round over time for both runs with the faults marked
+The inner steps' median time per round (`compute_seconds`) shows how much CPU the nodes got: where
+the two runs differ by more than 15% the machine's load changed between them, and the table says
+the runs are not comparable. One table (both runs side by side, the restarts, the fault log) is
+printed and written beside the JSON; a PNG draws the highest committed round over time for both runs with the faults marked
 (`bench` extra: matplotlib).
 
     python benchmarks/churn.py    # 4 nodes, 8 min a run: about 17 min in all
     python benchmarks/churn.py [--nodes 4] [--minutes 8] [--seed 0] [--faults kill,stop,term[,partition]]
         [--interval 30,60] [--set a.b=v ...] [--only faults|clean] [--out benchmarks/results/churn_4n.json]
         [--work DIR]    # keep the run directories and node logs there
+    python benchmarks/churn.py --report benchmarks/results/churn_4n.json    # the table and plot again
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ REJOIN_S = 20.0  # the schedule's allowance from a restart to the node's first c
 RESTART_FAILED_S = 120.0  # a restart with no committed round this long after it (or whose process exited) failed
 TERM_GRACE_S = 60.0  # past the restart time, how long a SIGTERMed node may take to exit before SIGKILL
 ROUND_STATUSES = ("committed", "alone", "failed")  # rounds that trained (a resync record times a download)
-FIELDS = ("round", "status", "params_sha256", "group_size", "seconds", "eval_loss")
+FIELDS = ("round", "status", "params_sha256", "group_size", "seconds", "compute_seconds", "eval_loss")
+COMPARABLE = 0.15  # the two runs' inner steps may differ this much in time (the machine's load) to compare them
 
 
 # -- the schedule (pure) ---------------------------------------------------------------------
@@ -164,8 +168,9 @@ def progress(seen: list[dict], end: float | None = None) -> list[tuple[float, in
     return curve if end is None else [*curve, (end, top)]
 
 
-def median_round_s(seen: list[dict], keep: Callable[[dict], bool] = lambda r: True) -> float | None:
-    times = [r["seconds"] for r in seen if r["status"] in ROUND_STATUSES and keep(r)]
+def median_round_s(seen: list[dict], keep: Callable[[dict], bool] = lambda r: True,
+                   field: str = "seconds") -> float | None:
+    times = [r[field] for r in seen if r["status"] in ROUND_STATUSES and keep(r) and r.get(field) is not None]
     return statistics.median(times) if times else None
 
 
@@ -205,6 +210,8 @@ def summarize(seen: list[dict], nodes: int, seconds: float, log: list[dict]) -> 
         "resyncs": count["resynced"], "alone": count["alone"], "failed": count["failed"],
         "eval_loss": eval_at(seen, top),
         "median_round_s": median_round_s(seen),
+        # the inner steps alone: how much CPU the nodes got (a busier machine makes them slower)
+        "median_compute_s": median_round_s(seen, field="compute_seconds"),
         "median_round_s_others_while_away": median_round_s(seen, others_away) if windows else None,
         "median_round_s_nobody_away": median_round_s(seen, nobody_away) if windows else None,
         "faults": sum(1 for f in log if f.get("fired") is not None),
@@ -434,6 +441,7 @@ def table(result: dict) -> str:
         ("median round s, all", "median_round_s", "{:.2f}"),
         ("median round s, others while one away", "median_round_s_others_while_away", "{:.2f}"),
         ("median round s, nobody away", "median_round_s_nobody_away", "{:.2f}"),
+        ("median inner steps s a round", "median_compute_s", "{:.2f}"),
         ("faults fired (skipped)", None, None),
         ("restarts (failed)", None, None),
     ]
@@ -458,6 +466,11 @@ def table(result: dict) -> str:
         lines.append(f"goodput (faults / no faults): {f['committed'] / max(c['committed'], 1):.1%}; "
                      f"no-faults eval loss at round {f['highest_round']}: "
                      f"{_f(eval_at(runs['clean']['records'], f['highest_round']), '{:.4f}')}")
+        if c["median_compute_s"] and f["median_compute_s"] and \
+                abs(f["median_compute_s"] / c["median_compute_s"] - 1) > COMPARABLE:
+            lines.append(f"NOT COMPARABLE: the inner steps took {c['median_compute_s']:.2f} s a round without faults "
+                         f"and {f['median_compute_s']:.2f} s with them: the machine's load differed between the "
+                         f"runs (more than {COMPARABLE:.0%}); run again on a quieter machine")
     for k in names:
         load = [x for _, x in runs[k]["load"]]
         if load:
@@ -475,6 +488,8 @@ def table(result: dict) -> str:
         lines += ["", "faults: at s  node kind       fired s  ended s  back s  notes"]
         for f in log:
             notes = [f.get("note", ""), f.get("skipped", "")]
+            if f.get("ended") is not None and f.get("back") is None:
+                notes.append("no committed round by the end of the run")
             if f["kind"] == "kill":
                 notes.append(f"main exit {f.get('main_exit')}")
             if f["kind"] == "term":
@@ -557,7 +572,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="the JSON (default benchmarks/results/churn_<nodes>n.json); "
                    "the table (.txt) and plot (.png) go beside it")
     p.add_argument("--work", type=Path, help="keep the run directories and node logs here (default: a temporary one)")
+    p.add_argument("--report", type=Path, help="run nothing: the table and plot again from this JSON")
     args = p.parse_args()
+    if args.report:
+        report(args.report)
+        return
     out = args.out or ROOT / "benchmarks" / "results" / f"churn_{args.nodes}n.json"
     seconds = args.minutes * 60
     use_netns = "partition" in args.faults
@@ -598,16 +617,26 @@ def main() -> None:
                   f"namespaces {result.get('netns_left')}", flush=True)
         if not args.work:
             subprocess.run(["rm", "-rf", str(work)])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    report(out)
+
+
+def report(path: Path) -> None:
+    """Summaries, goodput, table (.txt) and plot (.png) from the records and fault log in the JSON."""
+    result = json.loads(path.read_text())
+    a = result["args"]
+    for run in result["runs"].values():
+        run["summary"] = summarize(run["records"], a["nodes"], a["minutes"] * 60, run["faults"])
     if "faults" in result["runs"] and "clean" in result["runs"]:
         result["goodput"] = (result["runs"]["faults"]["summary"]["committed"]
                              / max(result["runs"]["clean"]["summary"]["committed"], 1))
+    path.write_text(json.dumps(result, indent=1) + "\n")
     text = table(result)
     print(text, flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".txt").write_text(text + "\n")
-    print(f"wrote {out} and {out.with_suffix('.txt')}", flush=True)
-    plot(result, out.with_suffix(".png"))
+    path.with_suffix(".txt").write_text(text + "\n")
+    print(f"wrote {path} and {path.with_suffix('.txt')}", flush=True)
+    plot(result, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":
