@@ -58,12 +58,13 @@ class ProcessSwarm:
         self.gate = root / "start-gate"  # nodes wait here before round 1 (`tests.faults.injection`)
 
     def node(self, name: str, overrides: Sequence[str] = (), env: dict[str, str] | None = None,
-             extra_args: Sequence[str] = (), host: Host | None = None) -> Node:
-        """A node joining through the seed, with `SWARM` settings plus `overrides`. It waits at
-        the start gate: call `release` (a node started after that goes straight on)."""
+             extra_args: Sequence[str] = (), host: Host | None = None, settings: Sequence[str] = SWARM) -> Node:
+        """A node joining through the seed, with `settings` (tiny and quick; `()` to run a config
+        file given in `extra_args` as it is) plus `overrides`. It waits at the start gate: call
+        `release` (a node started after that goes straight on)."""
         if host is not None:
             overrides = [f"p2p.host_maddrs=['{host.maddr()}']", *overrides]
-        args = [*set_args([*SWARM, *overrides]), "--initial-peers", self.maddr, *extra_args]
+        args = [*set_args([*settings, *overrides]), "--initial-peers", self.maddr, *extra_args]
         env = {"DILOCO_P2P_START_GATE": str(self.gate), **(env or {})}
         node = Node(self.root / name, args, env, prefix=host.prefix() if host else ())
         self.procs.add(node)
