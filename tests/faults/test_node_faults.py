@@ -25,8 +25,8 @@ def swarm(tmp_path):
         yield swarm
 
 
-def _three_nodes(swarm: ProcessSwarm, rounds: int, victim_env: dict[str, str]):
-    overrides = [f"train.max_rounds={rounds}", "sync.target_group_size=3", "sync.matchmaking_timeout=10"]
+def _three_nodes(swarm: ProcessSwarm, rounds: int, victim_env: dict[str, str], extra: tuple[str, ...] = ()):
+    overrides = [f"train.max_rounds={rounds}", "sync.target_group_size=3", "sync.matchmaking_timeout=10", *extra]
     a, b = swarm.node("a", overrides), swarm.node("b", overrides)
     victim = swarm.node("victim", overrides, env=victim_env)
     swarm.release(a, b, victim)
@@ -62,13 +62,16 @@ def test_sigkill_during_the_all_reduce_survivors_finish_and_agree(swarm):
 
 
 def test_sigstop_past_the_deadline_the_others_proceed_and_it_catches_up(swarm):
-    a, b, victim = _three_nodes(swarm, rounds=5, victim_env={"DILOCO_P2P_FAULTS": "stop@allreduce:2"})
+    # Rounds of 20 steps, and 10 of them: a and b do not wait for the victim once it has missed a
+    # round, so they must still be training when it comes back and catches up.
+    a, b, victim = _three_nodes(swarm, rounds=10, victim_env={"DILOCO_P2P_FAULTS": "stop@allreduce:2"},
+                                extra=("outer.inner_steps=20",))
     wait_until(lambda: 3 in a.by_round() and 3 in b.by_round(), 120, "a and b to finish round 3", a, b)
     assert 2 not in victim.by_round()  # frozen inside round 2's all-reduce all along
     victim.signal(signal.SIGCONT)
     for node in (a, b, victim):
         assert node.wait(timeout=180) == 0, node.tail()
-    _assert_agree([a, b], [1, 2, 3, 4, 5])
+    _assert_agree([a, b], range(1, 11))
     for node in (a, b):
         # the frozen reducer's part is dropped, unless it streamed out whole before the stop
         assert node.by_round()[2]["parts_committed"] in (2, 3)
@@ -84,7 +87,11 @@ def test_sigstop_past_the_deadline_the_others_proceed_and_it_catches_up(swarm):
     assert "resynced" in statuses, statuses  # it noticed it fell behind and downloaded the state
     resync = next(r for r in victim.records() if r["status"] == "resynced")
     assert resync["state_bytes"] > 0 and resync["round"] >= 3
-    _assert_agree([a, b, victim], [5])  # and then trained on with the others
+    # and then trained on with the others: back in a committed round within 3 rounds of its resync
+    back = [rnd for rnd in range(resync["round"] + 1, resync["round"] + 4)
+            if all(n.by_round().get(rnd, {}).get("status") == "committed" for n in (a, b, victim))]
+    assert back, [(r["round"], r["status"]) for r in victim.records()]
+    _assert_agree([a, b, victim], back)
 
 
 def test_a_nan_pseudo_gradient_is_rejected_and_never_reaches_anyone(swarm):

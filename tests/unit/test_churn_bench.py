@@ -1,4 +1,5 @@
-"""benchmarks/churn.py's pure parts: the seeded fault schedule, and what it makes of round records."""
+"""benchmarks/churn.py's pure parts: the seeded fault schedule (churn.py), and what it makes of
+round records (churn_report.py)."""
 
 import importlib.util
 import sys
@@ -16,6 +17,11 @@ def churn():
     sys.modules[spec.name] = module  # its dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def stats(churn):
+    return sys.modules["churn_report"]  # churn.py imports it from beside itself
 
 
 KINDS = ("kill", "stop", "term", "partition")
@@ -67,19 +73,19 @@ def rec(node, rnd, status="committed", h="a", group=4, t=0.0, seconds=3.0, eval_
             "seconds": seconds, "eval_loss": eval_loss}
 
 
-def test_forks_and_disagreements_within_a_group(churn):
+def test_forks_and_disagreements_within_a_group(stats):
     seen = [
         *(rec(n, 1) for n in range(4)),  # one θ: no fork
         rec(0, 2, h="x", group=2), rec(1, 2, h="x", group=2), rec(2, 2, h="y", group=2), rec(3, 2, h="y", group=2),
         rec(0, 3, h="p", group=3), rec(1, 3, h="p", group=3), rec(2, 3, h="q", group=3),  # 3 + 3 > 4
         rec(0, 4), rec(1, 4, status="alone", h="solo", group=1), rec(2, 4, status="resynced", h="old", group=0),
     ]
-    forked, disagree = churn.forks(seen, nodes=4)
+    forked, disagree = stats.forks(seen, nodes=4)
     assert forked == [2, 3]  # round 2: two disjoint pairs (a split); round 3: a group of 3 that disagrees
     assert disagree == [3]
 
 
-def test_summary_counts_goodput_inputs_and_round_times_while_a_node_is_away(churn):
+def test_summary_counts_goodput_inputs_and_round_times_while_a_node_is_away(stats):
     seen = [
         rec(0, 0, status="init", t=0.0, seconds=0.0),
         rec(0, 1, t=3, seconds=3.0), rec(1, 1, t=3, seconds=3.0),
@@ -90,19 +96,19 @@ def test_summary_counts_goodput_inputs_and_round_times_while_a_node_is_away(chur
     ]
     log = [{"kind": "kill", "node": 0, "fired": 5.0, "ended": 15.0, "back": 35.0},
            {"kind": "stop", "node": None, "fired": None, "skipped": "every node away or down"}]
-    s = churn.summarize(seen, nodes=2, seconds=60, log=log)
+    s = stats.summarize(seen, nodes=2, seconds=60, log=log)
     assert (s["committed"], s["highest_round"], s["resyncs"], s["alone"]) == (4, 3, 1, 1)
     assert s["forks"] == [] and s["eval_loss"] == pytest.approx(2.6)
     assert (s["faults"], s["faults_skipped"], s["restarts"]) == (1, 1, 1)
     assert s["median_round_s_others_while_away"] == 9.0  # n1's rounds in [5, 35]: the alone one only
     assert s["median_round_s_nobody_away"] == 3.0
-    assert churn.progress(seen) == [(0.0, 0), (3, 1), (35, 3)]
+    assert stats.progress(seen) == [(0.0, 0), (3, 1), (35, 3)]
 
 
-def test_a_restart_failed_if_its_process_exited_or_it_never_came_back(churn):
-    late = churn.RESTART_FAILED_S + 1
-    assert churn.restart_failed({"ended": 10.0, "back": 30.0}, end=480) is False
-    assert churn.restart_failed({"ended": 10.0, "back": 10.0 + late}, end=480) is True
-    assert churn.restart_failed({"ended": 10.0, "back": None, "exit_code_after_restart": 1}, end=480) is True
-    assert churn.restart_failed({"ended": 10.0, "back": None}, end=10.0 + late) is True
-    assert churn.restart_failed({"ended": 470.0, "back": None}, end=480) is None  # the run ended first
+def test_a_restart_failed_if_its_process_exited_or_it_never_came_back(stats):
+    late = stats.RESTART_FAILED_S + 1
+    assert stats.restart_failed({"ended": 10.0, "back": 30.0}, end=480) is False
+    assert stats.restart_failed({"ended": 10.0, "back": 10.0 + late}, end=480) is True
+    assert stats.restart_failed({"ended": 10.0, "back": None, "exit_code_after_restart": 1}, end=480) is True
+    assert stats.restart_failed({"ended": 10.0, "back": None}, end=10.0 + late) is True
+    assert stats.restart_failed({"ended": 470.0, "back": None}, end=480) is None  # the run ended first
