@@ -374,11 +374,36 @@ def data_scale() -> str:
             f"{loader['memory']:.2f} ms from memory.")
 
 
+# --- churn, joins -----------------------------------------------------------------------------
+
+
+def _churn(name: str) -> str:
+    """churn.py's table and its restarts, as it wrote them (the fault log stays in the .txt)."""
+    text = (RESULTS / f"{name}.txt").read_text()
+    return code(text.split("\nfaults: at s")[0])
+
+
+def churn_4n_before() -> str:
+    return _churn("churn_4n_before")
+
+
+def churn_4n() -> str:
+    return _churn("churn_4n")
+
+
+def churn_8n() -> str:
+    return _churn("churn_8n")
+
+
+def join_stripes() -> str:
+    return code((RESULTS / "join_stripes.txt").read_text())
+
+
 TABLES: dict[str, Callable[[], str]] = {f.__name__: f for f in (
     quality_tiny, quality_tiny_sweep, compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
     swarm_matches_simulate, overlap_link, overlap_link_fragments, overlap_fragments, overlap_sweep_seed0,
     allreduce_paced, allreduce_ceiling, allreduce_paced_cubic, wan_line_rate, wan_topk, wan_256x4, hivemind, scale,
-    nat, planner, robust, data_fetch, data_scale)}
+    nat, planner, robust, data_fetch, data_scale, churn_4n_before, churn_4n, churn_8n, join_stripes)}
 
 
 def render(doc: str) -> str:

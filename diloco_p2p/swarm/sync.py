@@ -277,10 +277,11 @@ class SwarmSync:
         return SwarmState(tensors=tensors, round=int(meta["round"]), outcome=outcome)
 
     async def _vouched(self, round: int, params_hash: str | None, wait: float = 0.0) -> bool:
-        """Whether the records vouch for θ `params_hash` at `round`. A state one round past the
-        newest record is waited for up to `wait` seconds: every donor announces a state just
-        before publishing its record of that round, so a swarm that does not wait for us is often
-        a few milliseconds (or a slow DHT read) ahead of its records when we ask."""
+        """Whether the records vouch for θ `params_hash` at `round`. A state at the swarm's front
+        (the newest record's round, or one past it) is waited for up to `wait` seconds: every
+        donor announces a state just before publishing its record of that round, and a quorum of
+        records takes a moment more, so a swarm that does not wait for us is often a few
+        milliseconds (or a slow DHT read) ahead of its quorum when we ask."""
         deadline = time.monotonic() + wait
         while True:
             try:
@@ -292,8 +293,8 @@ class SwarmSync:
             if any((r.round, r.params_sha256) == (round, params_hash) for r in vouched.values()):
                 return True
             newest = max((r.round for r in others.values()), default=-1)
-            if round != newest + 1 or time.monotonic() >= deadline:
-                return False
+            if not newest <= round <= newest + 1 or time.monotonic() >= deadline:
+                return False  # not the swarm's front (its members publishing it now), or no more time
             await asyncio.sleep(0.2)
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:

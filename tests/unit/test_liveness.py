@@ -186,3 +186,39 @@ def test_a_member_of_our_last_group_is_waited_for_before_its_record_arrives():
     silent = verdicts({"slow-store": Seen(5, updated=NOW - STALE - 1)}, 7, NOW, stale_after=STALE,
                       members={"slow-store"})
     assert silent["slow-store"].startswith("silent")  # but not one that stopped heart-beating
+
+
+class _Swarm:
+    """What `SwarmSync._vouched` reads: its records, one scripted set per read."""
+
+    peer_id = PEERS[8]
+    max_round = None
+
+    def __init__(self, *reads):
+        self.reads, self.cfg = list(reads), type("Cfg", (), {"resync_quorum": 2})()
+
+    async def _read_records(self):
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+
+
+def _at(round_: int, theta: str, *peers: int) -> dict:
+    return {PEERS[i]: make(PEERS[i], round=round_, params_sha256=theta * 64) for i in peers}
+
+
+def test_a_state_at_the_swarms_front_is_vouched_for_once_its_quorum_has_published():
+    """The newest state is announced a moment before its records (one backer, then two): a node
+    catching up waits for the quorum instead of refusing the state and staying behind."""
+    import asyncio
+
+    from diloco_p2p.swarm.sync import SwarmSync
+
+    def vouched(swarm, round_, theta, wait):
+        return asyncio.run(SwarmSync._vouched(swarm, round_, theta * 64, wait=wait))
+
+    one_then_two = _Swarm({**_at(8, "a", 0), **_at(7, "b", 1, 2)}, {**_at(8, "a", 0, 1), **_at(7, "b", 2)})
+    assert vouched(one_then_two, 8, "a", wait=5.0)
+    announced_first = _Swarm(_at(7, "b", 0, 1, 2), {**_at(8, "a", 0, 1), **_at(7, "b", 2)})
+    assert vouched(announced_first, 8, "a", wait=5.0)  # one round past every record: its records follow
+    assert not vouched(_Swarm({**_at(8, "a", 0), **_at(7, "b", 1, 2)}), 8, "a", wait=0.0)  # no time to wait
+    assert not vouched(_Swarm(_at(7, "b", 0, 1, 2)), 9, "a", wait=5.0)  # two past the records: not the front
+    assert not vouched(_Swarm(_at(9, "b", 0, 1, 2)), 8, "a", wait=5.0)  # behind the front, never vouched
