@@ -234,7 +234,7 @@ class SwarmSync:
         could serve it in time, or a stop was requested. A donor whose blob holds another θ or
         round than it announced is refused (``bad-state``) and not asked again."""
         start = time.perf_counter()
-        exclude = (self.resync_exclude if exclude is None else exclude) | self.guard.excluded().keys()
+        exclude = (self.resync_exclude if exclude is None else exclude) | self.guard.no_state_from()
         accepted: set[tuple[int, str | None]] = set()
         refused: set[tuple[int, str | None]] = set()
 

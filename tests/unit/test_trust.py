@@ -188,3 +188,20 @@ def test_a_caught_reducer_stays_distrusted_whatever_it_is_refused_for_next():
     now[0] = 61
     assert guard.distrusted() == set()
 
+
+def test_a_catch_up_downloads_from_a_peer_that_was_only_ahead_of_its_quorum():
+    """Seen in the churn benchmark: a node catching up refused each member "unvouched-state" as
+    it published a round first, and with every refusal excluding donors for 10 minutes it found
+    no donor left and never came back. Only lies and closed-run refusals exclude a donor."""
+    now = [0.0]
+    guard = Guard(excluded_for=60, clock=lambda: now[0])
+    guard.reject(PEERS[1], "unvouched-state", "one backer of round 8 while 2 back round 7")
+    guard.reject(PEERS[2], "bad-state", "served another θ than it announced")
+    guard.reject(PEERS[3], "norm", "its contribution")
+    now[0] = 30
+    guard.reject(PEERS[2], "unvouched-state", "a record of a later round")  # the lie still counts
+    assert guard.no_state_from() == {PEERS[2]}
+    assert set(guard.excluded()) == {PEERS[1], PEERS[2], PEERS[3]}  # all shown to operators
+    now[0] = 61
+    assert guard.no_state_from() == set()
+

@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 
 # How long a refused peer stays listed in our record's `excluded` after its last refusal.
 EXCLUDED_FOR = 600.0
+# Refusals after which we download no state from the peer: it lied about its record or state, lied
+# as a reducer, or is not a member of a closed run. Not `unvouched-state`: the first member to
+# publish a round is ahead of its quorum for a moment, and every member is, now and then, in a
+# swarm that does not wait for us; nor the all-reduce's `weight` and `norm`.
+NO_STATE_FROM = frozenset({"forged-record", "not-admitted", "bad-state", "reducer"})
 
 
 class Guard:
@@ -34,6 +39,7 @@ class Guard:
         self._logged: set[tuple[str, str, str]] = set()
         self._last: dict[str, tuple[str, float]] = {}
         self._caught: dict[str, float] = {}  # peer -> when it was last caught as a reducer
+        self._no_state: dict[str, float] = {}  # peer -> when it was last refused for a reason in NO_STATE_FROM
         self._lock = threading.Lock()
 
     def reject(self, peer: str, reason: str, detail: str) -> None:
@@ -47,6 +53,8 @@ class Guard:
             self._last[peer] = (reason, self.clock())
             if reason == "reducer":
                 self._caught[peer] = self._last[peer][1]
+            if reason in NO_STATE_FROM:
+                self._no_state[peer] = self._last[peer][1]
         if new:
             log.warning("refused peer %s: %s (%s)", peer, reason, detail)
 
@@ -62,6 +70,13 @@ class Guard:
         now = self.clock()
         with self._lock:
             return {p: reason for p, (reason, t) in self._last.items() if now - t <= self.excluded_for}
+
+    def no_state_from(self) -> set[str]:
+        """Peers refused within `excluded_for` for a reason in `NO_STATE_FROM`, whatever they
+        were refused for since: a catch-up downloads nothing from them."""
+        now = self.clock()
+        with self._lock:
+            return {p for p, t in self._no_state.items() if now - t <= self.excluded_for}
 
     def distrusted(self) -> set[str]:
         """Peers caught as a reducer within `excluded_for`, whatever they were refused for since:
