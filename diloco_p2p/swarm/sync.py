@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 
 STALE_AFTER = 2 * PROGRESS_REFRESH + 5.0  # a record older than this is a node that stopped heart-beating
 _RECORDS_TIMEOUT = 5.0  # reading who is at our round, before matchmaking
-_VOUCH_WAIT = 5.0  # how long a state announced one round past the records may wait for them (`_vouched`)
+_VOUCH_WAIT = 5.0  # how long a state at the swarm's front may wait for its quorum of records (`_vouched`)
 
 
 class Interrupted(Exception):
