@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 
 STALE_AFTER = 2 * PROGRESS_REFRESH + 5.0  # a record older than this is a node that stopped heart-beating
 _RECORDS_TIMEOUT = 5.0  # reading who is at our round, before matchmaking
-_VOUCH_WAIT = 5.0  # how long a state at the swarm's front may wait for its quorum of records (`_vouched`)
+_VOUCH_WAIT = 2.0  # how long a state at the swarm's front may wait for its quorum of records (`_vouched`)
 
 
 class Interrupted(Exception):
@@ -115,10 +115,6 @@ class SwarmSync:
         self.allreduce_deadline = AdaptiveDeadline(ceiling=cfg.allreduce_timeout, floor=5.0, slack=2.0, k=6.0,
                                                    spread=0.5)
         self._lag = 0 if cfg.overlap == "none" else 1  # under overlap a record trails by the round in flight
-        # How long a catch-up keeps looking for a state the records vouch for: the swarm does not
-        # wait for us, so the state we saw may be gone from its donors by the time we ask, and the
-        # next one is vouched for once enough members published it (within a group's formation).
-        self._vouch_wait = 2 * cfg.matchmaking_timeout
         self._liveness: dict[str, object] = {}  # this round's liveness numbers, for its outcome
         run_dir.mkdir(parents=True, exist_ok=True)
         identity = Path(p2p.identity_path) if p2p.identity_path else run_dir / "identity.key"
@@ -258,7 +254,7 @@ class SwarmSync:
             fetched = self._interruptible(
                 fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=min_round, exclude=exclude,
                             verify=check, accept=accept, timeout=self.cfg.state_timeout,
-                            max_donors=self.cfg.state_donors, wait=min(self.cfg.state_timeout, self._vouch_wait)),
+                            max_donors=self.cfg.state_donors),
                 timeout=self.cfg.state_timeout + 10,
             )
         except (StateUnavailable, TimeoutError, Interrupted) as e:

@@ -48,6 +48,10 @@ def _assert_rejoins(node, resync_index: int, *others) -> dict:
     A download can also take long enough that the swarm commits another round meanwhile: the node
     then resyncs again at once, with no steps in between (seen once in CI). The last resync of
     such a run is the one the node trains from.
+
+    The others do not wait for a node that missed rounds (`liveness`), and these rounds last a
+    fraction of a second: the race can repeat a few times before the node lands in a group (up
+    to 5 late rounds seen in CI). Each try is a late round and a resync, nothing else.
     """
 
     def committed() -> list[dict]:
@@ -63,7 +67,7 @@ def _assert_rejoins(node, resync_index: int, *others) -> dict:
     if between:  # the race: a late round, then resyncs (maybe an alone round in between) - nothing else
         assert f"round {resync['round'] + 1}: no group (late)" in node.output(), between
         assert [r["status"] for r in between][0] == "alone" and between[-1]["status"] == "resynced", between
-        assert {r["status"] for r in between} <= {"alone", "resynced"} and len(between) <= 4, between
+        assert {r["status"] for r in between} <= {"alone", "resynced"} and len(between) <= 16, between
     assert first["round"] == (between[-1] if between else resync)["round"] + 1, first
     round_ = first["round"]
     wait_until(lambda: all(round_ in o.by_round() for o in others), 60, f"the others to finish round {round_}", *others)
@@ -111,8 +115,10 @@ def test_a_fetched_run_directory_resumes_and_rejoins_the_swarm(swarm):
     index = next(i for i, r in enumerate(w.records()) if r["status"] == "resynced")
     assert w.records()[index]["round"] > fetched.round and w.records()[index]["joined_at_round"] == fetched.round
     following = _assert_rejoins(w, index, a, b)
-    # It trained from the fetched step 0 with a fresh AdamW (5 steps a round; more after a late round).
-    assert following["train_loss"] is not None and following["step"] in (5, 10, 15)
+    # It trained from the fetched step 0 with a fresh AdamW: 5 steps a round, fewer in a round it
+    # joined in flight after a resync (`outer.catch_up_steps`), more after late rounds.
+    before = [r for r in w.records() if r["round"] < following["round"] and r["status"] != "resynced"]
+    assert following["train_loss"] is not None and 1 <= following["step"] <= 5 * (len(before) + 1)
 
 
 def test_fetch_from_an_unreachable_dht_is_one_line(tmp_path):

@@ -26,7 +26,8 @@ class Seen:
 def test_a_round_waits_for_peers_at_the_round_only():
     records = {
         "at": Seen(6),  # finished round 6: computing round 7 with us
-        "behind": Seen(5),  # has not finished round 6: missed it
+        "lagging": Seen(5),  # its record of round 6 may still be on its way
+        "behind": Seen(4),  # finished neither round 5 nor 6: missed them
         "far": Seen(1),  # a restarted node before its download
         "ahead": Seen(7),  # past round 7: neither waited for nor away
         "silent": Seen(6, updated=NOW - STALE - 1),  # at the round, but its heartbeat stopped
@@ -34,15 +35,15 @@ def test_a_round_waits_for_peers_at_the_round_only():
     }
     found = verdicts(records, 7, NOW, stale_after=STALE, distrusted={"liar"})
     assert "ahead" not in found
-    assert found["at"] is None
-    assert found["behind"] == "missed round 6" and found["far"] == "missed round 2"
+    assert found["at"] is None and found["lagging"] is None
+    assert found["behind"] == "missed round 5" and found["far"] == "missed round 2"
     assert found["silent"].startswith("silent for 36")
     assert found["liar"] == "a reducer caught lying"
-    assert waited_for(found) == ["at"]
+    assert waited_for(found) == ["at", "lagging"]
 
 
 def test_under_overlap_a_record_one_round_behind_is_still_live():
-    records = {"in-flight": Seen(5), "missed": Seen(4)}
+    records = {"in-flight": Seen(4), "missed": Seen(3)}
     assert waited_for(verdicts(records, 7, NOW, stale_after=STALE, lag=1)) == ["in-flight"]
     assert waited_for(verdicts(records, 7, NOW, stale_after=STALE, lag=0)) == []
 
@@ -179,11 +180,11 @@ def test_a_volunteer_cut_every_round_soon_widens_the_deadline():
 
 
 def test_a_member_of_our_last_group_is_waited_for_before_its_record_arrives():
-    """It committed round 6 with us; its record of round 6 may still be on its way."""
-    records = {"slow-store": Seen(5), "stranger": Seen(5)}
+    """It committed round 6 with us; its records of rounds 5 and 6 may still be on their way."""
+    records = {"slow-store": Seen(4), "stranger": Seen(4)}
     found = verdicts(records, 7, NOW, stale_after=STALE, members={"slow-store"})
-    assert found == {"slow-store": None, "stranger": "missed round 6"}
-    silent = verdicts({"slow-store": Seen(5, updated=NOW - STALE - 1)}, 7, NOW, stale_after=STALE,
+    assert found == {"slow-store": None, "stranger": "missed round 5"}
+    silent = verdicts({"slow-store": Seen(4, updated=NOW - STALE - 1)}, 7, NOW, stale_after=STALE,
                       members={"slow-store"})
     assert silent["slow-store"].startswith("silent")  # but not one that stopped heart-beating
 

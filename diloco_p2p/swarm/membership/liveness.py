@@ -7,11 +7,11 @@ round of every other node a full matchmaking timeout until it was back: with 4 t
 fault every 30-60 s the swarm kept 65% of its work. The rule here waits only for peers that are
 *live*:
 
-- **at the round**: its record says it finished the previous round (``round == r - 1``; under
-  `sync.overlap` one round of lag is normal: its record is published once the average in flight
-  is known), or it finished our previous round's all-reduce with us (its mask was heard: it
-  holds the same θ; its record may still be on its way, as a tiny round can be quicker than a
-  DHT store). A member that froze or died inside that all-reduce did not finish it. A peer further behind has missed a round (crashed, stopped, cut off, or still
+- **at the round**: its record says it finished one of the two previous rounds (``round >= r -
+  2``: a record may lag its node by a round, as a tiny round on a loaded machine is quicker than
+  a DHT store; under `sync.overlap` one more round of lag is normal: a record is published once
+  the average in flight is known), or it finished our previous round's all-reduce with us (its
+  mask was heard: it holds the same θ). A peer further behind has missed a round (crashed, stopped, cut off, or still
   downloading); it comes back by catching up, with a state download that ends at the swarm's
   round, and is waited for again from the record that download publishes. A member that an
   all-reduce left out is the same case: it did not finish that round with the swarm's θ.
@@ -20,8 +20,9 @@ fault every 30-60 s the swarm kept 65% of its work. The rule here waits only for
   without waiting for its record to expire.
 - **trusted**: not a reducer we caught lying (`trust.guard`).
 
-What this costs a peer is one round: the first round a node misses is still waited for (its
-record cannot say yet that it is gone), but at most the adaptive deadline, not the fixed timeout.
+What this costs the others is two rounds at most: the first two rounds a node misses are still
+waited for (its record cannot say yet that it is gone), but each at most the adaptive deadline,
+not the fixed timeout.
 
 Deadlines adapt to what the swarm measures. `AdaptiveDeadline` keeps the last `window` samples
 of a duration (how long a group took to close once its leader registered; how long an
@@ -73,7 +74,7 @@ def verdicts(records: Mapping[str, Progress], round: int, now: float, *, stale_a
             continue
         if peer in distrusted:
             out[peer] = "a reducer caught lying"
-        elif r.round < round - 1 - lag and peer not in members:
+        elif r.round < round - 2 - lag and peer not in members:
             out[peer] = f"missed round {r.round + 1}"
         elif now - r.updated > stale_after:
             out[peer] = f"silent for {now - r.updated:.0f} s"
