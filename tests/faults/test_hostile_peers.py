@@ -215,7 +215,9 @@ def test_lying_members_and_reducers_in_a_real_swarm_are_bounded_or_dropped_and_n
         assert rounds["x"][4]["status"] == "alone", rounds["x"][4]
         for n, record in members(4, "aby").items():
             if n != "y":
-                assert (record["rejections"] or {}).get(ids["y"]) == ["reducer"], (n, record)
+                # (its record may also be refused "unvouched-state": a lying reducer ends the round
+                # with a θ nobody else holds, and the swarm no longer waits for anyone to publish)
+                assert "reducer" in (record["rejections"] or {}).get(ids["y"], []), (n, record)
         for node in (a, b):
             log = node.output()
             assert f"refused peer {ids['x']}: norm" in log and f"refused peer {ids['x']}: reducer" in log, node.tail()
