@@ -123,6 +123,7 @@ class PeerPresence:
     away_seconds: float = 0.0  # time not waited for, ended stretches only (see `Presence.away`)
     away_since: float | None = None  # when the current stretch began (None: present)
     why: str | None = None  # why it is not waited for, while away
+    stretch_missed: int = 0  # rounds missed in the current absence
     last_round: int = -1  # the last round we judged it at
 
 
@@ -149,7 +150,6 @@ class Presence:
 
     def __init__(self) -> None:
         self.peers: dict[str, PeerPresence] = {}
-        self._stretch_missed: dict[str, int] = {}
 
     def update(self, round: int, found: Mapping[str, str | None], now: float, ahead: Collection[str] = ()) -> list[Event]:
         """Take round `round`'s verdicts (`verdicts`; `ahead`: peers past the round, present).
@@ -165,7 +165,6 @@ class Presence:
         while len(self.peers) > MAX_TRACKED:
             oldest = min(self.peers, key=lambda q: self.peers[q].last_round)
             del self.peers[oldest]
-            self._stretch_missed.pop(oldest, None)
         return events
 
     def _judge(self, peer: str, round: int, why: str | None, now: float) -> list[Event]:
@@ -176,12 +175,12 @@ class Presence:
         if why is None:
             if p.away_since is None:
                 return []
-            seconds, missed = now - p.away_since, self._stretch_missed.pop(peer, 0)
+            seconds, missed = now - p.away_since, p.stretch_missed
             p.away_seconds += seconds
-            p.away_since, p.why = None, None
+            p.away_since, p.why, p.stretch_missed = None, None, 0
             return [Event(peer, round, back=True, missed=missed, seconds=seconds)]
         p.missed_rounds += 1
-        self._stretch_missed[peer] = self._stretch_missed.get(peer, 0) + 1
+        p.stretch_missed += 1
         if p.away_since is not None:
             p.why = why
             return []
