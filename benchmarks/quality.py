@@ -19,6 +19,11 @@ of its M at equal tokens, its *compute efficiency* (the tokens data-parallel nee
 run's final loss, interpolated on that data-parallel curve in log tokens, divided by the tokens
 the run spent: 100% means every volunteer's token counted), and its number of all-reduces.
 
+`--warm-start S` starts every run, data-parallel and DiLoCo alike, from one solo-trained checkpoint: a
+single replica of batch b trains S steps on another seed's data order (the original DiLoCo recipe:
+the swarm takes over a model that already trains), is exported, and is every run's
+`model.pretrained_path`; the table then measures the gap of the continued phase only.
+
 Runs go `--jobs` at a time (one torch thread each on a CPU; on a GPU every run shares it), the
 data-parallel runs first; each result is written to `--json` as it finishes, so `--resume` runs
 only the missing ones and `--report` prints the table and writes the PNG (eval loss against tokens
@@ -104,6 +109,8 @@ def main() -> None:
     p.add_argument("--run", nargs="*", default=[], help="DiLoCo settings M[:key=value...], see the docstring")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--jobs", type=int, default=2, help="runs at once")
+    p.add_argument("--warm-start", type=int, default=0, metavar="S",
+                   help="every run starts from a solo run of S steps at batch b (see the docstring)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                    help="config override for every run")
     p.add_argument("--resume", action="store_true", help="keep the runs in --json, run the missing ones")
@@ -123,7 +130,10 @@ def train(args: argparse.Namespace, results: dict) -> dict:
     base = load_config(args.config, args.overrides)
     batch = args.batch or base.inner.batch_size
     steps, eval_steps = args.rounds * args.h, args.eval_steps or args.h
-    meta = {"config": args.config, "overrides": args.overrides, "rounds": args.rounds, "h": args.h, "batch": batch}
+    if args.warm_start:
+        args.overrides = [*args.overrides, f"model.pretrained_path={warm_start(args, batch)}"]
+    meta = {"config": args.config, "overrides": args.overrides, "rounds": args.rounds, "h": args.h, "batch": batch,
+            "warm_start": args.warm_start}
     state = {"args": meta, "results": results}
 
     def save(name: str, result: dict) -> None:
@@ -174,6 +184,26 @@ def train(args: argparse.Namespace, results: dict) -> dict:
     return state
 
 
+def warm_start(args: argparse.Namespace, batch: int) -> Path:
+    """The solo checkpoint every run starts from: one replica of batch b, `--warm-start` steps on seed
+    1000's data order (the runs' seeds read theirs from the start), exported once into the temp directory."""
+    out = Path(tempfile.gettempdir()) / f"diloco-quality-{args.json.stem}-warm{args.warm_start}"
+    if (out / "config.json").is_file():
+        return out
+    with tempfile.TemporaryDirectory(prefix="diloco-warm-") as tmp:
+        sets = ["seed=1000", f"inner.batch_size={batch}", "train.num_threads=1", *args.overrides,
+                "train.max_rounds=1", f"outer.inner_steps={args.warm_start}", "train.checkpoint_every=1",
+                "outer.lr=1.0", "outer.momentum=0.0", "sync.compression=fp32", "outer.recipe=manual",
+                "outer.h_schedule=constant", "outer.warmup_rounds=0"]
+        for cmd in (["simulate", "--order-keys", "solo", "--config", args.config, "--dir", tmp,
+                     *[a for s in sets for a in ("--set", s)]],
+                    ["export", "--checkpoint", f"{tmp}/solo", "--out", str(out)]):
+            proc = subprocess.run([sys.executable, "-m", "diloco_p2p", *cmd], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return out
+
+
 def best_dp(results: dict, m: int, seed: int) -> dict:
     runs = [r for r in results.values() if r.get("kind") == "dp" and r["dp_M"] == m and r["seed"] == seed]
     return min(runs, key=lambda r: r["final"])
@@ -181,9 +211,11 @@ def best_dp(results: dict, m: int, seed: int) -> dict:
 
 def report(state: dict, png: Path) -> None:
     args, results = state["args"], state["results"]
-    print(f"{args['config']} {' '.join(args['overrides'])}: horizon {args['rounds']} x H={args['h']} inner steps "
-          f"per replica, b={args['batch']}; {len(results)} runs, {sum(r['seconds'] for r in results.values()) / 60:.0f} "
-          "min of runs")
+    shown = [o for o in args["overrides"] if not o.startswith("model.pretrained_path=")]
+    warm = f", from a solo run of {args['warm_start']} steps" if args.get("warm_start") else ""
+    print(f"{args['config']} {' '.join(shown)}: horizon {args['rounds']} x H={args['h']} inner steps "
+          f"per replica, b={args['batch']}{warm}; {len(results)} runs, "
+          f"{sum(r['seconds'] for r in results.values()) / 60:.0f} min of runs")
     rows = {}
     for r in results.values():
         if r.get("kind") == "diloco":
