@@ -80,6 +80,14 @@ def quality_tiny_sweep() -> str:
     return quality_report("quality_tiny_sweep.json")
 
 
+def quality_tiny_warm() -> str:
+    return quality_report("quality_tiny_warm.json")
+
+
+def quality_tiny_32() -> str:
+    return quality_report("quality_tiny_32.json")
+
+
 # --- wires ----------------------------------------------------------------------------------
 
 
@@ -400,7 +408,7 @@ def join_stripes() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {f.__name__: f for f in (
-    quality_tiny, quality_tiny_sweep, compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
+    quality_tiny, quality_tiny_sweep, quality_tiny_warm, quality_tiny_32, compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
     swarm_matches_simulate, overlap_link, overlap_link_fragments, overlap_fragments, overlap_sweep_seed0,
     allreduce_paced, allreduce_ceiling, allreduce_paced_cubic, wan_line_rate, wan_topk, wan_256x4, hivemind, scale,
     nat, planner, robust, data_fetch, data_scale, churn_4n_before, churn_4n, churn_8n, join_stripes)}
@@ -425,7 +433,7 @@ def plots() -> None:
     import quality
     import robust
 
-    for name in ("quality_tiny", "quality_tiny_sweep"):
+    for name in ("quality_tiny", "quality_tiny_sweep", "quality_tiny_warm", "quality_tiny_32"):
         quality.report(load(f"{name}.json"), RESULTS / f"{name}.png")
     compression.plot(load("compression.json")["results"], RESULTS / "compression.png")
     for name in ("compression_topk_carry", "compression_topk_seeds"):
