@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.harness import reaping
@@ -170,6 +171,13 @@ def run_cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProces
             popen.communicate()
         reaping.reap_marked(reaping.PROC_VAR, token)
     return subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
+
+
+def run_clis(*commands: list[str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """`run_cli` of each of `commands`, all at once: independent one-shot commands (bad input
+    that must fail in one line) then cost one interpreter start of wall time, not one each."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run_cli(args, timeout), commands))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, *procs: Proc) -> None:
