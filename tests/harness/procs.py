@@ -103,7 +103,7 @@ class Proc:
             if len(self.lines) == seen:
                 break
 
-    def exit_code_within(self, timeout: float) -> int | None:
+    def exit_code_within(self, timeout: float | None) -> int | None:
         """The exit code, or None if it is still running after `timeout` seconds."""
         try:
             self.popen.wait(timeout=timeout)
@@ -111,6 +111,12 @@ class Proc:
             return None
         self.exited()
         return self.popen.returncode
+
+    def watch(self) -> Proc:
+        """Note when it exits (`ended`) even if nobody waits for it then: a thread waits. For a
+        process started ahead of the test that asserts how soon it stopped."""
+        threading.Thread(target=self.exit_code_within, args=(None,), daemon=True).start()
+        return self
 
     def wait(self, timeout: float) -> int:
         rc = self.exit_code_within(timeout)
