@@ -4,6 +4,11 @@ Each fault fires at a named point of a named round inside the victim (DILOCO_P2P
 `tests.faults.injection`): `allreduce` is right after the victim has delivered its scatter, so the
 survivors hold its contributions and are waiting for its reduced part. The nodes start their
 first round together (start gate), so the groups are known: all three nodes, every round.
+
+The three cases run at once on one module-scoped seed, each as its own run id (its own groups,
+records and state): most of each case is waiting (a deadline, the frozen node), so one after
+the other they took twice as long. The fixture holds the SIGSTOP case's barrier (its victim is
+continued once the others are two rounds on); each test waits for its own nodes and asserts.
 """
 
 from __future__ import annotations
@@ -14,23 +19,41 @@ import signal
 import pytest
 
 from tests.harness.procs import wait_until
-from tests.harness.swarm import ProcessSwarm
+from tests.harness.swarm import Node, ProcessSwarm
 
 ALLREDUCE_TIMEOUT = 8.0  # tests/harness/settings.SWARM
 
 
-@pytest.fixture
-def swarm(tmp_path):
-    with ProcessSwarm(tmp_path) as swarm:
-        yield swarm
-
-
-def _three_nodes(swarm: ProcessSwarm, rounds: int, victim_env: dict[str, str], extra: tuple[str, ...] = ()):
-    overrides = [f"train.max_rounds={rounds}", "sync.target_group_size=3", "sync.matchmaking_timeout=10", *extra]
-    a, b = swarm.node("a", overrides), swarm.node("b", overrides)
-    victim = swarm.node("victim", overrides, env=victim_env)
-    swarm.release(a, b, victim)
+def _three_nodes(swarm: ProcessSwarm, case: str, rounds: int, victim_env: dict[str, str],
+                 extra: tuple[str, ...] = ()) -> tuple[Node, Node, Node]:
+    overrides = [f"run_id=faults-{case}", f"train.max_rounds={rounds}", "sync.target_group_size=3",
+                 "sync.matchmaking_timeout=10", *extra]
+    a, b = swarm.node(f"{case}-a", overrides), swarm.node(f"{case}-b", overrides)
+    victim = swarm.node(f"{case}-victim", overrides, env=victim_env)
     return a, b, victim
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    with ProcessSwarm(tmp_path_factory.mktemp("node-faults")) as swarm:
+        started = {
+            "sigkill": _three_nodes(swarm, "sigkill", 3, {"DILOCO_P2P_FAULTS": "kill@allreduce:2"}),
+            # Rounds of 20 steps, and 10 of them: a and b do not wait for the victim once it has missed a
+            # round, so they must still be training when it comes back and catches up.
+            "sigstop": _three_nodes(swarm, "sigstop", 10, {"DILOCO_P2P_FAULTS": "stop@allreduce:2"},
+                                    extra=("outer.inner_steps=20",)),
+            "nan": _three_nodes(swarm, "nan", 3, {"DILOCO_P2P_FAULTS": "nan@delta:2"}),
+        }
+        swarm.release(*(node for nodes in started.values() for node in nodes), timeout=240)  # nine start at once
+        a, b, victim = started["sigstop"]
+        barrier: dict = {}
+        try:
+            wait_until(lambda: 4 in a.by_round() and 4 in b.by_round(), 120, "a and b to finish round 4", a, b)
+            barrier["victim_rounds"] = set(victim.by_round())
+        except AssertionError as e:  # the SIGSTOP test fails on it; the other cases go on
+            barrier["failed"] = e
+        victim.signal(signal.SIGCONT)
+        yield started, barrier
 
 
 def _assert_agree(nodes, rounds) -> None:
@@ -40,8 +63,8 @@ def _assert_agree(nodes, rounds) -> None:
         assert all(r["eval_loss"] is None or math.isfinite(r["eval_loss"]) for r in records)
 
 
-def test_sigkill_during_the_all_reduce_survivors_finish_and_agree(swarm):
-    a, b, victim = _three_nodes(swarm, rounds=3, victim_env={"DILOCO_P2P_FAULTS": "kill@allreduce:2"})
+def test_sigkill_during_the_all_reduce_survivors_finish_and_agree(cases):
+    a, b, victim = cases[0]["sigkill"]
     assert victim.wait(timeout=120) == -signal.SIGKILL
     assert a.wait(timeout=120) == 0 and b.wait(timeout=120) == 0
     _assert_agree([a, b], [1, 2, 3])
@@ -61,14 +84,12 @@ def test_sigkill_during_the_all_reduce_survivors_finish_and_agree(swarm):
         assert (r3["status"], r3["group_size"], r3["contributors"]) == ("committed", 2, 2)
 
 
-def test_sigstop_past_the_deadline_the_others_proceed_and_it_catches_up(swarm):
-    # Rounds of 20 steps, and 10 of them: a and b do not wait for the victim once it has missed a
-    # round, so they must still be training when it comes back and catches up.
-    a, b, victim = _three_nodes(swarm, rounds=10, victim_env={"DILOCO_P2P_FAULTS": "stop@allreduce:2"},
-                                extra=("outer.inner_steps=20",))
-    wait_until(lambda: 4 in a.by_round() and 4 in b.by_round(), 120, "a and b to finish round 4", a, b)
-    assert 2 not in victim.by_round()  # frozen inside round 2's all-reduce all along
-    victim.signal(signal.SIGCONT)
+def test_sigstop_past_the_deadline_the_others_proceed_and_it_catches_up(cases):
+    started, barrier = cases
+    a, b, victim = started["sigstop"]
+    if "failed" in barrier:  # a and b never finished round 4
+        raise barrier["failed"]
+    assert 2 not in barrier["victim_rounds"]  # frozen inside round 2's all-reduce all along (until SIGCONT)
     for node in (a, b, victim):
         assert node.wait(timeout=180) == 0, node.tail()
     _assert_agree([a, b], range(1, 11))
@@ -95,8 +116,8 @@ def test_sigstop_past_the_deadline_the_others_proceed_and_it_catches_up(swarm):
     _assert_agree([a, b, victim], back)
 
 
-def test_a_nan_pseudo_gradient_is_rejected_and_never_reaches_anyone(swarm):
-    a, b, victim = _three_nodes(swarm, rounds=3, victim_env={"DILOCO_P2P_FAULTS": "nan@delta:2"})
+def test_a_nan_pseudo_gradient_is_rejected_and_never_reaches_anyone(cases):
+    a, b, victim = cases[0]["nan"]
     for node in (a, b, victim):
         assert node.wait(timeout=120) == 0, node.tail()
     _assert_agree([a, b, victim], [1, 2, 3])  # every member applied the same finite average

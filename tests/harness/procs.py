@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.harness import reaping
@@ -102,7 +103,7 @@ class Proc:
             if len(self.lines) == seen:
                 break
 
-    def exit_code_within(self, timeout: float) -> int | None:
+    def exit_code_within(self, timeout: float | None) -> int | None:
         """The exit code, or None if it is still running after `timeout` seconds."""
         try:
             self.popen.wait(timeout=timeout)
@@ -110,6 +111,12 @@ class Proc:
             return None
         self.exited()
         return self.popen.returncode
+
+    def watch(self) -> Proc:
+        """Note when it exits (`ended`) even if nobody waits for it then: a thread waits. For a
+        process started ahead of the test that asserts how soon it stopped."""
+        threading.Thread(target=self.exit_code_within, args=(None,), daemon=True).start()
+        return self
 
     def wait(self, timeout: float) -> int:
         rc = self.exit_code_within(timeout)
@@ -170,6 +177,13 @@ def run_cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProces
             popen.communicate()
         reaping.reap_marked(reaping.PROC_VAR, token)
     return subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
+
+
+def run_clis(*commands: list[str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """`run_cli` of each of `commands`, all at once: independent one-shot commands (bad input
+    that must fail in one line) then cost one interpreter start of wall time, not one each."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run_cli(args, timeout), commands))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, *procs: Proc) -> None:

@@ -4,8 +4,10 @@ external SIGSTOP wherever it happens to be (not at a planned fault point) catche
 a run directory written by `fetch` is one `train` resumes from and rejoins the swarm with;
 `fetch` from an unreachable DHT fails in one line.
 
-One swarm of three nodes serves the first two tests (in file order: the second replaces the
-node the first froze). Groups of three: while a node is missing, the other two wait
+One swarm of three nodes serves the two swarm tests (in file order: the second replaces the
+node the first froze). The unreachable-DHT test needs no swarm and comes first: the module's
+swarm trains until the module ends, and with it running the one-line `fetch` took 35 s of CI
+instead of 8. Groups of three: while a node is missing, the other two wait
 MATCHMAKING_TIMEOUT per round for it and then commit as two; the same wait lets a node that
 has just resynced reach the next round's group (its resync and inner steps take a few seconds
 on a loaded machine).
@@ -76,6 +78,17 @@ def _assert_rejoins(node, resync_index: int, *others) -> dict:
     return first
 
 
+def test_fetch_from_an_unreachable_dht_is_one_line(tmp_path):
+    # A well-formed multiaddr nobody listens on (port 9, discard: closed on loopback).
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/QmcSQkWbtiFPrToKfGvgW2rX9rj5Ng1wcYdrmqurKU1N5s"
+    result = run_cli(["fetch", "--initial-peers", peer, "--run-id", "swarm-test", "--out", str(tmp_path / "out"),
+                      "--timeout", "5"], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr  # one line
+    assert result.stderr.startswith("error: ") and "could not reach" in result.stderr and peer in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_sigstop_anywhere_then_sigcont_resyncs_and_agrees_with_the_swarm(swarm):
     s, a, b, v = swarm
     # Its round-2 log line comes after the round's record, DHT publication and checkpoint: the
@@ -119,14 +132,3 @@ def test_a_fetched_run_directory_resumes_and_rejoins_the_swarm(swarm):
     # joined in flight after a resync (`outer.catch_up_steps`), more after late rounds.
     before = [r for r in w.records() if r["round"] < following["round"] and r["status"] != "resynced"]
     assert following["train_loss"] is not None and 1 <= following["step"] <= 5 * (len(before) + 1)
-
-
-def test_fetch_from_an_unreachable_dht_is_one_line(tmp_path):
-    # A well-formed multiaddr nobody listens on (port 9, discard: closed on loopback).
-    peer = "/ip4/127.0.0.1/tcp/9/p2p/QmcSQkWbtiFPrToKfGvgW2rX9rj5Ng1wcYdrmqurKU1N5s"
-    result = run_cli(["fetch", "--initial-peers", peer, "--run-id", "swarm-test", "--out", str(tmp_path / "out"),
-                      "--timeout", "5"], timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr  # one line
-    assert result.stderr.startswith("error: ") and "could not reach" in result.stderr and peer in result.stderr
-    assert not (tmp_path / "out").exists()

@@ -26,6 +26,7 @@ from tests.harness.swarm import ProcessSwarm
 
 ENTRY = faulty_train()  # the faults and start gate each launch's environment plans (`tests.faults.node`)
 PER_RANK_BATCH = 2
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *diloco("train")[1:]]
 COMMON = [
     "model.preset=tiny", "data.max_bytes=200000", "inner.seq_len=32", "inner.warmup_steps=2", "inner.lr=0.003",
     "outer.inner_steps=4", "inner.total_steps=12", "train.eval_batches=1", "train.num_threads=1",
@@ -40,13 +41,6 @@ def _overrides(batch: int, rounds: int) -> list[str]:
 def _launch(procs: Procs, run_dir: Path, overrides: list[str], env_extra: dict[str, str] | None = None) -> Proc:
     args = [*ENTRY, "--nproc-per-node", "2", *set_args(overrides), "--run-dir", str(run_dir)]
     return procs.start(args, run_dir.with_name(f"{run_dir.name}.log"), env_extra)
-
-
-def _train_two_ranks(run_dir: Path, rounds: int) -> str:
-    with Procs() as procs:
-        proc = _launch(procs, run_dir, _overrides(PER_RANK_BATCH, rounds))
-        assert proc.wait(timeout=150) == 0, proc.output()
-        return proc.output()
 
 
 def _one_rank_node(run_dir: Path, rounds: int) -> Node:
@@ -67,14 +61,29 @@ def _assert_same_state(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tenso
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The 1-rank reference (rounds 1-3, and a copy of its dir at round 2) and a 2-rank run (rounds 1-2)."""
+    """The 1-rank reference (rounds 1-3, and a copy of its dir at round 2) and a 2-rank run (rounds 1-2).
+
+    The 2-rank nodes of the tests below start here too, at once, and run while the reference
+    trains in this process (each is a launcher and two ranks that spend their first seconds
+    importing torch; one after the other they took a minute): under torchrun (rounds 1-2), one
+    resuming the reference's round 2 (round 3), and one whose rank 1 is killed at its second
+    step. Each test waits for its own."""
     root = tmp_path_factory.mktemp("fsdp")
-    ref = root / "ref"
-    _one_rank_node(ref, 2).run()
-    shutil.copytree(ref, root / "ref_at_2")
-    _one_rank_node(ref, 3).run()
-    err = _train_two_ranks(root / "two", 2)
-    return {"ref": ref, "ref_at_2": root / "ref_at_2", "two": root / "two", "two_stderr": err, "root": root}
+    with Procs() as procs:
+        two = _launch(procs, root / "two", _overrides(PER_RANK_BATCH, 2))
+        torchrun = procs.start([*TORCHRUN, *set_args(_overrides(PER_RANK_BATCH, 2)), "--run-dir", str(root / "torchrun")],
+                               root / "torchrun.log")
+        dead = _launch(procs, root / "dead", _overrides(PER_RANK_BATCH, 2), {"DILOCO_P2P_FAULTS": "kill@rank1.step:2"})
+        dead.watch()  # its test asserts how soon after the kill it stopped
+        ref = root / "ref"
+        _one_rank_node(ref, 2).run()
+        shutil.copytree(ref, root / "ref_at_2")
+        shutil.copytree(root / "ref_at_2", root / "resumed")
+        resumed = _launch(procs, root / "resumed", _overrides(PER_RANK_BATCH, 3))
+        _one_rank_node(ref, 3).run()
+        assert two.wait(timeout=150) == 0, two.output()
+        yield {"ref": ref, "ref_at_2": root / "ref_at_2", "two": root / "two", "two_stderr": two.output(),
+               "root": root, "torchrun": torchrun, "resumed": resumed, "dead": dead}
 
 
 @pytest.mark.timeout(240)
@@ -97,11 +106,8 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(runs):
 
 
 @pytest.mark.timeout(180)
-def test_torchrun_runs_the_same_two_rank_node(runs, tmp_path, procs):
-    run_dir = tmp_path / "torchrun"
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *diloco("train")[1:]]
-    proc = procs.start([*torchrun, *set_args(_overrides(PER_RANK_BATCH, 2)), "--run-dir", str(run_dir)],
-                       tmp_path / "torchrun.log")
+def test_torchrun_runs_the_same_two_rank_node(runs):
+    run_dir, proc = runs["root"] / "torchrun", runs["torchrun"]
     assert proc.wait(timeout=150) == 0, proc.output()
     assert "sharded over 2 local ranks" in proc.output()
     for round_ in (1, 2):
@@ -135,17 +141,52 @@ def test_two_rank_checkpoint_exports_a_normal_transformers_model(runs, tmp_path)
 
 
 @pytest.mark.timeout(180)
-def test_one_rank_checkpoint_resumes_in_a_two_rank_node(runs, tmp_path):
-    run_dir = tmp_path / "resumed"
-    shutil.copytree(runs["ref_at_2"], run_dir)
-    err = _train_two_ranks(run_dir, 3)
+def test_one_rank_checkpoint_resumes_in_a_two_rank_node(runs):
+    run_dir, proc = runs["root"] / "resumed", runs["resumed"]  # a copy of ref_at_2, resumed by 2 ranks
+    assert proc.wait(timeout=150) == 0, proc.output()
+    err = proc.output()
     assert "resumed from checkpoint at round 2 (step 8; written by 1 local rank(s))" in err
     _assert_same_state(_ckpt(run_dir, 3), _ckpt(runs["ref"], 3))
 
 
+OVERLAP_CASES = [("eager", 1), ("inner", 1), ("inner", 2)]
+
+
+def _overlap_settings(mode: str, fragments: int) -> list[str]:
+    settings = [f"sync.overlap={mode}", "sync.overlap_steps=2"]
+    if fragments > 1:
+        settings += [f"sync.fragments={fragments}", "sync.overlap_merge=rebase"]
+    return settings
+
+
+@pytest.fixture(scope="module")
+def overlap_runs(tmp_path_factory):
+    """Per case of the test below: the 1-rank reference trained in this process (3 rounds, its
+    run dir copied at round 1 as `two`), and the 2-rank node resuming that copy, started at once
+    so that it runs while the next case's reference trains. Each test waits for its own."""
+    root = tmp_path_factory.mktemp("overlap")
+    with Procs() as procs:
+        started = {}
+        for mode, fragments in OVERLAP_CASES:
+            case, eager = root / f"{mode}-{fragments}", _overlap_settings(mode, fragments)
+            ref, two = case / "ref", case / "two"
+            node = Node(load_config(None, _overrides(2 * PER_RANK_BATCH, 3) + eager), ref, progress=False)
+            save = node._save
+
+            def save_and_copy_round_1(node=node, save=save, ref=ref, two=two) -> None:
+                save()
+                if node.round == 1:
+                    shutil.copytree(ref, two)
+
+            node._save = save_and_copy_round_1
+            node.run()
+            started[mode, fragments] = case, _launch(procs, two, _overrides(PER_RANK_BATCH, 3) + eager)
+        yield started
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode,fragments", [("eager", 1), ("inner", 1), ("inner", 2)])
-def test_two_ranks_under_overlap_train_like_one_rank(tmp_path, mode, fragments):
+@pytest.mark.parametrize("mode,fragments", OVERLAP_CASES)
+def test_two_ranks_under_overlap_train_like_one_rank(overlap_runs, mode, fragments):
     """sync.overlap on 2 ranks, each pipelining its shard: it resumes a 1-rank node's round 1 (a round
     in flight and, eager, a local correction, sliced per rank), averages that round again behind round
     2 (inner: lands it 2 steps in, on every rank at once), and drains in round 3. Every checkpoint
@@ -153,23 +194,10 @@ def test_two_ranks_under_overlap_train_like_one_rank(tmp_path, mode, fragments):
     twice the batch, and a 1-rank node resumes its round 2 and ends round 3 as that node did. With
     sync.fragments=2 (and the rebase merge) each rank averages its shard's values of the round's
     half, and the checkpoints also hold the trained weights."""
-    eager = [f"sync.overlap={mode}", "sync.overlap_steps=2"]
-    if fragments > 1:
-        eager += [f"sync.fragments={fragments}", "sync.overlap_merge=rebase"]
-    ref, two, back = tmp_path / "ref", tmp_path / "two", tmp_path / "back"
-    node = Node(load_config(None, _overrides(2 * PER_RANK_BATCH, 3) + eager), ref, progress=False)
-    save = node._save
-
-    def save_and_copy_round_1() -> None:
-        save()
-        if node.round == 1:
-            shutil.copytree(ref, two)
-
-    node._save = save_and_copy_round_1
-    node.run()
-    with Procs() as procs:
-        proc = _launch(procs, two, _overrides(PER_RANK_BATCH, 3) + eager)
-        assert proc.wait(timeout=150) == 0, proc.output()
+    eager = _overlap_settings(mode, fragments)
+    case, proc = overlap_runs[mode, fragments]
+    ref, two, back = case / "ref", case / "two", case / "back"
+    assert proc.wait(timeout=150) == 0, proc.output()
     assert "sharded over 2 local ranks" in proc.output()
     kept = {"overlap.theta", "overlap.inflight_delta"} if mode == "eager" else {"overlap.inflight_delta"}
     kept |= {"fragments.local"} if fragments > 1 else set()
@@ -187,10 +215,10 @@ def test_two_ranks_under_overlap_train_like_one_rank(tmp_path, mode, fragments):
 
 
 @pytest.mark.timeout(180)
-def test_a_dead_local_rank_stops_the_node_within_a_bound(tmp_path, procs):
+def test_a_dead_local_rank_stops_the_node_within_a_bound(runs):
     """SIGKILL rank 1 at its second inner step: the launcher must name it, stop rank 0 (blocked
     in an FSDP all-gather), and exit within a bound, leaving no rank behind."""
-    proc = _launch(procs, tmp_path / "r", _overrides(PER_RANK_BATCH, 2), {"DILOCO_P2P_FAULTS": "kill@rank1.step:2"})
+    proc = runs["dead"]
     rc = proc.wait(timeout=150)
     _assert_rank_death_handled(proc, rc)
 

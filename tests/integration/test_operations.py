@@ -27,7 +27,7 @@ from hivemind.p2p import P2P
 from diloco_p2p.launch import free_port
 from diloco_p2p.metrics import exported_names, read_port_file
 from diloco_p2p.swarm.transport.dht import peer_id_of
-from tests.harness.procs import run_cli, wait_until
+from tests.harness.procs import run_cli, run_clis, wait_until
 from tests.harness.swarm import Node, ProcessSwarm
 from tests.unit.test_deploy_files import METRIC, alert_rules, dashboard_queries
 
@@ -221,9 +221,10 @@ def test_status_against_an_unreachable_or_malformed_address_is_one_clear_line(tm
     key = tmp_path / "nobody.key"
     P2P.generate_identity(str(key))
     unreachable = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{peer_id_of(key)}"  # nothing listens there
-    result = _status("--initial-peers", unreachable, "--run-id", "swarm-test", "--timeout", "5")
-    _one_error_line(result, "error: could not reach any initial peer")
-    result = _status("--initial-peers", "seed.example.org:31337", "--run-id", "swarm-test")
-    _one_error_line(result, "error: p2p.initial_peers: 'seed.example.org:31337' is not a valid multiaddr")
-    result = _status("--initial-peers", f"/ip4/127.0.0.1/tcp/{free_port()}", "--run-id", "swarm-test")
-    _one_error_line(result, "error: p2p.initial_peers:")  # no /p2p/<peer id> part
+    unreached, malformed, no_peer_id = run_clis(  # three independent one-line failures, at once
+        ["status", "--initial-peers", unreachable, "--run-id", "swarm-test", "--timeout", "5"],
+        ["status", "--initial-peers", "seed.example.org:31337", "--run-id", "swarm-test"],
+        ["status", "--initial-peers", f"/ip4/127.0.0.1/tcp/{free_port()}", "--run-id", "swarm-test"], timeout=90)
+    _one_error_line(unreached, "error: could not reach any initial peer")
+    _one_error_line(malformed, "error: p2p.initial_peers: 'seed.example.org:31337' is not a valid multiaddr")
+    _one_error_line(no_peer_id, "error: p2p.initial_peers:")  # no /p2p/<peer id> part

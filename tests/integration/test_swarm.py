@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.harness.procs import run_cli
+from tests.harness.procs import run_cli, run_clis
 from tests.harness.settings import TINY, set_args
 from tests.harness.swarm import ProcessSwarm
 
@@ -106,22 +106,33 @@ def test_a_node_with_another_config_is_refused_naming_the_field(swarm):
     assert line.startswith("error:") and "outer.lr" in line, line
 
 
-def test_malformed_initial_peer_is_one_clear_line(tmp_path):
-    result = run_cli(["train", *set_args(TINY), "--initial-peers", "/ip4/127.0.0.1/tcp/notaport",
-                      "--run-dir", str(tmp_path)], timeout=60)
+@pytest.fixture(scope="module")
+def bad_peers(tmp_path_factory):
+    """`train` with a malformed and with an unreachable initial peer, both at once."""
+    root = tmp_path_factory.mktemp("bad-peers")
+    for run_dir in (root / "m", root / "u"):
+        run_dir.mkdir()  # an empty run directory, as a test's tmp_path
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmWj4GYJGLYLBFJxtD7Utymq2CsW4HNVtbSUrLD1k8mXsq"
+    malformed, unreachable = run_clis(
+        ["train", *set_args(TINY), "--initial-peers", "/ip4/127.0.0.1/tcp/notaport", "--run-dir", str(root / "m")],
+        ["train", *set_args(TINY + ["p2p.connect_timeout=5", "p2p.host_maddrs=['/ip4/127.0.0.1/tcp/0']"]),
+         "--initial-peers", nobody, "--run-dir", str(root / "u")], timeout=90)
+    return {"malformed": (malformed, root / "m"), "unreachable": (unreachable, root / "u")}
+
+
+def test_malformed_initial_peer_is_one_clear_line(bad_peers):
+    result, _ = bad_peers["malformed"]
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "initial_peers" in lines[0] and "not a valid multiaddr" in lines[0], lines
 
 
-def test_unreachable_initial_peer_fails_after_a_bounded_wait(tmp_path):
-    nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmWj4GYJGLYLBFJxtD7Utymq2CsW4HNVtbSUrLD1k8mXsq"
-    result = run_cli(["train", *set_args(TINY + ["p2p.connect_timeout=5", "p2p.host_maddrs=['/ip4/127.0.0.1/tcp/0']"]),
-                      "--initial-peers", nobody, "--run-dir", str(tmp_path)], timeout=90)
+def test_unreachable_initial_peer_fails_after_a_bounded_wait(bad_peers):
+    result, run_dir = bad_peers["unreachable"]
     assert result.returncode == 2, result.stderr[-2000:]
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error:") and "127.0.0.1/tcp/9" in line, line
-    assert not (tmp_path / "metrics.jsonl").exists()  # it never trained
+    assert not (run_dir / "metrics.jsonl").exists()  # it never trained
 
 
 def test_round_records_are_json_lines_with_the_swarm_fields(swarm):
