@@ -178,7 +178,10 @@ class Node:
 
             h, behind, compute_s = self._inner_steps(), self._behind(), 0.0
             for _ in range(h):  # H inner steps on our own data
-                if self._stopping() or (steps and len(steps) >= catch_up_steps(h, behind, compute_s / len(steps))):
+                caught_up = bool(steps) and len(steps) >= catch_up_steps(h, behind, compute_s / len(steps))
+                # node-wide, like a stop: each rank times its own steps, and one rank that stopped
+                # a step before the others would leave their next FSDP collective waiting for it
+                if self.ranks.any(self.stop.requested or caught_up):
                     break
                 steps.append(self.trainer.step(self._next_batch))
                 compute_s = time.perf_counter() - start

@@ -8,6 +8,10 @@ tests pin the loop's decisions without a DHT.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from diloco_p2p.config import load_config
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState
 from diloco_p2p.node import Node
 from diloco_p2p.outer import OuterOptimizer, catch_up_steps
+from diloco_p2p.ranks import Ranks
 
 SMALL = ["model.preset=tiny", "data.max_bytes=200000", "data.eval_fraction=0.05", "inner.batch_size=2",
          "inner.seq_len=32", "inner.warmup_steps=1", "outer.inner_steps=2", "train.eval_batches=1",
@@ -48,7 +53,7 @@ class ScriptedSync:
 
     def average(self, round, delta, weight, params_hash):
         self.deltas[round] = delta.clone()
-        assert weight > 0 and params_hash == self.seen[-1].params_sha256
+        assert weight > 0 and params_hash == self.seen[-1].shard_sha256  # the node's hash on one rank
         return self.outcomes.get(round, lambda d: RoundOutcome(status="alone", average=d))(delta)
 
     def after_round(self, node, record):
@@ -135,6 +140,48 @@ def test_a_node_that_adopted_the_state_late_joins_the_round_in_flight(tmp_path, 
     assert records[3].status == "resynced"
     assert records[4].step - records[3].step == steps
     assert records[5].step - records[4].step == 8
+
+
+def _catch_up_rank(rank: int, port: int, run_dir: str, behind: float | None, out: str) -> None:
+    """Rank `rank` of a 2-rank node (gloo on loopback) whose resync says it is `behind` s late."""
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    ranks = Ranks.from_env("cpu", timeout_s=30)  # a rank that stops a step early leaves the other waiting here
+
+    def late_state(node):
+        theta = node.state["outer.theta"].clone()  # this rank's shard
+        return SwarmState(tensors={"outer.theta": theta, "outer.momentum": torch.zeros_like(theta)}, round=3,
+                          outcome=RoundOutcome(status="resynced", group_size=0), behind_seconds=behind)
+
+    config = load_config(None, [*SMALL, "train.max_rounds=4", "outer.inner_steps=8"])
+    try:
+        records = Node(config, Path(run_dir), ScriptedSync(resyncs={0: late_state}), ranks=ranks, progress=False).run()
+        Path(out).write_text(json.dumps([r.step for r in records]))
+    finally:
+        ranks.close()
+
+
+def test_the_local_ranks_of_a_node_catch_up_by_the_same_steps(tmp_path):
+    """Each rank times its own steps and may read another lateness from its shard's swarm: one
+    far behind (one step left) and one that does not know (all H). The node stops where the
+    first rank does, so both run the same FSDP steps and the round ends on both."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    outs = [tmp_path / f"steps-{rank}.json" for rank in (0, 1)]
+    procs = [ctx.Process(target=_catch_up_rank, args=(rank, port, str(tmp_path / "node"), behind, str(out)))
+             for rank, behind, out in zip((0, 1), (None, 1e9), outs, strict=True)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+        if proc.is_alive():
+            proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    steps = [json.loads(out.read_text()) for out in outs]
+    assert steps[0] == steps[1]
+    assert steps[0][-1] - steps[0][-2] == 1  # the round in flight: the one step the later rank had left
 
 
 def test_catch_up_runs_the_steps_the_others_have_left():
