@@ -178,10 +178,7 @@ class Node:
 
             h, behind, compute_s = self._inner_steps(), self._behind(), 0.0
             for _ in range(h):  # H inner steps on our own data
-                caught_up = bool(steps) and len(steps) >= catch_up_steps(h, behind, compute_s / len(steps))
-                # node-wide, like a stop: each rank times its own steps, and one rank that stopped
-                # a step before the others would leave their next FSDP collective waiting for it
-                if self.ranks.any(self.stop.requested or caught_up):
+                if self._round_ends(len(steps), catch_up_steps(h, behind, compute_s / max(len(steps), 1))):
                     break
                 steps.append(self.trainer.step(self._next_batch))
                 compute_s = time.perf_counter() - start
@@ -400,6 +397,13 @@ class Node:
         if catch_up is None or catch_up[0] != self.round + 1 or self.pipeline is not None or self.fragments.on:
             return None
         return catch_up[1] + time.perf_counter() - catch_up[2]
+
+    def _round_ends(self, done: int, catch_up: int) -> bool:
+        """Whether the inner steps stop here: a stop request, or a round in flight caught up with
+        (`catch_up` steps, after at least one). Node-wide, like a stop: each rank times its own
+        steps, and a rank that stopped a step before the others would leave their next FSDP
+        collective waiting for it."""
+        return self.ranks.any(self.stop.requested or (done > 0 and done >= catch_up))
 
     def _stopping(self) -> bool:
         """A stop request on any local rank, seen by every rank at the same point of the loop."""
