@@ -19,7 +19,7 @@ from typing import Any
 
 from diloco_p2p.config import Config, load_config
 from diloco_p2p.errors import UserError
-from diloco_p2p.logs import setup_logging
+from diloco_p2p.logs import log_context, setup_logging
 from diloco_p2p.ranks import NPROC_FLAG, env_rank, launched_as_rank, local_world_size
 from diloco_p2p.schedule import rounds
 
@@ -79,7 +79,9 @@ def train(config: Config, run_dir: Path) -> int:
         return 1
     if records and env_rank() == 0:
         last = records[-1]
-        log.info("done: round %d, eval loss %s, params %s", last.round, last.eval_loss, last.params_sha256[:12])
+        loss = "-" if last.eval_loss is None else f"{last.eval_loss:.4f}"
+        with log_context(round=last.round, step=last.step):  # where the node ended, not where its last round began
+            log.info("done: round %d, eval loss %s, params %s", last.round, loss, last.params_sha256[:12])
     return 0
 
 
