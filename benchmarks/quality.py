@@ -25,9 +25,10 @@ the swarm takes over a model that already trains), is exported, and is every run
 `model.pretrained_path`; the table then measures the gap of the continued phase only.
 
 Runs go `--jobs` at a time (one torch thread each on a CPU; on a GPU every run shares it), the
-data-parallel runs first; each result is written to `--json` as it finishes, so `--resume` runs
-only the missing ones and `--report` prints the table and writes the PNG (eval loss against tokens
-per replica: the x axis of a run of M replicas is its tokens / M, the compute of one volunteer).
+data-parallel runs at M = 1 first, the DiLoCo runs beside those at M > 1; each result is written
+to `--json` as it finishes, so `--resume` runs only the missing ones and `--report` prints the
+table and writes the PNG (eval loss against tokens per replica: the x axis of a run of M replicas
+is its tokens / M, the compute of one volunteer).
 
     python benchmarks/quality.py --config configs/tiny-cpu.yaml --rounds 16 --h 30 \\
         --run 4:lr=0.7:mom=0.3 4:recipe=auto --seeds 0 1 2 --jobs 2 --json benchmarks/results/quality_tiny.json
@@ -143,17 +144,11 @@ def train(args: argparse.Namespace, results: dict) -> dict:
         print(f"{name}: eval {result['final']:.4f}, {result['allreduces']} all-reduces ({result['seconds']:.0f} s)",
               flush=True)
 
-    def run_all(jobs: list[tuple[str, int, int, list[str], dict]]) -> None:
-        todo = [j for j in jobs if j[0] not in results]
-
-        def one(job: tuple[str, int, int, list[str], dict]) -> None:
-            name, m, seed, sets, info = job
-            keys = [f"s{seed}-replica-{i}" for i in range(m)]
-            common = [f"seed={seed}", f"inner.batch_size={batch}", "train.num_threads=1", *args.overrides]
-            save(name, {**simulate(args.config, keys, [*common, *sets]), **info, "M": m, "seed": seed})
-
-        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            list(pool.map(one, todo))
+    def one(job: tuple[str, int, int, list[str], dict]) -> None:
+        name, m, seed, sets, info = job
+        keys = [f"s{seed}-replica-{i}" for i in range(m)]
+        common = [f"seed={seed}", f"inner.batch_size={batch}", "train.num_threads=1", *args.overrides]
+        save(name, {**simulate(args.config, keys, [*common, *sets]), **info, "M": m, "seed": seed})
 
     dp_rounds = [f"train.max_rounds={steps // eval_steps}", f"outer.inner_steps={eval_steps}", "train.eval_every=1",
                  f"train.checkpoint_every={steps // eval_steps}", "outer.lr=1.0", "outer.momentum=0.0",
@@ -166,11 +161,7 @@ def train(args: argparse.Namespace, results: dict) -> dict:
 
     ms = sorted({parse_run(s)[0] for s in args.run} | {1})
     lrs = args.dp_lr or [base.inner.lr, 2 * base.inner.lr]
-    for seed in args.seeds:
-        run_all([dp_job(1, seed, lr) for lr in lrs])
-        gamma = best_dp(results, 1, seed)["lr"]
-        run_all([dp_job(m, seed, gamma * math.sqrt(m) * s) for m in ms if m > 1 for s in args.dp_scales])
-    jobs = []
+    diloco = []
     for seed in args.seeds:
         for spec in args.run:
             m, sets = parse_run(spec, args.rounds, args.h)
@@ -179,8 +170,22 @@ def train(args: argparse.Namespace, results: dict) -> dict:
                 raise SystemExit(f"--run {spec}: H={h} does not divide the horizon's {steps} steps")
             horizon = [f"train.max_rounds={steps // h}", f"outer.inner_steps={h}",
                        f"train.eval_every={max(1, eval_steps // h)}", f"train.checkpoint_every={10**6}"]
-            jobs.append((f"{spec}@s{seed}", m, seed, [*horizon, *sets], {"kind": "diloco", "spec": spec}))
-    run_all(jobs)
+            diloco.append((f"{spec}@s{seed}", m, seed, [*horizon, *sets], {"kind": "diloco", "spec": spec}))
+
+    # One pool: the data-parallel runs at M = 1 first, then the DiLoCo runs, which need nothing; each
+    # seed's data-parallel runs at M > 1 (at its best lr γ* from M = 1) join the queue once γ* is known.
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        first = {seed: [pool.submit(one, j) for j in (dp_job(1, seed, lr) for lr in lrs) if j[0] not in results]
+                 for seed in args.seeds}
+        rest = [pool.submit(one, j) for j in diloco if j[0] not in results]
+        for seed in args.seeds:
+            for f in first[seed]:
+                f.result()
+            gamma = best_dp(results, 1, seed)["lr"]
+            later = [dp_job(m, seed, gamma * math.sqrt(m) * s) for m in ms if m > 1 for s in args.dp_scales]
+            rest += [pool.submit(one, j) for j in later if j[0] not in results]
+        for f in rest:
+            f.result()
     return state
 
 
