@@ -88,6 +88,10 @@ def quality_tiny_32() -> str:
     return quality_report("quality_tiny_32.json")
 
 
+def quality_small() -> str:
+    return quality_report("quality_small.json")
+
+
 # --- wires ----------------------------------------------------------------------------------
 
 
@@ -408,7 +412,7 @@ def join_stripes() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {f.__name__: f for f in (
-    quality_tiny, quality_tiny_sweep, quality_tiny_warm, quality_tiny_32, compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
+    quality_tiny, quality_tiny_sweep, quality_tiny_warm, quality_tiny_32, quality_small, compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
     swarm_matches_simulate, overlap_link, overlap_link_fragments, overlap_fragments, overlap_sweep_seed0,
     allreduce_paced, allreduce_ceiling, allreduce_paced_cubic, wan_line_rate, wan_topk, wan_256x4, hivemind, scale,
     nat, planner, robust, data_fetch, data_scale, churn_4n_before, churn_4n, churn_8n, join_stripes)}
@@ -433,7 +437,7 @@ def plots() -> None:
     import quality
     import robust
 
-    for name in ("quality_tiny", "quality_tiny_sweep", "quality_tiny_warm", "quality_tiny_32"):
+    for name in ("quality_tiny", "quality_tiny_sweep", "quality_tiny_warm", "quality_tiny_32", "quality_small"):
         quality.report(load(f"{name}.json"), RESULTS / f"{name}.png")
     compression.plot(load("compression.json")["results"], RESULTS / "compression.png")
     for name in ("compression_topk_carry", "compression_topk_seeds"):
