@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import re
@@ -72,24 +73,8 @@ def quality_report(name: str) -> str:
         return code(captured(quality.report, load(name), None).replace("plot: None\n", ""))
 
 
-def quality_tiny() -> str:
-    return quality_report("quality_tiny.json")
-
-
-def quality_tiny_sweep() -> str:
-    return quality_report("quality_tiny_sweep.json")
-
-
-def quality_tiny_warm() -> str:
-    return quality_report("quality_tiny_warm.json")
-
-
-def quality_tiny_32() -> str:
-    return quality_report("quality_tiny_32.json")
-
-
-def quality_small() -> str:
-    return quality_report("quality_small.json")
+# The quality tables, one per stored run of benchmarks/quality.py (block name = file stem).
+QUALITY = ("quality_tiny", "quality_tiny_sweep", "quality_tiny_warm", "quality_tiny_32", "quality_small")
 
 
 # --- wires ----------------------------------------------------------------------------------
@@ -411,8 +396,9 @@ def join_stripes() -> str:
     return code((RESULTS / "join_stripes.txt").read_text())
 
 
-TABLES: dict[str, Callable[[], str]] = {f.__name__: f for f in (
-    quality_tiny, quality_tiny_sweep, quality_tiny_warm, quality_tiny_32, quality_small, compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
+TABLES: dict[str, Callable[[], str]] = {name: functools.partial(quality_report, f"{name}.json") for name in QUALITY}
+TABLES |= {f.__name__: f for f in (
+    compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
     swarm_matches_simulate, overlap_link, overlap_link_fragments, overlap_fragments, overlap_sweep_seed0,
     allreduce_paced, allreduce_ceiling, allreduce_paced_cubic, wan_line_rate, wan_topk, wan_256x4, hivemind, scale,
     nat, planner, robust, data_fetch, data_scale, churn_4n_before, churn_4n, churn_8n, join_stripes)}
@@ -437,7 +423,7 @@ def plots() -> None:
     import quality
     import robust
 
-    for name in ("quality_tiny", "quality_tiny_sweep", "quality_tiny_warm", "quality_tiny_32", "quality_small"):
+    for name in QUALITY:
         quality.report(load(f"{name}.json"), RESULTS / f"{name}.png")
     compression.plot(load("compression.json")["results"], RESULTS / "compression.png")
     for name in ("compression_topk_carry", "compression_topk_seeds"):
