@@ -11,7 +11,7 @@ horizon, T = `--rounds` x `--h` inner steps per replica, and the same held-out e
 - DiLoCo, one run per `--run` setting, written M[:key=value...] with keys `lr` (outer.lr), `mom`
   (outer.momentum), `nest` (outer.nesterov 0/1), `H` (outer.inner_steps), `sched` (outer.h_schedule),
   `h0` (outer.h_start), `warm` (outer.warmup_rounds), `lr0` (outer.lr_start), `ilr` (inner.lr),
-  `opt` (inner.optimizer), `recipe` (outer.recipe; its outer.nodes is M); e.g. `4:recipe=auto` or
+  `opt` (inner.optimizer), `mlr` (inner.muon_lr), `recipe` (outer.recipe; its outer.nodes is M); e.g. `4:recipe=auto` or
   `4:lr=0.7:mom=0.3`. Unnamed fields come from the config.
 
 For every DiLoCo run the table gives its final eval loss, its gap over the best data-parallel run
@@ -48,7 +48,7 @@ from pathlib import Path
 
 KEYS = {"lr": "outer.lr", "mom": "outer.momentum", "nest": "outer.nesterov", "H": "outer.inner_steps",
         "sched": "outer.h_schedule", "h0": "outer.h_start", "warm": "outer.warmup_rounds", "lr0": "outer.lr_start",
-        "ilr": "inner.lr", "opt": "inner.optimizer", "recipe": "outer.recipe"}
+        "ilr": "inner.lr", "opt": "inner.optimizer", "mlr": "inner.muon_lr", "recipe": "outer.recipe"}
 
 
 def simulate(cfg: str, keys: list[str], sets: list[str]) -> dict:
@@ -107,6 +107,8 @@ def main() -> None:
                    "and 2x it)")
     p.add_argument("--dp-scales", type=float, nargs="+", default=[0.5, 1 / math.sqrt(2), 1.0],
                    help="at M > 1 the data-parallel lrs are γ* · √M · each of these (γ* the best at M = 1)")
+    p.add_argument("--dp-ms", type=int, nargs="*", default=[],
+                   help="data-parallel at these M too, besides M = 1 and the M of every --run")
     p.add_argument("--run", nargs="*", default=[], help="DiLoCo settings M[:key=value...], see the docstring")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--jobs", type=int, default=2, help="runs at once")
@@ -159,7 +161,7 @@ def train(args: argparse.Namespace, results: dict) -> dict:
                 [*dp_rounds, f"inner.batch_size={batch * m}", f"inner.lr={lr}"],
                 {"kind": "dp", "dp_M": m, "lr": lr})
 
-    ms = sorted({parse_run(s)[0] for s in args.run} | {1})
+    ms = sorted({parse_run(s)[0] for s in args.run} | {1, *args.dp_ms})
     lrs = args.dp_lr or [base.inner.lr, 2 * base.inner.lr]
     diloco = []
     for seed in args.seeds:
