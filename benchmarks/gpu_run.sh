@@ -48,6 +48,7 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
             stage quality-check 120 python3 -m diloco_p2p simulate --order-keys a b --config configs/35m.yaml \
                 --dir /tmp/quality-check --set train.max_rounds=1 --set outer.inner_steps=4 --set train.eval_batches=1 \
                 --set inner.optimizer=muon --set inner.muon_lr=0.008 || exit 1
+            q="$q --set inner.optimizer=adamw"  # the preset's Muon only where a run names it: AdamW is the baseline
             stage quality-m4 $((end - SECONDS)) $q --dp-scales 0.3536 0.5 0.7071 --json "$OUT/quality_35m.json" --run $m4
             [ $((end - SECONDS)) -gt 30 ] && stage quality-dp-muon $((end - SECONDS)) $q --dp-scales 0.5 --dp-ms 4 \
                 --set inner.optimizer=muon --set inner.muon_lr=0.008 --json "$OUT/quality_35m_dp_muon.json"
