@@ -127,7 +127,7 @@ class InnerConfig(_Section):
     muon_lr: float | None = Field(
         None, gt=0, description="Peak Muon learning rate under inner.optimizer=muon, on the same schedule; unset = "
         "`inner.lr` (the update is scaled to AdamW's RMS, torch's `match_rms_adamw`); 4-8x `inner.lr` did better on "
-        "the tiny and 35m models (docs/recipes.md).",
+        "the tiny, small and 35m models (docs/recipes.md).",
     )
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon's Nesterov momentum under inner.optimizer=muon.")
 
