@@ -85,16 +85,20 @@ def parse_run(spec: str, rounds: int = 16, h: int = 30) -> tuple[int, list[str]]
 
 
 def interpolate_tokens(curve: list[tuple[float, float]], loss: float) -> float:
-    """The tokens at which a (decreasing) eval curve reaches `loss`, linear in log tokens; past the
-    curve's end the last segment's slope extrapolates (an efficiency above 100%)."""
+    """The tokens at which a (decreasing) eval curve reaches `loss`, linear in log tokens; a loss below
+    the curve's end is not reached within it: infinity (an efficiency of more than 100% by an amount the
+    curve cannot say; its flat, decayed end made an extrapolation meaningless)."""
     pts = [(math.log(t), v) for t, v in curve if t > 0]
     for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False):
         if v1 <= loss <= v0 and v0 != v1:
             return math.exp(t0 + (t1 - t0) * (v0 - loss) / (v0 - v1))
     if loss >= pts[0][1]:
         return math.exp(pts[0][0])
-    (t0, v0), (t1, v1) = pts[-2], pts[-1]
-    return math.exp(t1 + (t1 - t0) * (v1 - loss) / (v0 - v1)) if v0 > v1 else math.exp(t1)
+    return math.inf if loss < min(v for _, v in pts) else math.exp(pts[-1][0])
+
+
+def efficiency(value: float) -> str:
+    return ">100%" if math.isinf(value) else f"{value:.0%}"
 
 
 def main() -> None:
@@ -239,7 +243,7 @@ def report(state: dict, png: Path) -> None:
             effs.append(interpolate_tokens(dp["curve"], r["final"]) / r["curve"][-1][0])
         summary[spec] = (mean(gaps), mean(effs))
         print(f"{spec:<44} {len(runs):>5} {mean([r['final'] for r in runs]):>7.4f} {mean(gaps):>+10.2%} "
-              f"{mean(effs):>10.0%} {runs[0]['allreduces']:>11}   " + " ".join(f"{g:+.1%}" for g in gaps))
+              f"{efficiency(mean(effs)):>10} {runs[0]['allreduces']:>11}   " + " ".join(f"{g:+.1%}" for g in gaps))
     print("data-parallel (best lr of each M and seed):")
     for m in sorted({r["dp_M"] for r in results.values() if r.get("kind") == "dp"}):
         best = [best_dp(results, m, s) for s in sorted({r["seed"] for r in results.values()})

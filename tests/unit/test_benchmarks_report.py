@@ -43,3 +43,15 @@ def test_every_result_file_is_named_in_the_benchmarks_index():
     missing = [p.name for p in sorted((ROOT / "benchmarks" / "results").iterdir())
                if p.name not in named and f"{p.stem}.*" not in named]
     assert not missing, f"result files benchmarks/README.md does not name (name them, or delete them): {missing}"
+
+
+def test_compute_efficiency_interpolates_in_log_tokens_and_never_extrapolates():
+    spec = importlib.util.spec_from_file_location("benchmarks_quality", ROOT / "benchmarks" / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    curve = [(100.0, 3.0), (1000.0, 2.0), (10000.0, 1.999)]  # a flat, decayed end
+    assert abs(quality.interpolate_tokens(curve, 2.5) - 1000 ** 0.5 * 10) < 1e-6  # halfway in log tokens
+    assert abs(quality.interpolate_tokens(curve, 3.5) - 100.0) < 1e-9  # above the start: its first point
+    below = quality.interpolate_tokens(curve, 1.9)  # below the end: more than the curve's tokens, unmeasured
+    assert below == float("inf") and quality.efficiency(below / 10000.0) == ">100%"
+    assert quality.efficiency(0.53) == "53%"
