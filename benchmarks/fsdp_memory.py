@@ -25,18 +25,17 @@ import time
 import torch
 
 from diloco_p2p.config import Config
-from diloco_p2p.model import PRESETS, ByteTokenizer, llama_config
+from diloco_p2p.llama import Llama
+from diloco_p2p.model import PRESETS, ByteTokenizer, llama_shape
 
 MiB = 2**20
 
 
 def shard_numels(preset: str, nproc: int) -> list[int]:
     """Parameters held by each of `nproc` ranks under FSDP2's dim-0 chunking."""
-    from transformers import LlamaForCausalLM
-
     cfg = Config.model_validate({"model": {"preset": preset}})
     with torch.device("meta"):
-        model = LlamaForCausalLM(llama_config(cfg.model, ByteTokenizer.vocab_size))
+        model = Llama(llama_shape(cfg.model, ByteTokenizer.vocab_size))
     per_rank = [0] * nproc
     for p in model.parameters():
         rows = [c.shape[0] for c in torch.chunk(torch.empty(p.shape[0], device="meta"), nproc)]

@@ -23,7 +23,8 @@ import torch
 
 from diloco_p2p.config import OuterConfig, load_config
 from diloco_p2p.inner import InnerTrainer
-from diloco_p2p.model import llama_config
+from diloco_p2p.llama import Llama
+from diloco_p2p.model import llama_shape
 from diloco_p2p.outer import OuterOptimizer, flatten, tensor_sha256
 from diloco_p2p.swarm.collective import wire
 
@@ -84,9 +85,7 @@ def main() -> None:
     config = load_config(args.config, [f"{k}={v}" for k, v in given.items() if v is not None])
     inner_cfg, h = config.inner, config.outer.inner_steps
     with torch.device("cuda"):
-        from transformers import LlamaForCausalLM
-
-        model = LlamaForCausalLM(llama_config(config.model, 259))
+        model = Llama(llama_shape(config.model, 259))
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     outer = OuterOptimizer(params, config.outer)

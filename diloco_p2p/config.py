@@ -42,7 +42,8 @@ class ModelConfig(_Section):
     num_key_value_heads: int | None = Field(None, gt=0, description="Override the preset's key/value heads.")
     max_position_embeddings: int | None = Field(None, gt=0, description="Override the preset's context size.")
     extra: dict[str, Any] = Field(
-        default_factory=dict, description="Any other `LlamaConfig` fields, passed through as given."
+        default_factory=dict, description="More `LlamaConfig` fields of the built-in Llama: rope_theta, rms_norm_eps, "
+        "initializer_range, tie_word_embeddings (any other architecture: model.pretrained_path)."
     )
 
 

@@ -1,7 +1,8 @@
 """The language model and its tokenizer, built locally with no download.
 
-The model is a transformers Llama causal LM built from a size preset (optionally overridden
-field by field) or loaded from a local `from_pretrained` directory. The default tokenizer is
+The model is a Llama causal LM (`diloco_p2p.llama`: transformers' `LlamaForCausalLM`, op for op and
+name for name) built from a size preset (optionally overridden field by field), or any transformers
+causal LM loaded from a local `from_pretrained` directory. The default tokenizer is
 byte-level: token = byte + 3, with pad=0, eos=1, unk=2 — exactly the id layout of
 transformers' `ByT5Tokenizer(extra_ids=0)`, so an exported model ships a tokenizer that
 `AutoTokenizer.from_pretrained` loads, while encoding here stays a fast numpy view of the bytes.
@@ -14,10 +15,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from diloco_p2p.config import ModelConfig
 from diloco_p2p.errors import UserError
+from diloco_p2p.llama import Llama, LlamaShape
 
 # Transformer shapes. `tiny` is a ~0.4M-parameter model that trains on 2 CPU cores in about a
 # minute; `small` (4.2M non-embedding parameters) is the smallest shape whose quality says something
@@ -51,6 +52,9 @@ _OVERRIDABLE = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "max_position_embeddings",
 )
+# The model.extra fields the Llama reads (`LlamaConfig`'s names), with their types.
+EXTRA_FIELDS: dict[str, type] = {"rope_theta": float, "rms_norm_eps": float, "initializer_range": float,
+                                 "tie_word_embeddings": bool}
 
 
 class Tokenizer(Protocol):
@@ -112,29 +116,62 @@ def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
     return ByteTokenizer()
 
 
-def llama_config(cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
+def llama_shape(cfg: ModelConfig, vocab_size: int) -> LlamaShape:
     fields: dict[str, Any] = dict(PRESETS[cfg.preset])
     fields.update({k: getattr(cfg, k) for k in _OVERRIDABLE if getattr(cfg, k) is not None})
-    fields.update(vocab_size=vocab_size, tie_word_embeddings=False, bos_token_id=None, eos_token_id=1, pad_token_id=0)
-    fields.update(cfg.extra)
+    unknown = sorted(set(cfg.extra) - set(EXTRA_FIELDS))
+    if unknown:
+        raise UserError(f"model.extra: {', '.join(unknown)} not supported by the built-in Llama (it reads "
+                        f"{', '.join(EXTRA_FIELDS)}); train another architecture from model.pretrained_path")
+    for key, value in cfg.extra.items():
+        kind = EXTRA_FIELDS[key]
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float)):
+            raise UserError(f"model.extra.{key}: {value!r} is not a {kind.__name__}")
+        fields[key] = kind(value)
     if fields["hidden_size"] % fields["num_attention_heads"]:
         raise UserError("model.hidden_size must be a multiple of model.num_attention_heads")
-    try:
-        return LlamaConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"model: invalid transformers Llama config: {e}") from None
+    if fields["num_attention_heads"] % fields["num_key_value_heads"]:
+        raise UserError("model.num_attention_heads must be a multiple of model.num_key_value_heads")
+    return LlamaShape(vocab_size=vocab_size, pad_token_id=ByteTokenizer.pad_id, **fields)
+
+
+def llama_config(shape: LlamaShape) -> Any:
+    """transformers' `LlamaConfig` of the same model (an export's config.json)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, max_position_embeddings=shape.max_position_embeddings,
+        rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps, initializer_range=shape.initializer_range,
+        tie_word_embeddings=shape.tie_word_embeddings, bos_token_id=None, eos_token_id=ByteTokenizer.eos_id, pad_token_id=shape.pad_token_id,
+    )
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> torch.nn.Module:
     """A causal LM in fp32 on the CPU; the same `seed` gives the same initial parameters everywhere."""
     if cfg.pretrained_path:
+        from transformers import AutoModelForCausalLM
+
         path = Path(cfg.pretrained_path)
         if not (path / "config.json").is_file():
             raise UserError(f"model.pretrained_path {path} has no config.json; point it at a save_pretrained directory")
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, torch_dtype=torch.float32)
+    shape = llama_shape(cfg, vocab_size)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(llama_config(cfg, vocab_size))
-    return model.float()
+    return Llama(shape)
+
+
+def save_pretrained(model: torch.nn.Module, directory: Path) -> None:
+    """Write `model` in the transformers format (config.json and safetensors)."""
+    if isinstance(model, Llama):
+        from transformers import LlamaForCausalLM
+
+        with torch.device("meta"):
+            hf = LlamaForCausalLM(llama_config(model.shape))
+        hf.load_state_dict(model.state_dict(), assign=True)
+        model = hf
+    model.save_pretrained(str(directory), safe_serialization=True)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

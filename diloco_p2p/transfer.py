@@ -22,7 +22,7 @@ import torch
 from diloco_p2p.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from diloco_p2p.config import Config, apply_override, load_config, save_config, validate_config
 from diloco_p2p.errors import UserError
-from diloco_p2p.model import build_model, build_tokenizer
+from diloco_p2p.model import build_model, build_tokenizer, save_pretrained
 from diloco_p2p.outer import OuterOptimizer, tensor_sha256
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def find_checkpoint(path: Path) -> tuple[Config, Checkpoint]:
 
 
 def model_from_checkpoint(config: Config, ckpt: Checkpoint) -> torch.nn.Module:
-    """The transformers model with the checkpoint's global parameters θ."""
+    """The model with the checkpoint's global parameters θ."""
     tokenizer = build_tokenizer(config.model)
     model = build_model(config.model, tokenizer.vocab_size, config.seed)
     params = list(model.parameters())
@@ -154,7 +154,7 @@ def export(checkpoint: Path, out: Path) -> Path:
     config, ckpt = find_checkpoint(checkpoint)
     model = model_from_checkpoint(config, ckpt)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
+    save_pretrained(model, out)
     build_tokenizer(config.model).save(out)
     log.info("exported round %d (params %s) to %s", ckpt.round, ckpt.meta.get("params_sha256", "?")[:12], out)
     return out
