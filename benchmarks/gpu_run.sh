@@ -43,6 +43,7 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
         # that a 35m replica trains here (AdamW and Muon), then M = 4 against tuned data-parallel, then
         # data-parallel with Muon inside, then M = 2, each in the time left (--resume: the same JSON); a
         # part's finished runs are in its JSON even if it runs out of time. About 9 minutes on an H200.
+        # QUALITY_CORPUS=site trains on this machine's Python sources instead of the embedded corpus.
         quality) end=$((SECONDS + ${QUALITY_S:-540})) muon="opt=muon:mlr=${QUALITY_MLR:-0.008}"
             m4=${QUALITY_M4:-4:recipe=auto 4:recipe=auto:$muon}
             q="python3 benchmarks/quality.py --config configs/35m.yaml --rounds 16 --h 30 --dp-lr 0.002 --jobs 8"
@@ -50,6 +51,16 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
                 --dir /tmp/quality-check --set train.max_rounds=1 --set outer.inner_steps=4 --set train.eval_batches=1 \
                 --set inner.optimizer=muon --set inner.muon_lr=${QUALITY_MLR:-0.008} || exit 1
             q="$q --set inner.optimizer=adamw"  # the preset's Muon only where a run names it: AdamW is the baseline
+            if [ -n "${QUALITY_CORPUS:-}" ]; then  # a corpus larger than the embedded one: the Python sources
+                # of QUALITY_CORPUS (a directory; "site": this Python's site-packages), prepared here first
+                src=$QUALITY_CORPUS
+                [ "$src" = site ] && src=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+                rm -rf /tmp/quality-src && mkdir -p /tmp/quality-src
+                (cd "$src" && find . -name '*.py' -size -512k -print0 | tar --null -T - -cf - | tar -xf - -C /tmp/quality-src)
+                stage quality-corpus 240 python3 -m diloco_p2p prepare /tmp/quality-src --out /tmp/quality-corpus \
+                    --max-bytes $((${QUALITY_CORPUS_MB:-200} << 20)) --quiet || exit 1
+                q="$q --set data.path=/tmp/quality-corpus"
+            fi
             stage quality-m4 $((end - SECONDS)) $q --dp-scales 0.3536 0.5 0.7071 --json "$OUT/quality_35m.json" --run $m4
             [ $((end - SECONDS)) -gt 30 ] && stage quality-dp-muon $((end - SECONDS)) $q --dp-scales 0.5 --dp-ms 4 \
                 --set inner.optimizer=muon --set inner.muon_lr=${QUALITY_MLR:-0.008} --json "$OUT/quality_35m_dp_muon.json"
