@@ -144,7 +144,8 @@ def llama_config(shape: LlamaShape) -> Any:
         num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads, max_position_embeddings=shape.max_position_embeddings,
         rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps, initializer_range=shape.initializer_range,
-        tie_word_embeddings=shape.tie_word_embeddings, bos_token_id=None, eos_token_id=ByteTokenizer.eos_id, pad_token_id=shape.pad_token_id,
+        tie_word_embeddings=shape.tie_word_embeddings, bos_token_id=None, eos_token_id=ByteTokenizer.eos_id,
+        pad_token_id=shape.pad_token_id,
     )
 
 
