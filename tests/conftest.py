@@ -52,7 +52,7 @@ def procs():
 # -- the longest files first ------------------------------------------------------------------------
 # The README's command hands out whole files (`--dist loadfile`) in collection order
 # (`--no-loadscope-reorder`). Ordered by their measured wall time, longest first, the multi-process
-# files start at once on both workers and the second-long unit files fill the end, so neither worker
+# files start at once on both workers and the seconds-long unit files fill the end, so neither worker
 # waits for the other's last long file (longest-processing-time-first scheduling).
 DURATIONS = Path(__file__).with_name("durations.json")
 UNKNOWN_UNIT, UNKNOWN_OTHER = 1.0, 30.0  # a file not yet measured: a unit file is short, others may not be
