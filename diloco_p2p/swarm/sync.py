@@ -46,7 +46,14 @@ from diloco_p2p.swarm.collective import hierarchy
 from diloco_p2p.swarm.collective.aggregate import robust_of
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
-from diloco_p2p.swarm.membership.liveness import AdaptiveDeadline, Presence, verdicts, waited_for
+from diloco_p2p.swarm.membership.liveness import (
+    AdaptiveDeadline,
+    Presence,
+    allreduce_sample,
+    seen_missing,
+    verdicts,
+    waited_for,
+)
 from diloco_p2p.swarm.membership.matchmaking import Matchmaker
 from diloco_p2p.swarm.membership.records import (
     PROGRESS_REFRESH,
@@ -107,6 +114,9 @@ class SwarmSync:
         self.last_group: frozenset[str] | None = None  # the members we last committed a round with
         # (round, members whose masks we heard) of our last all-reduce: they finished that round with us
         self._grouped: tuple[int, frozenset[str]] = (-1, frozenset())
+        # (round, peers it expected and did without) of our last committed round (`liveness.seen_missing`)
+        self._missing: tuple[int, frozenset[str]] = (-1, frozenset())
+        self._expected: frozenset[str] = frozenset()  # whom this round's matchmaking waits for
         self.donor: str | None = None  # whose state we adopted, until we next commit a round (a tie: follow it)
         # Who a round waits for and how long (`liveness`): the configured timeouts are the upper bounds.
         self.presence = Presence()
@@ -317,11 +327,17 @@ class SwarmSync:
             log.warning("round %d: averaging interrupted (%s)", round, e)
             return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement, interrupted=True))
         self._keep(round, delta, weight, result)
+        one_butterfly = len(group.peers) <= self.cfg.target_group_size  # else a grid (`hierarchy`)
         if result.status != "failed":
-            self.last_group = frozenset(p.to_base58() for p in group.peers)
+            peers = [p.to_base58() for p in group.peers]
+            self.last_group = frozenset(peers)
             self._grouped = (round, frozenset(result.agreed_with))  # who finished the round with us
-        if result.status == "committed" and len(result.contributors) == len(group.peers):
-            self.allreduce_deadline.observe(result.seconds)  # everyone in time: a sample of how long it takes
+            self._missing = (round, seen_missing(self._expected, peers, result.agreed_with,
+                                                 one_butterfly=one_butterfly, me=self.peer_id))
+        sample = allreduce_sample(result.status, result.seconds, len(group.peers), result.contributors,
+                                  result.agreed_with, one_butterfly=one_butterfly)
+        if sample is not None:
+            self.allreduce_deadline.observe(sample)
         blame(self.guard, round, result)
         return self._seen(round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement))
 
@@ -364,17 +380,19 @@ class SwarmSync:
         distrusted = self.guard.distrusted()  # caught reducers: not waited for, not grouped with
 
         members = self._grouped[1] if self._grouped[0] == round - 1 else ()  # did the last round with us
+        missing = self._missing[1] if self._missing[0] == round - 1 else ()  # the last round did without
 
         def judge(records: dict[str, ProgressRecord]) -> dict[str, str | None]:
             others = {peer: r for peer, r in records.items() if peer != self.peer_id}
             return verdicts(others, round, get_dht_time(), stale_after=STALE_AFTER, lag=self._lag,
-                            distrusted=distrusted, members=members)
+                            distrusted=distrusted, members=members, missing=missing)
 
         async def refresh() -> list[str]:  # while we lead: who started, came back or left since
             return waited_for(judge(await self._read_records()))
 
         found = judge(records)
         expected = waited_for(found)
+        self._expected = frozenset(expected)
         if records:  # no view: no verdicts either (a DHT hiccup is not everybody leaving)
             ahead = [p for p, r in records.items() if p != self.peer_id and r.round >= round]
             for event in self.presence.update(round, found, get_dht_time(), ahead):

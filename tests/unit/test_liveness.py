@@ -10,7 +10,14 @@ import pytest
 
 from diloco_p2p.metrics import NodeMetrics, exposition
 from diloco_p2p.status import format_away, format_table, status_rows
-from diloco_p2p.swarm.membership.liveness import AdaptiveDeadline, Presence, verdicts, waited_for
+from diloco_p2p.swarm.membership.liveness import (
+    AdaptiveDeadline,
+    Presence,
+    allreduce_sample,
+    seen_missing,
+    verdicts,
+    waited_for,
+)
 from diloco_p2p.swarm.membership.records import ProgressRecord, progress_key, progress_validator
 from tests.unit.dht_fixtures import NOW, PEERS, dht_record, make, subkey
 
@@ -187,6 +194,39 @@ def test_a_member_of_our_last_group_is_waited_for_before_its_record_arrives():
     silent = verdicts({"slow-store": Seen(4, updated=NOW - STALE - 1)}, 7, NOW, stale_after=STALE,
                       members={"slow-store"})
     assert silent["slow-store"].startswith("silent")  # but not one that stopped heart-beating
+
+
+def test_a_peer_our_last_round_did_without_is_not_waited_for_again():
+    """Round 6 expected "frozen" and "dead" and closed without them (or left them out of its
+    all-reduce): round 7 does not wait for them although their records (of round 5) are within the
+    two-round window; one whose download has since published round 6 is waited for again."""
+    records = {"frozen": Seen(5), "dead": Seen(5), "caught-up": Seen(6), "lagging": Seen(5)}
+    found = verdicts(records, 7, NOW, stale_after=STALE, missing={"frozen", "dead", "caught-up"})
+    assert found == {"frozen": "missed round 6", "dead": "missed round 6", "caught-up": None, "lagging": None}
+    assert waited_for(found) == ["caught-up", "lagging"]
+    # under overlap a record trails by the round in flight: round 5 is as good as round 6 there
+    overlap = verdicts({"in-flight": Seen(5), "frozen": Seen(4)}, 7, NOW, stale_after=STALE, lag=1,
+                       missing={"in-flight", "frozen"})
+    assert overlap == {"in-flight": None, "frozen": "missed round 6"}
+
+
+def test_who_a_committed_round_did_without():
+    expected, peers = {"b", "c", "gone"}, ["me", "b", "c", "late-joiner"]
+    # one butterfly: `agreed_with` covers the group, so a member whose mask never came was left out
+    assert seen_missing(expected, peers, ["me", "b", "late-joiner"], one_butterfly=True, me="me") == {"gone", "c"}
+    # a grid: a member hears only its row's masks; the group says who was in
+    assert seen_missing(expected, peers, ["me", "b"], one_butterfly=False, me="me") == {"gone"}
+    assert seen_missing(set(), ["me", "b"], ["me", "b"], one_butterfly=True, me="me") == frozenset()
+
+
+def test_only_an_all_reduce_with_every_member_in_time_is_a_deadline_sample():
+    everyone = ["a", "b", "c"]
+    assert allreduce_sample("ok", 0.4, 3, everyone, everyone, one_butterfly=True) == 0.4
+    assert allreduce_sample("partial", 5.0, 3, everyone, everyone, one_butterfly=True) is None  # a part cut
+    assert allreduce_sample("failed", 5.0, 3, [], [], one_butterfly=True) is None
+    assert allreduce_sample("ok", 5.0, 3, ["a", "b"], everyone, one_butterfly=True) is None  # a Δ missing
+    assert allreduce_sample("ok", 5.0, 3, everyone, ["a", "b"], one_butterfly=True) is None  # a mask late
+    assert allreduce_sample("ok", 0.4, 3, everyone, ["a"], one_butterfly=False) == 0.4  # a grid: row masks only
 
 
 class _Swarm:

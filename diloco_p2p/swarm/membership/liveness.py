@@ -19,10 +19,17 @@ fault every 30-60 s the swarm kept 65% of its work. The rule here waits only for
   every round and every 15 s in a long one), so a node that died in a long round is dropped
   without waiting for its record to expire.
 - **trusted**: not a reducer we caught lying (`trust.guard`).
+- **not seen missing**: a peer that our last committed round expected and that was not in it
+  with us (the group closed without it, or, in a group of one butterfly, the all-reduce left it
+  out: its mask never reached us) has not finished that round with the swarm's θ, whatever its
+  record says yet; it is not waited for from our next round on, until its record shows that
+  round (a download ends there). A live node whose record lags is in the group, so this never
+  drops it; what it saves is the second round that the record window above would still wait,
+  up to the deadline, for a node that died or froze.
 
-What this costs the others is two rounds at most: the first two rounds a node misses are still
-waited for (its record cannot say yet that it is gone), but each at most the adaptive deadline,
-not the fixed timeout.
+What this costs the others is one round at most: the first round a node misses is still waited
+for (nothing has shown yet that it is gone), but at most the adaptive deadline, not the fixed
+timeout.
 
 Deadlines adapt to what the swarm measures. `AdaptiveDeadline` keeps the last `window` samples
 of a duration (how long a group took to close once its leader registered; how long an
@@ -63,11 +70,13 @@ class Progress(Protocol):
 
 
 def verdicts(records: Mapping[str, Progress], round: int, now: float, *, stale_after: float, lag: int = 0,
-             distrusted: Collection[str] = (), members: Collection[str] = ()) -> dict[str, str | None]:
+             distrusted: Collection[str] = (), members: Collection[str] = (),
+             missing: Collection[str] = ()) -> dict[str, str | None]:
     """For each peer not past `round` (its record's round below it): None if round `round`
     waits for it, else why not, in words for the log. Peers already past the round are not in
     the result: they are neither waited for nor away. `members`: the peers that finished round
-    `round - 1`'s all-reduce with us."""
+    `round - 1`'s all-reduce with us; `missing`: the peers that round expected and did without
+    (`seen_missing`)."""
     out: dict[str, str | None] = {}
     for peer, r in records.items():
         if r.round >= round:
@@ -76,6 +85,8 @@ def verdicts(records: Mapping[str, Progress], round: int, now: float, *, stale_a
             out[peer] = "a reducer caught lying"
         elif r.round < round - 2 - lag and peer not in members:
             out[peer] = f"missed round {r.round + 1}"
+        elif peer in missing and r.round < round - 1 - lag:
+            out[peer] = f"missed round {round - 1}"
         elif now - r.updated > stale_after:
             out[peer] = f"silent for {now - r.updated:.0f} s"
         else:
@@ -86,6 +97,25 @@ def verdicts(records: Mapping[str, Progress], round: int, now: float, *, stale_a
 def waited_for(found: Mapping[str, str | None]) -> list[str]:
     """The peers `verdicts` says a round waits for."""
     return sorted(peer for peer, why in found.items() if why is None)
+
+
+def seen_missing(expected: Collection[str], peers: Collection[str], agreed_with: Collection[str], *,
+                 one_butterfly: bool, me: str) -> frozenset[str]:
+    """The peers a committed round of ours did without: `expected` (whom it waited for) but not in
+    its group (`peers`), and, when the group was `one_butterfly` (then `agreed_with`, the members
+    whose masks we heard, covers all of it), the members the all-reduce left out. In a grid a
+    member hears only its row's masks, so there the group alone says who was in."""
+    done = set(agreed_with) if one_butterfly else set(peers)
+    return frozenset(set(expected) | set(peers)) - done - {me}
+
+
+def allreduce_sample(status: str, seconds: float, size: int, contributors: Collection[str],
+                     agreed_with: Collection[str], *, one_butterfly: bool) -> float | None:
+    """`seconds` if an all-reduce is a sample of how long one takes (every member in time: all
+    parts committed, every member's Δ in, and in one butterfly every member's mask heard), else
+    None: one cut by its deadline measures the deadline, not the swarm."""
+    everyone = len(contributors) == size and (not one_butterfly or len(agreed_with) == size)
+    return seconds if status == "ok" and everyone else None
 
 
 @dataclass
