@@ -46,14 +46,8 @@ from diloco_p2p.swarm.collective import hierarchy
 from diloco_p2p.swarm.collective.aggregate import robust_of
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
-from diloco_p2p.swarm.membership.liveness import (
-    AdaptiveDeadline,
-    Presence,
-    allreduce_sample,
-    seen_missing,
-    verdicts,
-    waited_for,
-)
+from diloco_p2p.swarm.membership import liveness
+from diloco_p2p.swarm.membership.liveness import AdaptiveDeadline, Presence, verdicts, waited_for
 from diloco_p2p.swarm.membership.matchmaking import Matchmaker
 from diloco_p2p.swarm.membership.records import (
     PROGRESS_REFRESH,
@@ -114,9 +108,8 @@ class SwarmSync:
         self.last_group: frozenset[str] | None = None  # the members we last committed a round with
         # (round, members whose masks we heard) of our last all-reduce: they finished that round with us
         self._grouped: tuple[int, frozenset[str]] = (-1, frozenset())
-        # (round, peers it expected and did without) of our last committed round (`liveness.seen_missing`)
-        self._missing: tuple[int, frozenset[str]] = (-1, frozenset())
-        self._expected: frozenset[str] = frozenset()  # whom this round's matchmaking waits for
+        # whom this round's matchmaking waits for; (round, those it did without) of our last committed one
+        self._expected, self._missing = frozenset[str](), (-1, frozenset[str]())
         self.donor: str | None = None  # whose state we adopted, until we next commit a round (a tie: follow it)
         # Who a round waits for and how long (`liveness`): the configured timeouts are the upper bounds.
         self.presence = Presence()
@@ -332,10 +325,10 @@ class SwarmSync:
             peers = [p.to_base58() for p in group.peers]
             self.last_group = frozenset(peers)
             self._grouped = (round, frozenset(result.agreed_with))  # who finished the round with us
-            self._missing = (round, seen_missing(self._expected, peers, result.agreed_with,
-                                                 one_butterfly=one_butterfly, me=self.peer_id))
-        sample = allreduce_sample(result.status, result.seconds, len(group.peers), result.contributors,
-                                  result.agreed_with, one_butterfly=one_butterfly)
+            self._missing = (round, liveness.seen_missing(self._expected, peers, result.agreed_with,
+                                                          one_butterfly=one_butterfly, me=self.peer_id))
+        sample = liveness.allreduce_sample(result.status, result.seconds, len(group.peers), result.contributors,
+                                           result.agreed_with, one_butterfly=one_butterfly)
         if sample is not None:
             self.allreduce_deadline.observe(sample)
         blame(self.guard, round, result)
