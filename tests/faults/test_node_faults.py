@@ -107,7 +107,7 @@ def test_sigstop_past_the_deadline_the_others_proceed_and_it_catches_up(cases):
         log = (node.run_dir / "node.log").read_text()
         assert "is no longer waited for from round 3: missed round 2" in log
         # The all-reduce's deadline learns from the rounds every member finished in time (1, 3, 4,
-        # 5...): from round 6 on it is below the configured timeout, its upper bound.
+        # 5...): by round 7 it is below the configured timeout, its upper bound.
         deadlines = [r["allreduce_deadline"] for rnd, r in node.by_round().items()
                      if rnd >= 7 and r.get("allreduce_deadline") is not None]
         assert deadlines and max(deadlines) < ALLREDUCE_TIMEOUT, deadlines
