@@ -6,8 +6,9 @@ same order and the same initialisation, so that `diloco-p2p export` writes a sta
 `AutoModelForCausalLM.from_pretrained` loads and that gives the node's logits, and a seed gives the
 θ₀ the transformers model would. It is written here, not imported, because importing transformers'
 modeling stack cost a process about 2 s of CPU (importing the node: 5.2 s with it, 3.0 s without,
-on 2 cores): every node start paid it, a restarted volunteer's return to the swarm among them. A `model.pretrained_path` model (any
-architecture) still loads through transformers (`diloco_p2p.model.build_model`).
+on 2 cores): every node start paid it, a restarted volunteer's return to the swarm among them. A
+`model.pretrained_path` model (any architecture) still loads through transformers
+(`diloco_p2p.model.build_model`).
 
 The shape is torchtitan's and nanoGPT's: one module per block, the forward in a few lines.
 """
