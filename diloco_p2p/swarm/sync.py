@@ -46,7 +46,9 @@ from diloco_p2p.swarm.collective import hierarchy
 from diloco_p2p.swarm.collective.aggregate import robust_of
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
+from diloco_p2p.swarm.collective.outcome import blame, round_outcome
 from diloco_p2p.swarm.membership import liveness
+from diloco_p2p.swarm.membership.grouping import LATE
 from diloco_p2p.swarm.membership.liveness import AdaptiveDeadline, Presence, verdicts, waited_for
 from diloco_p2p.swarm.membership.matchmaking import Matchmaker
 from diloco_p2p.swarm.membership.records import (
@@ -110,6 +112,7 @@ class SwarmSync:
         self._grouped: tuple[int, frozenset[str]] = (-1, frozenset())
         # whom this round's matchmaking waits for; (round, those it did without) of our last committed one
         self._expected, self._missing = frozenset[str](), (-1, frozenset[str]())
+        self._late = -1  # the last round we ended alone because its group had formed without us
         self.donor: str | None = None  # whose state we adopted, until we next commit a round (a tie: follow it)
         # Who a round waits for and how long (`liveness`): the configured timeouts are the upper bounds.
         self.presence = Presence()
@@ -192,6 +195,8 @@ class SwarmSync:
         """The swarm's state if we are behind, hold a minority θ or were cut off from the
         averaging nodes (`resync_target`); None to train on from our own."""
         others = self.records()
+        if self._late == node.round:  # the round's group formed without us: its records are due
+            others = self._records_at(node.round, others)
         ours = node.shard_sha256
         reference = reference_records(others, self.averaged_round)  # the nodes that speak for the swarm's state
         self.resync_exclude = frozenset(others) - frozenset(reference)
@@ -213,6 +218,34 @@ class SwarmSync:
         if state is not None:
             state.behind_seconds = self._behind(state.round)
         return state
+
+    def _records_at(self, round: int, others: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
+        """The records once a quorum vouches for a state at `round` or later, waiting at most
+        the all-reduce's deadline (a group that formed without us publishes once its all-reduce
+        ends). Read before them, the rule sees us ahead and alone, and we would train a whole
+        lone round before it sent us to the swarm's state (a restart joins the round in flight
+        late, after its download: this is most of what a return costs)."""
+        wait = self.allreduce_deadline.current() + _VOUCH_WAIT
+        start = time.perf_counter()
+        try:
+            found = self._interruptible(self._await_round(round, wait), timeout=wait + _RECORDS_TIMEOUT)
+        except Interrupted:
+            return others
+        log.info("round %d: its group formed without us; its records in %.1f s", round, time.perf_counter() - start)
+        return {peer: r for peer, r in found.items() if peer != self.peer_id}
+
+    async def _await_round(self, round: int, wait: float) -> dict[str, ProgressRecord]:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                found = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
+            except Exception:  # no view of the swarm now: try again until the deadline
+                found = {}
+            others = {p: r for p, r in found.items() if p != self.peer_id}
+            vouched = vouched_records(others, quorum=self.cfg.resync_quorum, max_round=self.max_round)
+            if max((r.round for r in vouched.values()), default=-1) >= round or time.monotonic() >= deadline:
+                return found
+            await asyncio.sleep(0.2)
 
     def _behind(self, round: int) -> float | None:
         """How long ago the swarm began round `round + 1`: now minus the median time its members
@@ -307,6 +340,7 @@ class SwarmSync:
             self.speeds = group.speeds if group is not None else None
             self.last_group = None
             if group is None:
+                self._late = round if self.matchmaker.last_outcome == LATE else -1
                 log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
                 return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement))
             self.faults.fire("group", round)
@@ -484,37 +518,3 @@ class SwarmSync:
         if hasattr(self, "p2p"):
             await self.p2p.shutdown()  # our replica only: the DHT process owns the daemon
 
-
-def blame(guard: Guard, round: int, result: AllreduceResult) -> None:
-    """Contributions refused for their weight or norm, and reducers the members caught, are
-    refusals of peers (`Guard`: logged, counted, in the round record); a caught reducer is then
-    left out of our next groups (`Guard.distrusted`)."""
-    for peer, reason in sorted(result.rejected.items()):
-        if reason in ("weight", "norm"):
-            guard.reject(peer, reason, f"its contribution to the all-reduce of round {round}")
-    for peer, why in sorted(result.reducers.items()):
-        guard.reject(peer, "reducer", f"round {round}: {why}")
-
-
-def round_outcome(delta: torch.Tensor, result: AllreduceResult | None, group_size: int, alone_policy: str,
-                  agreement: dict[str, bool], *, interrupted: bool = False) -> RoundOutcome:
-    """How a round of averaging ended, as the outer step sees it.
-
-    No group (`result` None): ``alone``, or ``failed`` when the wait was interrupted; a failed
-    all-reduce: ``failed``. In those cases our own Δ is applied only under ``alone_policy:
-    apply`` and only if it is finite (M=1 DiLoCo for that round). Otherwise ``committed`` with
-    the group's average, identical on every member.
-    """
-    if result is None or result.status == "failed":
-        status = "failed" if interrupted or result is not None else "alone"
-        own = delta if alone_policy == "apply" and bool(torch.isfinite(delta).all()) else None
-        outcome = RoundOutcome(status=status, average=own, group_size=group_size, **agreement)
-    else:
-        outcome = RoundOutcome(status="committed", average=result.average, group_size=group_size, **agreement)
-    if result is not None:
-        outcome.allreduce_seconds = result.seconds
-        outcome.bytes_sent, outcome.bytes_received = result.bytes_sent, result.bytes_received
-        outcome.contributors, outcome.rejected = len(result.contributors), result.rejected
-        outcome.parts_committed, outcome.parts = len(result.committed_parts), result.num_parts
-        outcome.dropped_peers = group_size - len(result.contributors)
-    return outcome

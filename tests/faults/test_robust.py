@@ -4,7 +4,7 @@ Four members on loopback, member 3 the attacker (`tests.faults.lying.LyingAllred
 norm (stated or understated), a sign flip with the largest weight the bound lets through, a
 reducer that scales its part, a reducer that sends one member (or each) other bytes. Each asserts that the
 honest members end with bit-identical θ (θ0 - average, hashed), that the attack is refused or
-bounded, and that the attacker is named in a log line and counted (`sync.blame` into a `Guard`,
+bounded, and that the attacker is named in a log line and counted (`collective.outcome.blame` into a `Guard`,
 as a node does).
 """
 
@@ -21,7 +21,7 @@ import torch
 from diloco_p2p.swarm.collective import aggregate, wire
 from diloco_p2p.swarm.collective.aggregate import Robust
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
-from diloco_p2p.swarm.sync import blame
+from diloco_p2p.swarm.collective.outcome import blame
 from diloco_p2p.swarm.trust.guard import Guard
 from tests.faults.lying import LyingAllreduce
 from tests.harness.loopback import LoopbackPeers

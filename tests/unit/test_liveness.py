@@ -230,7 +230,7 @@ def test_only_an_all_reduce_with_every_member_in_time_is_a_deadline_sample():
 
 
 class _Swarm:
-    """What `SwarmSync._vouched` reads: its records, one scripted set per read."""
+    """What `SwarmSync._vouched` and `_await_round` read: its records, one scripted set per read."""
 
     peer_id = PEERS[8]
     max_round = None
@@ -263,3 +263,27 @@ def test_a_state_at_the_swarms_front_is_vouched_for_once_its_quorum_has_publishe
     assert not vouched(_Swarm({**_at(8, "a", 0), **_at(7, "b", 1, 2)}), 8, "a", wait=0.0)  # no time to wait
     assert not vouched(_Swarm(_at(7, "b", 0, 1, 2)), 9, "a", wait=5.0)  # two past the records: not the front
     assert not vouched(_Swarm(_at(9, "b", 0, 1, 2)), 8, "a", wait=5.0)  # behind the front, never vouched
+
+
+def test_after_a_round_whose_group_formed_without_us_the_node_waits_for_its_records():
+    """A restarted node joins the round in flight late and ends it alone; its next `before_round`
+    reads the records until a quorum shows that round (the group's all-reduce ends meanwhile), so
+    the rule sends it to the swarm's state now instead of after a whole lone round."""
+    import asyncio
+    import time
+
+    from diloco_p2p.swarm.sync import SwarmSync
+
+    def wait_for(swarm, round_, wait):
+        return asyncio.run(SwarmSync._await_round(swarm, round_, wait))
+
+    # The group's records come on the third read: one backer first, then the quorum of two.
+    arriving = _Swarm(_at(7, "b", 0, 1, 2), {**_at(8, "a", 0), **_at(7, "b", 1, 2)}, _at(8, "a", 0, 1, 2))
+    found = wait_for(arriving, 8, wait=5.0)
+    assert {r.round for r in found.values()} == {8} and not arriving.reads[1:]
+    # They never come (the group failed, nobody publishes round 8 with a quorum): the wait is bounded.
+    start = time.monotonic()
+    never = wait_for(_Swarm({**_at(8, "a", 0), **_at(7, "b", 1, 2)}), 8, wait=0.5)
+    assert 0.4 <= time.monotonic() - start < 3.0 and max(r.round for r in never.values()) == 8
+    # Already there: no wait at all.
+    assert {r.round for r in wait_for(_Swarm(_at(8, "a", 0, 1)), 8, wait=60.0).values()} == {8}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
-from diloco_p2p.swarm.sync import round_outcome
+from diloco_p2p.swarm.collective.outcome import round_outcome
 
 AGREE = {"params_agree": True, "config_agree": True}
 

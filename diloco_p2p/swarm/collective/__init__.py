@@ -1,4 +1,4 @@
 """Averaging one group's pseudo-gradients: the butterfly all-reduce (`allreduce`, its commit rule in
 `allreduce_state`), the sparse all-gather (`allgather`), the grid of sub-groups past the target
-group size (`hierarchy`), robust aggregation and reducer checks (`aggregate`), and the bytes on the
-wire (`wire`, `codecs`)."""
+group size (`hierarchy`), robust aggregation and reducer checks (`aggregate`), the bytes on the
+wire (`wire`, `codecs`), and how a round's averaging ended (`outcome`)."""
