@@ -43,14 +43,16 @@ between world sizes (1 → N, N → 1, N → M), and `export` reads it as a norm
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
 
 from diloco_p2p.ranks import Ranks
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # -- the model ----------------------------------------------------------------------------------
 
@@ -65,6 +67,8 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, precision: str = "auto") -
     The model is built whole on the host (the same seed gives the same θ at every world size)
     and `fully_shard` moves only this rank's shards to its device.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if uses_bf16_params(ranks.device, precision) else MixedPrecisionPolicy())
     for block in model.model.layers:
@@ -78,14 +82,24 @@ def reshard(model: torch.nn.Module) -> None:
     module's parameters gathered after forward, for the backward it expects, and the next forward
     would use them as they are. θ written into the shards since (a round that starts from θ + c
     under sync.overlap=eager, a state adopted from the swarm) must reach that forward too."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no module is sharded (`is_dtensor`)
+    for module in model.modules() if fsdp is not None else ():
+        if isinstance(module, fsdp.FSDPModule):
             module.reshard()
+
+
+def is_dtensor(x: Any) -> bool:
+    """Whether `x` is a DTensor (a parameter FSDP2 sharded, or its optimizer state). Nothing is one
+    before `torch.distributed.tensor` is imported, and importing it (with FSDP) takes about 0.7 s of
+    a node's 2.5 s start on a quiet CPU, several seconds on a loaded one: a restart waits on it.
+    So only `shard_model` imports FSDP, and a node of one rank never does."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 def local_view(p: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a parameter (a view: writing to it writes the parameter)."""
-    return p.to_local() if isinstance(p, DTensor) else p
+    return p.to_local() if is_dtensor(p) else p
 
 
 def local_rows(full: torch.Tensor, like: DTensor) -> torch.Tensor:
@@ -94,6 +108,8 @@ def local_rows(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     FSDP2 shards dim 0 in `torch.chunk` order (trailing ranks may get fewer rows, or none);
     the shape check catches any other layout instead of silently loading wrong rows.
     """
+    from torch.distributed.tensor import Shard
+
     mesh = like.device_mesh
     if len(like.placements) != 1 or like.placements[0] != Shard(0):
         raise ValueError(f"expected a parameter sharded on dim 0, got placements {like.placements}")
@@ -109,6 +125,8 @@ def local_rows(full: torch.Tensor, like: DTensor) -> torch.Tensor:
 def full_tensor_of(local: torch.Tensor, like: DTensor) -> torch.Tensor:
     """Gather a full CPU tensor from every rank's `local` shard of a parameter laid out like
     `like` (collective: every rank calls it, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
     shard = local.reshape(like.to_local().shape).to(like.device)
     dt = DTensor.from_local(shard, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
                             run_check=False)
@@ -125,7 +143,7 @@ def gather_optimizer_state(state: dict, keep: bool) -> dict | None:
     for idx in sorted(state["state"]):
         entry = {}
         for key, value in state["state"][idx].items():
-            full = value.full_tensor().cpu() if isinstance(value, DTensor) else value
+            full = value.full_tensor().cpu() if is_dtensor(value) else value
             if keep:
                 entry[key] = full
         out[idx] = entry
@@ -140,12 +158,12 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> dict
         p = params[int(idx)]
         sharded[idx] = {}
         for key, value in entry.items():
-            if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
+            if is_dtensor(p) and isinstance(value, torch.Tensor) and value.dim() > 0:
                 if tuple(value.shape) != tuple(p.shape):
                     raise ValueError(f"optimizer state {idx}.{key} has shape {tuple(value.shape)}, "
                                      f"the parameter {tuple(p.shape)}")
-                value = DTensor.from_local(local_rows(value, p).to(p.device), p.device_mesh, p.placements,
-                                           shape=p.shape, stride=p.stride(), run_check=False)
+                value = type(p).from_local(local_rows(value, p).to(p.device), p.device_mesh, p.placements,
+                                         shape=p.shape, stride=p.stride(), run_check=False)
             sharded[idx][key] = value
     return {"state": sharded, "param_groups": state["param_groups"]}
 
@@ -189,7 +207,7 @@ class ShardLayout:
         for p in self.params:
             local, rows = local_view(p), p.shape[0] if p.dim() else 1
             per_row = p.numel() // max(rows, 1)
-            if isinstance(p, DTensor):
+            if is_dtensor(p):
                 size, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
                 first = min(rank * -(-rows // size), rows)  # torch.chunk: ceil(rows / size) rows a rank
             else:

@@ -33,12 +33,11 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from diloco_p2p.config import InnerConfig
 from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
-from diloco_p2p.fsdp import reshard
+from diloco_p2p.fsdp import is_dtensor, reshard
 from diloco_p2p.ranks import Ranks
 
 
@@ -95,7 +94,7 @@ class InnerTrainer:
                  precision: str = "auto", ranks: Ranks | None = None, faults: Faults | None = None):
         self.model, self.cfg, self.device = model, cfg, device
         self.ranks, self.faults = ranks or Ranks(device), faults or Faults()
-        dtensors = any(isinstance(p, DTensor) for p in model.parameters())  # FSDP's, on N ranks (or 1 in tests)
+        dtensors = any(is_dtensor(p) for p in model.parameters())  # FSDP's, on N ranks (or 1 in tests)
         if cfg.optimizer == "muon" and (self.ranks.sharded or dtensors):
             raise UserError(f"inner.optimizer=muon needs the model whole on one local rank (this node has "
                             f"{self.ranks.world_size}, FSDP-sharded): torch.optim.Muon is not supported on FSDP's "

@@ -196,7 +196,7 @@ class SwarmSync:
         averaging nodes (`resync_target`); None to train on from our own."""
         others = self.records()
         if self._late == node.round:  # the round's group formed without us: its records are due
-            others = self._records_at(node.round, others)
+            others, self._late = self._records_at(node.round, others), -1
         ours = node.shard_sha256
         reference = reference_records(others, self.averaged_round)  # the nodes that speak for the swarm's state
         self.resync_exclude = frozenset(others) - frozenset(reference)

@@ -183,3 +183,15 @@ def test_test_behaviour_stays_out_of_the_product():
     found = {name: borrowed_from_tests(path.read_text()) for name, path in _modules().items()}
     assert "diloco_p2p.faults" in found
     assert not {name: what for name, what in found.items() if what}
+
+
+def test_a_node_of_one_rank_imports_no_fsdp():
+    """FSDP and DTensor cost a node about a third of its imports (a restart waits on them); only
+    `fsdp.shard_model` imports them, for a node of several ranks."""
+    import subprocess
+    import sys
+
+    code = ("import sys, diloco_p2p.commands.train, diloco_p2p.node, diloco_p2p.swarm.sync, diloco_p2p.inner; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.fsdp', 'torch.distributed.tensor'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
