@@ -194,9 +194,8 @@ class SwarmSync:
     def before_round(self, node: NodeState) -> SwarmState | None:
         """The swarm's state if we are behind, hold a minority θ or were cut off from the
         averaging nodes (`resync_target`); None to train on from our own."""
-        others = self.records()
-        if self._late == node.round:  # the round's group formed without us: its records are due
-            others, self._late = self._records_at(node.round, others), -1
+        late, self._late = self._late == node.round, -1  # our round's group formed without us
+        others = self._records_at(node.round) if late else self.records()
         ours = node.shard_sha256
         reference = reference_records(others, self.averaged_round)  # the nodes that speak for the swarm's state
         self.resync_exclude = frozenset(others) - frozenset(reference)
@@ -219,18 +218,18 @@ class SwarmSync:
             state.behind_seconds = self._behind(state.round)
         return state
 
-    def _records_at(self, round: int, others: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
-        """The records once a quorum vouches for a state at `round` or later, waiting at most
-        the all-reduce's deadline (a group that formed without us publishes once its all-reduce
-        ends). Read before them, the rule sees us ahead and alone, and we would train a whole
-        lone round before it sent us to the swarm's state (a restart joins the round in flight
-        late, after its download: this is most of what a return costs)."""
+    def _records_at(self, round: int) -> dict[str, ProgressRecord]:
+        """The others' records once a quorum vouches for a state at `round` or later, waiting at
+        most the all-reduce's deadline (a group that formed without us publishes once its
+        all-reduce ends). Read before them, the rule sees us ahead and alone, and we would train a
+        whole lone round before it sent us to the swarm's state (a restart often joins the round
+        in flight after its group closed: its download ended after the others' inner steps)."""
         wait = self.allreduce_deadline.current() + _VOUCH_WAIT
         start = time.perf_counter()
         try:
             found = self._interruptible(self._await_round(round, wait), timeout=wait + _RECORDS_TIMEOUT)
         except Interrupted:
-            return others
+            return self.records()
         log.info("round %d: its group formed without us; its records in %.1f s", round, time.perf_counter() - start)
         return {peer: r for peer, r in found.items() if peer != self.peer_id}
 
