@@ -90,8 +90,10 @@ def test_partitioned_node_rejoins_without_pulling_the_swarm_back(tmp_path):
     # c gave up its own lone lineage for a and b's averaged θ. (It is usually still ahead in round
     # number when it reads their records, but how soon it does after the heal is up to its DHT, and
     # a and b may have reached its round by then: the rule that moves it is then "a minority at our
-    # round", so the round numbers are not asserted.)
+    # round", so the round numbers are not asserted.) After their SIGCONT a and b may end one round
+    # apart, each alone (a two-node split, which c's return then heals): c takes the θ of one of them.
     assert left["params_sha256"] in lone_hashes, left
     assert back["dropped_round"] == left["round"]
-    assert back["params_sha256"] == a.by_round()[back["round"]]["params_sha256"], (back, statuses(a, cut_at))
+    held = {n.by_round()[back["round"]]["params_sha256"] for n in (a, b) if back["round"] in n.by_round()}
+    assert back["params_sha256"] in held, (back, statuses(a, cut_at), statuses(b, cut_at))
     assert back["donor"] != ""
