@@ -231,7 +231,7 @@ class SwarmSync:
         except Interrupted:
             return self.records()
         log.info("round %d: its group formed without us; its records in %.1f s", round, time.perf_counter() - start)
-        return {peer: r for peer, r in found.items() if peer != self.peer_id}
+        return found
 
     async def _await_round(self, round: int, wait: float) -> dict[str, ProgressRecord]:
         deadline = time.monotonic() + wait
@@ -243,7 +243,7 @@ class SwarmSync:
             others = {p: r for p, r in found.items() if p != self.peer_id}
             vouched = vouched_records(others, quorum=self.cfg.resync_quorum, max_round=self.max_round)
             if max((r.round for r in vouched.values()), default=-1) >= round or time.monotonic() >= deadline:
-                return found
+                return others
             await asyncio.sleep(0.2)
 
     def _behind(self, round: int) -> float | None:
