@@ -47,7 +47,7 @@ from diloco_p2p.swarm.collective.aggregate import robust_of
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
 from diloco_p2p.swarm.collective.outcome import blame, round_outcome
-from diloco_p2p.swarm.membership import liveness
+from diloco_p2p.swarm.membership import liveness, resync
 from diloco_p2p.swarm.membership.grouping import LATE
 from diloco_p2p.swarm.membership.liveness import AdaptiveDeadline, Presence, verdicts, waited_for
 from diloco_p2p.swarm.membership.matchmaking import Matchmaker
@@ -107,7 +107,7 @@ class SwarmSync:
         self.averaged_round: int | None = None
         self._adopted_averaged_round: int | None = None
         self.resync_exclude: frozenset[str] = frozenset()  # peers whose state is not the swarm's
-        self.last_group: frozenset[str] | None = None  # the members we last committed a round with
+        self.last_group: resync.LastGroup | None = None  # whom we last committed a round with (breaks a tie)
         # (round, members whose masks we heard) of our last all-reduce: they finished that round with us
         self._grouped: tuple[int, frozenset[str]] = (-1, frozenset())
         # whom this round's matchmaking waits for; (round, those it did without) of our last committed one
@@ -203,9 +203,8 @@ class SwarmSync:
         same_round = [r.params_sha256 for r in reference.values() if r.round == node.round]
         self.agreement = {"params_agree": all(h == ours for h in same_round),
                           "config_agree": all(r.config_hash == self.config_hash for r in others.values())}
-        group = (self.peer_id, self.last_group) if self.last_group else None  # breaks a tie within it
         target = resync_target(others, node.round, ours, self.averaged_round, quorum=self.cfg.resync_quorum,
-                               max_round=self.max_round, on_reject=self.guard.reject, group=group,
+                               max_round=self.max_round, on_reject=self.guard.reject, group=self.last_group,
                                donor=self.donor)
         if target is None:
             self._computing_since = time.perf_counter()  # the node trains now: its speed for DyLU
@@ -337,7 +336,6 @@ class SwarmSync:
             group = self._interruptible(self._form_group(round, params_hash, weight),
                                         timeout=self.cfg.matchmaking_timeout + 30)
             self.speeds = group.speeds if group is not None else None
-            self.last_group = None
             if group is None:
                 self._late = round if self.matchmaker.last_outcome == LATE else -1
                 log.info("round %d: no group (%s); ending the round alone", round, self.matchmaker.last_outcome)
@@ -356,7 +354,7 @@ class SwarmSync:
         one_butterfly = len(group.peers) <= self.cfg.target_group_size  # else a grid (`hierarchy`)
         if result.status != "failed":
             peers = [p.to_base58() for p in group.peers]
-            self.last_group = frozenset(peers)
+            self.last_group = resync.LastGroup(self.peer_id, frozenset(peers), round)
             self._grouped = (round, frozenset(result.agreed_with))  # who finished the round with us
             self._missing = (round, liveness.seen_missing(self._expected, peers, result.agreed_with,
                                                           one_butterfly=one_butterfly, me=self.peer_id))
@@ -494,7 +492,7 @@ class SwarmSync:
                                               averaged_round=self.averaged_round, excluded=self.guard.excluded(),
                                               admission_token=self.admission.token,
                                               reachability=self.reachability,
-                                              away=self.presence.away(get_dht_time())))
+                                              away=self.presence.away(get_dht_time()), donor=self.donor))
 
     def close(self) -> None:
         """Withdraw our records and stop serving; bounded so a shutdown never hangs."""

@@ -11,6 +11,7 @@ from diloco_p2p.config import Config
 from diloco_p2p.errors import UserError
 from diloco_p2p.swarm.membership.resync import (
     MAX_UNBACKED_ROUNDS,
+    LastGroup,
     Resync,
     check_config,
     majority,
@@ -326,8 +327,8 @@ def test_a_tie_within_our_last_group_is_broken_the_same_way_by_both_sides():
         rec = {a: make(a, round=round, params_sha256=H["a"], averaged_round=round),
                b: make(b, round=round, params_sha256=H["b"], averaged_round=round)}
         group = frozenset({a, b})
-        seen_by_a = resync_target({b: rec[b]}, round, H["a"], round, quorum=2, group=(a, group))
-        seen_by_b = resync_target({a: rec[a]}, round, H["b"], round, quorum=2, group=(b, group))
+        seen_by_a = resync_target({b: rec[b]}, round, H["a"], round, quorum=2, group=LastGroup(a, group, round))
+        seen_by_b = resync_target({a: rec[a]}, round, H["b"], round, quorum=2, group=LastGroup(b, group, round))
         winner = min((a, b), key=lambda p: hashlib.sha256(f"{p}:{round}".encode()).hexdigest())
         loser_target, winner_target = (seen_by_b, seen_by_a) if winner == a else (seen_by_a, seen_by_b)
         assert winner_target is None
@@ -337,7 +338,59 @@ def test_a_tie_within_our_last_group_is_broken_the_same_way_by_both_sides():
         assert resync_target({b: rec[b]}, round, H["a"], round, quorum=2) is None
         stranger = PEERS[5]
         claim = {stranger: make(stranger, round=round, params_sha256=H["c"], averaged_round=round)}
-        assert resync_target(claim, round, H["a"], round, quorum=2, group=(a, group)) is None
+        assert resync_target(claim, round, H["a"], round, quorum=2, group=LastGroup(a, group, round)) is None
+
+
+def _tie_of_two(a: str, b: str, round: int, averaged: int, *, donor_of_b: str | None = None):
+    """What a and b conclude at `round` (a 1-1 tie) when both last committed round `averaged`
+    together and b may follow a donor."""
+    rec_a = make(a, round=round, params_sha256=H["a"], averaged_round=averaged, status="alone")
+    rec_b = make(b, round=round, params_sha256=H["b"], averaged_round=averaged, status="alone", donor=donor_of_b)
+    group = frozenset({a, b})
+    seen_by_a = resync_target({b: rec_b}, round, H["a"], averaged, quorum=2, group=LastGroup(a, group, averaged))
+    seen_by_b = resync_target({a: rec_a}, round, H["b"], averaged, quorum=2, group=LastGroup(b, group, averaged),
+                              donor=donor_of_b)
+    return seen_by_a, seen_by_b
+
+
+def test_two_nodes_that_split_after_committing_together_merge_again_whatever_rounds_they_ended_alone():
+    """A swarm of two that committed round 3 together, then each ended rounds alone (a matchmaking
+    race): their keys hold different θ, so they never meet again unless the tie breaks. The group
+    of round 3 is kept over the lone rounds: at any later round exactly one of them moves, to the
+    hash of the member with the smallest sha256(peer id, round)."""
+    a, b = PEERS[0], PEERS[1]
+    for round in range(4, 12):
+        seen_by_a, seen_by_b = _tie_of_two(a, b, round, averaged=3)
+        winner = min((a, b), key=lambda p: hashlib.sha256(f"{p}:{round}".encode()).hexdigest())
+        moved, stayed = (seen_by_b, seen_by_a) if winner == a else (seen_by_a, seen_by_b)
+        assert stayed is None
+        assert moved is not None and moved.params_hash == H["a" if winner == a else "b"] and moved.min_round == round
+
+
+def test_a_follower_of_a_donor_is_never_drawn_by_its_donors_group_so_only_it_moves():
+    """b restarted, took a's state (a was a member of b's group before the crash; b, a fresh process,
+    knows no group of its own) and ended a round alone, as a did. b follows a (the donor rule) and
+    its record says so; a must not move to b's hash by the group rule at any round (the two would
+    swap θ and tie again for good). The same when b keeps the group (it lost a tie and downloaded)."""
+    a, b = PEERS[0], PEERS[1]
+    for round in range(4, 12):
+        seen_by_a, seen_by_b = _tie_of_two(a, b, round, averaged=3, donor_of_b=a)
+        assert seen_by_a is None
+        assert seen_by_b is not None and seen_by_b.params_hash == H["a"]
+        rec_b = make(b, round=round, params_sha256=H["b"], averaged_round=3, status="alone", donor=a)
+        assert resync_target({b: rec_b}, round, H["a"], 3, quorum=2, group=LastGroup(a, frozenset({a, b}), 3)) is None
+
+
+def test_the_group_rule_draws_only_members_that_last_averaged_in_the_groups_round():
+    """A member that has averaged since (with others) is no longer of our split group, and we are not
+    either once our own θ was averaged since: nobody moves by the group rule then."""
+    a, b = PEERS[0], PEERS[1]
+    group = frozenset({a, b})
+    for round in range(5, 12):
+        later = make(b, round=round, params_sha256=H["b"], averaged_round=4, status="alone")
+        assert resync_target({b: later}, round, H["a"], 3, quorum=2, group=LastGroup(a, group, 3)) is None
+        rec_a = make(a, round=round, params_sha256=H["a"], averaged_round=3, status="alone")
+        assert resync_target({a: rec_a}, round, H["b"], 4, quorum=2, group=LastGroup(b, group, 3)) is None
 
 
 def test_tie_winner_ignores_the_hashes_and_peers_outside_the_group():

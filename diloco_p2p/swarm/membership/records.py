@@ -95,6 +95,9 @@ class ProgressRecord(pydantic.BaseModel):
     # Peers this node saw miss rounds (`liveness.Presence`); absent while nobody did, so a swarm
     # without churn publishes what older nodes accept.
     away: Optional[dict[PeerB58, Absence]] = None
+    # The peer whose state this θ came from while the node has not averaged since (`resync`'s
+    # donor rule); absent otherwise, so a node that never resyncs publishes what older nodes accept.
+    donor: Optional[PeerB58] = None
     version: pydantic.constr(strict=True, min_length=1, max_length=64)
     updated: NonNegFloat
 
@@ -125,6 +128,7 @@ class ProgressRecord(pydantic.BaseModel):
         admission_token: str | None = None,
         reachability: str | None = None,
         away: Mapping[str, Mapping[str, Any]] | None = None,
+        donor: str | None = None,
         updated: float | None = None,
         version: str = __version__,
     ) -> ProgressRecord:
@@ -155,6 +159,7 @@ class ProgressRecord(pydantic.BaseModel):
             reachability=reachability,
             away={peer: Absence(missed=int(a["missed"]), away_s=float(a["away_s"]), away=bool(a["away"]))
                   for peer, a in sorted(away.items())[:MAX_AWAY]} if away else None,
+            donor=donor or None,
             version=version,
             updated=float(get_dht_time() if updated is None else updated),
         )

@@ -14,15 +14,20 @@
 
 Every reader applies the same rule to the same records, so every node reaches the same verdict
 without talking to the others. A tie between θ hashes at our round never moves a node to an
-arbitrary one (an attacker can grind its hash to be the smallest): a node holding one of the
-tied hashes keeps it, except between the members of the group we last committed with (a fork of
-one group, e.g. 1-1 in a swarm of two, which would otherwise never re-merge): among the tied
-hashes that such members hold, the one held by the member with the smallest
-``sha256(peer id, round)`` wins (`tie_winner`). A hash cannot be ground to win it (the θ hash
-plays no part), nor a peer id chosen afterwards (only our own group's members take part, and the
-round changes the order every round); it is a deterministic draw among peers we averaged with.
-A node that has not averaged since it adopted a peer's state follows that peer (its donor) in a
-tie: it chose that lineage already (`resync_target`).
+arbitrary one (an attacker can grind its hash to be the smallest). Two rules break a tie, and
+never both ways at once, so of two tied nodes at most one moves:
+
+- a node that adopted a peer's state and has not averaged since follows that peer (its donor,
+  which its record names) in a tie of exactly their two hashes: it chose that lineage already;
+- otherwise the members of the group we last committed with (`LastGroup`) break it: among the
+  tied hashes that such members hold, the one held by the member with the smallest
+  ``sha256(peer id, round)`` wins (`tie_winner`). A member counts only while its record says it
+  follows nobody and its θ was last averaged in that very round, and we count ourselves by the
+  same test, so both sides of a split draw from the same members and pick the same winner. That
+  heals a fork of one group, e.g. two nodes that committed a round together and then each ended
+  rounds alone (their matchmaking keys hold different θ hashes: they would never meet again).
+  A hash cannot be ground to win it (the θ hash plays no part), nor a peer id chosen afterwards
+  (only our own group's members take part, and the round changes the order every round).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from diloco_p2p import __version__
 from diloco_p2p.config import diff_swarm_fields
@@ -90,6 +95,14 @@ def reference_records(others: Mapping[str, ProgressRecord], averaged_round: int 
     return {peer: r for peer, r in others.items() if _averaged(r) >= newest}
 
 
+class LastGroup(NamedTuple):
+    """The group a node last committed a round with: its own peer id, the members, the round."""
+
+    me: str
+    members: frozenset[str]
+    round: int
+
+
 @dataclass(frozen=True)
 class Resync:
     """Download the swarm's state: of round `min_round` or later, from any donor but `exclude`;
@@ -141,7 +154,7 @@ def _reject(on_reject: Callable[[str, str, str], None] | None, peer: str, reason
 def resync_target(
     others: Mapping[str, ProgressRecord], our_round: int, our_hash: str, averaged_round: int | None = None,
     *, quorum: int = 1, max_round: int | None = None, on_reject: Callable[[str, str, str], None] | None = None,
-    group: tuple[str, Collection[str]] | None = None, donor: str | None = None,
+    group: LastGroup | None = None, donor: str | None = None,
 ) -> Resync | None:
     """Whether a node at (`our_round`, `our_hash`), whose θ was last averaged at round
     `averaged_round` (None: not since it started), must adopt the swarm's state, and which.
@@ -153,15 +166,15 @@ def resync_target(
     - behind (`top` > ours): download the state of round `top` with its most reported θ hash
       (any of them if several tie: each has `quorum` backers);
     - same round, another hash reported strictly more than any other, ours included: download
-      it; a tie moves nobody, unless we follow a `donor` (below) or `group` = (our peer id, the
-      members of the group we last committed with) breaks it (`tie_winner`, module docstring);
+      it; a tie moves nobody, unless one of the two rules of the module docstring breaks it:
     - `donor`: the peer whose state we adopted, while we have not averaged since. If the tie is
       between exactly our hash and the one it holds at our round, we take its: our θ is its θ plus
-      rounds we ended alone, so its lineage is the one we chose. Without this, a node that adopted
-      a state just as its donor ended a round alone (the two then end a round alone each) is in a
-      1-1 tie with it for good: their matchmaking keys hold different θ hashes, so they never meet
-      again, and no group of theirs breaks the tie. The donor keeps its θ (unless it took a state
-      from us since, without averaging either: then both move); a third tied hash moves nobody;
+      rounds we ended alone. Without this, a node that adopted a state just as its donor ended a
+      round alone (the two then end a round alone each) is in a 1-1 tie with it for good. The donor
+      keeps its θ: the record names its donor, and the group rule never moves a node to a
+      follower's hash; a third tied hash moves nobody;
+    - `group`: the group we last committed with, kept over the rounds we ended alone since
+      (`tie_winner` among its members that follow nobody and last averaged in that round);
     - cut off: the reference nodes averaged after our θ last did, we ended
       `MAX_UNBACKED_ROUNDS` or more rounds since without a group, and we are ahead of them in
       round number: our rounds since hold our own data only, so go back to their state.
@@ -188,7 +201,11 @@ def resync_target(
         if theirs is None and donor in holders and _tied(counts) == {our_hash, holders[donor]}:
             theirs, why = holders[donor], f"tie with the peer we took our state from ({donor[:12]}): follow"
         if theirs is None and group is not None:
-            theirs, why = tie_winner(counts, {**holders, group[0]: our_hash}, group[1], top), "lost a tie of our group to"
+            drawn = {p: h for p, h in holders.items() if p in group.members and reference[p].donor is None
+                     and reference[p].averaged_round == group.round}
+            if donor is None and averaged_round == group.round:
+                drawn[group.me] = our_hash
+            theirs, why = tie_winner(counts, drawn, group.members | {group.me}, top), "lost a tie of our group to"
         if theirs is None or theirs == our_hash:
             return None  # ours is the most reported, or a tie: never move to an arbitrary hash
         return Resync(top, f"our parameters {our_hash[:12]} {why} {theirs[:12]} at round {top}", exclude, theirs)
