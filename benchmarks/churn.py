@@ -361,6 +361,10 @@ def main() -> None:
     use_netns = "partition" in args.faults
     if use_netns and not netns.available():
         raise SystemExit("--faults partition needs root and iproute2 (network namespaces): run with sudo")
+    used = [args.work / n for n in ("clean", "faults") if args.work and (args.work / n).exists()]
+    if used:  # its nodes would resume from the old run's checkpoints, and dial its seed's old address
+        raise SystemExit(f"--work {args.work} holds an earlier run ({', '.join(map(str, used))}): "
+                         "give an empty or new directory, or remove those first")
 
     # this run's own marker (not one inherited from a test session): the final reap kills only ours
     os.environ[reaping.SESSION_VAR] = f"{os.getpid()}-{reaping.new_token()}"

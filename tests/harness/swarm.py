@@ -44,6 +44,7 @@ class ProcessSwarm:
         self.root = root
         self.procs = Procs()
         maddrs = root / "seed.maddrs"
+        maddrs.unlink(missing_ok=True)  # an earlier swarm's address: not this seed's
         listen = seed_host.maddr() if seed_host else "/ip4/127.0.0.1/tcp/0"
         args = diloco("seed", "--host-maddrs", listen, "--identity", str(root / "seed.key"),
                       "--maddrs-file", str(maddrs), *seed_args)
