@@ -4,8 +4,9 @@ The blob is cut into stripes of `stripe_size` bytes (the last one shorter). A do
 carries the sha256 of every stripe (`Layout`); the joiner takes the layout most of the donors
 it opened sent, preallocates the blob once (`Assembly`) and lets one worker per donor pull stripes
 from a shared queue (`download`), a few requests ahead on its stream. Each stripe is hashed
-when it lands and checked against the layout, then the whole blob against the sha256 the donors
-announced (`diloco_p2p.swarm.state.client`). So:
+in a thread once it has landed, while the donor's next stripes stream in, and checked against
+the layout; the whole blob against the sha256 the donors announced (`diloco_p2p.swarm.state.client`),
+also in a thread as the stripes complete in order. So:
 
 - a donor that dies, stalls or breaks the protocol gives its stripes back to the queue, and the
   other donors' workers take them (work stealing: fast donors serve more stripes);
@@ -204,6 +205,7 @@ async def download(
     queue = _Queue(part.missing())
     loop = asyncio.get_running_loop()
     landed, stopped = asyncio.Event(), False
+    checking: set[asyncio.Future] = set()  # stripes read and being hashed
 
     def budget() -> float:
         return max(0.0, min(stall, deadline - loop.time()))
@@ -225,16 +227,28 @@ async def download(
             sent_by[peer] = sent_by.get(peer, 0) + len(data)
             if progress is not None and inspect.isawaitable(r := progress(peer, sent_by[peer], part.layout.size)):
                 await r
+        checking.add(task := asyncio.ensure_future(check(d, i, view)))
+        task.add_done_callback(checking.discard)
+
+    async def check(d: DonorStream, i: int, view: memoryview) -> None:
+        """A stripe's sha256 against the layout, in a thread while the donor's next stripes stream
+        in (hashed on the read path, a third of a loopback download was spent waiting on it)."""
         if await asyncio.to_thread(lambda: hashlib.sha256(view).digest()) != part.layout.digest(i):
-            raise _Failed("forged", f"stripe {i} (bytes {a}-{b}) does not match the sha256 in its own header")
-        part.source[i] = peer
+            a, b = part.layout.bounds(i)
+            if d.status == "ok":  # its stream ends here; its worker gives back what it had asked for
+                d.status, d.reason = "forged", f"stripe {i} (bytes {a}-{b}) does not match the sha256 in its own header"
+                d.writer.close()
+            queue.give_back([i])
+            return
+        part.source[i] = d.ann.peer_id
         d.stripes += 1
+        queue.complete()
         landed.set()
 
     async def work(d: DonorStream) -> None:
         asked: deque[int] = deque()
         try:
-            while True:
+            while d.status == "ok":
                 while len(asked) < PIPELINE and (i := queue.take()) is not None:
                     streams.write_json(d.writer, {"stripe": i}, version=PROTOCOL_VERSION)
                     asked.append(i)
@@ -247,13 +261,16 @@ async def download(
                 await _bounded(d.writer.drain(), budget(), lambda: silent("sending a request"))
                 await read_stripe(d, asked[0])
                 asked.popleft()
-                queue.complete()
         except _Failed as e:
-            d.status, d.reason = e.status, e.reason
+            failed = e.status, e.reason
         except WireError as e:
-            d.status, d.reason = "failed", f"protocol error: {e}"
+            failed = "failed", f"protocol error: {e}"
         except NETWORK_ERRORS as e:
-            d.status, d.reason = "failed", f"died: connection lost after {_mb(d.received)} ({type(e).__name__})"
+            failed = "failed", f"died: connection lost after {_mb(d.received)} ({type(e).__name__})"
+        else:
+            failed = None
+        if d.status == "ok" and failed is not None:  # a lie caught by `check` is what it is named for
+            d.status, d.reason = failed
         if d.status != "ok":  # a donor still ok keeps its stream open for the verdict (`finish`)
             queue.give_back(asked)
             d.writer.close()
@@ -262,6 +279,8 @@ async def download(
     try:
         await asyncio.gather(*(work(d) for d in donors))
     finally:
+        while checking:  # every worker has ended; the stripes they read are still being checked
+            await asyncio.shield(asyncio.gather(*checking))
         stopped = True  # not cancelled: a thread may be feeding the hasher; let it finish
         landed.set()
         await asyncio.shield(hashing)
