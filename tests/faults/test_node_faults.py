@@ -5,10 +5,10 @@ Each fault fires at a named point of a named round inside the victim (DILOCO_P2P
 survivors hold its contributions and are waiting for its reduced part. The nodes start their
 first round together (start gate), so the groups are known: all three nodes, every round.
 
-The three cases run at once on one module-scoped seed, each as its own run id (its own groups,
+The cases run at once on one module-scoped seed, each as its own run id (its own groups,
 records and state): most of each case is waiting (a deadline, the frozen node), so one after
-the other they took twice as long. The fixture holds the SIGSTOP case's barrier (its victim is
-continued once the others are two rounds on); each test waits for its own nodes and asserts.
+the other they took twice as long. The fixture holds the SIGSTOP cases' barriers (a victim is
+continued once the others are on); each test waits for its own nodes and asserts.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tests.harness.procs import wait_until
 from tests.harness.swarm import Node, ProcessSwarm
 
 ALLREDUCE_TIMEOUT = 8.0  # tests/harness/settings.SWARM
+SPLIT = ["run_id=faults-split", "train.max_rounds=14", "sync.target_group_size=2"]
 
 
 def _three_nodes(swarm: ProcessSwarm, case: str, rounds: int, victim_env: dict[str, str],
@@ -43,10 +44,18 @@ def cases(tmp_path_factory):
             "sigstop": _three_nodes(swarm, "sigstop", 10, {"DILOCO_P2P_FAULTS": "stop@allreduce:2"},
                                     extra=("outer.inner_steps=20",)),
             "nan": _three_nodes(swarm, "nan", 3, {"DILOCO_P2P_FAULTS": "nan@delta:2"}),
+            # A swarm of two split by a stall: b freezes before round 3's matchmaking and is continued
+            # once a has ended that round alone, so each ends round 3 alone with its own θ.
+            "split": (swarm.node("split-a", SPLIT), swarm.node("split-b", SPLIT, env={"DILOCO_P2P_FAULTS": "stop@delta:3"})),
         }
-        swarm.release(*(node for nodes in started.values() for node in nodes), timeout=240)  # nine start at once
+        swarm.release(*(node for nodes in started.values() for node in nodes), timeout=240)  # eleven start at once
         a, b, victim = started["sigstop"]
         barrier: dict = {}
+        try:
+            started["split"][0].wait_round(3, timeout=120)
+        except AssertionError as e:
+            barrier["split"] = e
+        started["split"][1].signal(signal.SIGCONT)
         try:
             wait_until(lambda: 4 in a.by_round() and 4 in b.by_round(), 120, "a and b to finish round 4", a, b)
             barrier["victim_rounds"] = set(victim.by_round())
@@ -132,3 +141,23 @@ def test_a_nan_pseudo_gradient_is_rejected_and_never_reaches_anyone(cases):
         assert (r2["status"], r2["group_size"], r2["contributors"]) == ("committed", 3, 2)
         assert r2["parts_committed"] == 3 and math.isfinite(r2["eval_loss"])
     assert "nan" in set(a.by_round()[2]["rejected"].values())
+
+
+def test_two_nodes_that_each_ended_a_round_alone_merge_again_and_end_the_run_together(cases):
+    """The two-node split: after round 3 each holds a θ of its own, its matchmaking key names it, and
+    neither is behind, so only the tie rule of the group both last committed with (round 2) can
+    bring them together again (`resync.LastGroup`). Whichever node loses the draw takes the other's
+    state; they commit the last rounds together, with one θ."""
+    started, barrier = cases
+    a, b = started["split"]
+    if "split" in barrier:
+        raise barrier["split"]
+    for node in (a, b):
+        assert node.wait(timeout=180) == 0, node.tail()
+    third = [n.by_round()[3] for n in (a, b)]
+    assert [r["status"] for r in third] == ["alone", "alone"], third
+    assert third[0]["params_sha256"] != third[1]["params_sha256"]
+    assert sum(r["status"] == "resynced" for n in (a, b) for r in n.records()) >= 1
+    _assert_agree([a, b], [13, 14])
+    assert all(n.by_round()[14]["status"] == "committed" for n in (a, b)), [
+        [(r["round"], r["status"]) for r in n.records()] for n in (a, b)]
