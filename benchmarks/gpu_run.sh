@@ -2,7 +2,7 @@
 # The GPU checks, in one command for a CUDA machine: the GPU-only tests, the suite with CUDA
 # present, and the GPU benchmarks. Logs go to $OUT (default ./gpu-out), one file per stage.
 #
-#   bash benchmarks/gpu_run.sh info tests inner outer swarm mixed suite quality
+#   bash benchmarks/gpu_run.sh info tests inner outer swarm mixed suite quality quality-small
 #
 # A machine without our dependencies can take them as wheels in .whl/ (pip download ... -d .whl);
 # they are installed into /tmp/site first.
@@ -66,6 +66,17 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
                 --set inner.optimizer=muon --set inner.muon_lr=${QUALITY_MLR:-0.008} --json "$OUT/quality_35m_dp_muon.json"
             [ $((end - SECONDS)) -gt 30 ] && stage quality-m2 $((end - SECONDS)) $q --dp-scales 0.3536 0.5 0.7071 \
                 --json "$OUT/quality_35m.json" --resume --run $m4 ${QUALITY_M2:-2:recipe=auto 2:recipe=auto:$muon} ;;
+        # `small` over three seeds (issue 35's CPU table, where a CPU needs hours a run): the recipe with
+        # Muon and with AdamW inside against data-parallel AdamW (its lr grid) and data-parallel Muon, at
+        # QUALITY_SMALL_MS (default 4) and QUALITY_SMALL_ROUNDS (16), each part in the time left (--resume).
+        quality-small) end=$((SECONDS + ${QUALITY_SMALL_S:-240})) ms=${QUALITY_SMALL_MS:-4}
+            q="python3 benchmarks/quality.py --config configs/small-cpu.yaml --rounds ${QUALITY_SMALL_ROUNDS:-16} --h ${QUALITY_SMALL_H:-30}
+               --dp-lr 0.0015 --jobs ${QUALITY_JOBS:-16} --seeds ${QUALITY_SEEDS:-0 1 2} --dp-ms $ms"
+            runs=$(for m in $ms; do echo "$m:recipe=auto:opt=muon:mlr=0.006 $m:recipe=auto"; done)
+            stage quality-small $((end - SECONDS)) $q --set inner.optimizer=adamw --dp-scales 0.25 0.3536 0.5 0.7071 \
+                --json "$OUT/quality_small_seeds.json" --run $runs
+            [ $((end - SECONDS)) -gt 30 ] && stage quality-small-dp-muon $((end - SECONDS)) $q --set inner.optimizer=muon \
+                --set inner.muon_lr=0.006 --dp-scales 0.5 0.7071 1.0 --json "$OUT/quality_small_seeds_dp_muon.json" ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac
 done
