@@ -422,3 +422,24 @@ def test_a_node_that_took_its_donors_state_follows_it_in_a_tie_and_the_donor_sta
     assert resync_target({a: rec_a, **claim}, 4, H["d"], 2, quorum=2, donor=a) is None
     pair = {p: make(p, round=4, params_sha256=H["c"], averaged_round=2) for p in PEERS[2:4]}
     assert resync_target({a: rec_a, **pair}, 4, H["d"], 2, quorum=2, donor=a).params_hash == H["c"]
+
+
+def test_the_first_member_to_publish_the_round_we_hold_too_is_not_refused():
+    """We just committed round 6 with a and b; a published its record of round 6 first, b's of
+    round 5 is still the newest it has. a's state is ours: it is vouched for (we back it), not an
+    unvouched claim ahead of the others, and nobody moves. A lone claim of a state we do not hold is
+    still refused, and we back our own state only."""
+    a, b, liar = PEERS[0], PEERS[1], PEERS[6]
+    ahead = {a: make(a, round=6, params_sha256=H["d"], averaged_round=6),
+             b: make(b, round=5, params_sha256=H["c"], averaged_round=5),
+             PEERS[2]: make(PEERS[2], round=5, params_sha256=H["c"], averaged_round=5)}
+    seen, on_reject = _refusals()
+    assert resync_target(ahead, 6, H["d"], 6, quorum=2, on_reject=on_reject) is None
+    assert seen == []
+    assert set(vouched_records(ahead, quorum=2, ours=(6, H["d"]))) == set(ahead)  # round 5 has its two too
+    assert resync_target(ahead, 6, H["e"], 6, quorum=2, on_reject=on_reject) is None  # we hold another θ
+    assert [(p, r) for p, r, _ in seen] == [(a, "unvouched-state")]
+    # our backing never vouches for a claim of another round, nor stands alone
+    lone = {liar: make(liar, round=9, params_sha256=H["f"], averaged_round=9), **dict(list(ahead.items())[1:])}
+    assert set(vouched_records(lone, quorum=2, ours=(6, H["d"]))) == {b, PEERS[2]}
+    assert vouched_records({}, quorum=2, ours=(6, H["d"])) == {}

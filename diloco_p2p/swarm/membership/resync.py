@@ -120,21 +120,25 @@ def vouched_records(
     quorum: int = 1,
     max_round: int | None = None,
     on_reject: Callable[[str, str, str], None] | None = None,
+    ours: tuple[int, str] | None = None,
 ) -> dict[str, ProgressRecord]:
     """The records whose (round, θ hash) the swarm vouches for (see the module docstring).
 
     Records past `max_round` are refused (``past-max-rounds``). If some state has `quorum`
     distinct backers, only records of such states count; a record left out that claims a
     round later than every vouched state's is refused (``unvouched-state``): it would have made
-    the others resync to it. Stragglers behind the vouched states are left out silently."""
+    the others resync to it. Stragglers behind the vouched states are left out silently.
+    `ours`, the reader's own (round, θ hash), backs that state too: the first member of our group
+    to publish the round we just committed with it holds our θ, and is not refused for being
+    ahead of the others' records (it was, a few times a minute, in a swarm with no fault at all)."""
     kept: dict[str, ProgressRecord] = {}
     for peer, r in others.items():
         if max_round is not None and r.round > max_round:
             _reject(on_reject, peer, "past-max-rounds", f"claims round {r.round} > train.max_rounds {max_round}")
         else:
             kept[peer] = r
-    backers = Counter((r.round, r.params_sha256) for r in kept.values())
-    if not backers or max(backers.values()) < quorum:
+    backers = Counter([(r.round, r.params_sha256) for r in kept.values()] + ([ours] if ours else []))
+    if not kept or max(backers.values()) < quorum:
         return kept
     vouched = {p: r for p, r in kept.items() if backers[r.round, r.params_sha256] >= quorum}
     top = max(r.round for r in vouched.values())
@@ -182,7 +186,8 @@ def resync_target(
     Nodes whose records do not count are never asked for the state (`exclude`). The rule reads
     the same records the same way on every node, so a fork heals deterministically.
     """
-    vouched = vouched_records(others, quorum=quorum, max_round=max_round, on_reject=on_reject)
+    vouched = vouched_records(others, quorum=quorum, max_round=max_round, on_reject=on_reject,
+                              ours=(our_round, our_hash))
     if not vouched:
         return None
     reference = reference_records(vouched, averaged_round)
