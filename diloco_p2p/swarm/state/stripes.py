@@ -4,9 +4,10 @@ The blob is cut into stripes of `stripe_size` bytes (the last one shorter). A do
 carries the sha256 of every stripe (`Layout`); the joiner takes the layout most of the donors
 it opened sent, preallocates the blob once (`Assembly`) and lets one worker per donor pull stripes
 from a shared queue (`download`), a few requests ahead on its stream. Each stripe is hashed
-in a thread once it has landed, while the donor's next stripes stream in, and checked against
-the layout; the whole blob against the sha256 the donors announced (`diloco_p2p.swarm.state.client`),
-also in a thread as the stripes complete in order. So:
+in a thread once it has landed and checked against the layout while the donor's next stripes
+stream in (hashed on the read path, a loopback download spent a third of its time waiting on
+it); the whole blob is checked against the sha256 the donors announced
+(`diloco_p2p.swarm.state.client`), also in a thread, as the stripes complete in order. So:
 
 - a donor that dies, stalls or breaks the protocol gives its stripes back to the queue, and the
   other donors' workers take them (work stealing: fast donors serve more stripes);
@@ -120,6 +121,13 @@ class Assembly:
             await asyncio.to_thread(self.hasher.update, view)
             self.hashed = end
 
+    async def mismatch(self, i: int, view: memoryview) -> str | None:
+        """Why stripe `i` (its bytes, `view`) is not the layout's, hashed in a thread; None if it is."""
+        if await asyncio.to_thread(lambda: hashlib.sha256(view).digest()) == self.layout.digest(i):
+            return None
+        a, b = self.layout.bounds(i)
+        return f"stripe {i} (bytes {a}-{b}) does not match the sha256 in its own header"
+
     def missing(self) -> list[int]:
         return [i for i, peer in enumerate(self.source) if peer is None]
 
@@ -205,7 +213,7 @@ async def download(
     queue = _Queue(part.missing())
     loop = asyncio.get_running_loop()
     landed, stopped = asyncio.Event(), False
-    checking: set[asyncio.Future] = set()  # stripes read and being hashed
+    checking: list[asyncio.Future] = []  # each stripe read, hashed in a thread
 
     def budget() -> float:
         return max(0.0, min(stall, deadline - loop.time()))
@@ -227,16 +235,13 @@ async def download(
             sent_by[peer] = sent_by.get(peer, 0) + len(data)
             if progress is not None and inspect.isawaitable(r := progress(peer, sent_by[peer], part.layout.size)):
                 await r
-        checking.add(task := asyncio.ensure_future(check(d, i, view)))
-        task.add_done_callback(checking.discard)
+        checking.append(asyncio.ensure_future(check(d, i, view)))
 
     async def check(d: DonorStream, i: int, view: memoryview) -> None:
-        """A stripe's sha256 against the layout, in a thread while the donor's next stripes stream
-        in (hashed on the read path, a third of a loopback download was spent waiting on it)."""
-        if await asyncio.to_thread(lambda: hashlib.sha256(view).digest()) != part.layout.digest(i):
-            a, b = part.layout.bounds(i)
+        """A stripe's sha256 against the layout, in a thread while the donor's next stripes stream in."""
+        if (why := await part.mismatch(i, view)) is not None:
             if d.status == "ok":  # its stream ends here; its worker gives back what it had asked for
-                d.status, d.reason = "forged", f"stripe {i} (bytes {a}-{b}) does not match the sha256 in its own header"
+                d.status, d.reason = "forged", why
                 d.writer.close()
             queue.give_back([i])
             return
@@ -261,16 +266,9 @@ async def download(
                 await _bounded(d.writer.drain(), budget(), lambda: silent("sending a request"))
                 await read_stripe(d, asked[0])
                 asked.popleft()
-        except _Failed as e:
-            failed = e.status, e.reason
-        except WireError as e:
-            failed = "failed", f"protocol error: {e}"
-        except NETWORK_ERRORS as e:
-            failed = "failed", f"died: connection lost after {_mb(d.received)} ({type(e).__name__})"
-        else:
-            failed = None
-        if d.status == "ok" and failed is not None:  # a lie caught by `check` is what it is named for
-            d.status, d.reason = failed
+        except (_Failed, WireError, *NETWORK_ERRORS) as e:
+            if d.status == "ok":  # a lie caught by `check` is what it is named for
+                d.status, d.reason = _failure(e, d.received)
         if d.status != "ok":  # a donor still ok keeps its stream open for the verdict (`finish`)
             queue.give_back(asked)
             d.writer.close()
@@ -279,11 +277,19 @@ async def download(
     try:
         await asyncio.gather(*(work(d) for d in donors))
     finally:
-        while checking:  # every worker has ended; the stripes they read are still being checked
-            await asyncio.shield(asyncio.gather(*checking))
+        await asyncio.shield(asyncio.gather(*checking))  # the workers have ended: their last stripes' checks
         stopped = True  # not cancelled: a thread may be feeding the hasher; let it finish
         landed.set()
         await asyncio.shield(hashing)
+
+
+def _failure(e: BaseException, received: int) -> tuple[str, str]:
+    """How a donor's stream ended, as (status, reason)."""
+    if isinstance(e, _Failed):
+        return e.status, e.reason
+    if isinstance(e, WireError):
+        return "failed", f"protocol error: {e}"
+    return "failed", f"died: connection lost after {_mb(received)} ({type(e).__name__})"
 
 
 async def read_layout(reader: asyncio.StreamReader, reply: dict[str, Any], size: int) -> Layout | str:
