@@ -210,7 +210,7 @@ def resync_target(
                      and reference[p].averaged_round == group.round}
             if donor is None and averaged_round == group.round:
                 drawn[group.me] = our_hash
-            theirs, why = tie_winner(counts, drawn, group.members | {group.me}, top), "lost a tie of our group to"
+            theirs, why = tie_winner(counts, drawn, drawn.keys(), top), "lost a tie of our group to"
         if theirs is None or theirs == our_hash:
             return None  # ours is the most reported, or a tie: never move to an arbitrary hash
         return Resync(top, f"our parameters {our_hash[:12]} {why} {theirs[:12]} at round {top}", exclude, theirs)
