@@ -397,12 +397,19 @@ def join_stripes() -> str:
     return code((RESULTS / "join_stripes.txt").read_text())
 
 
+def quality_sync() -> str:
+    import quality_sync as sync
+
+    return code(sync.report(sync.collect(sync.DEFAULT, 4, 0, sync.LRS), 4, 0))
+
+
 TABLES: dict[str, Callable[[], str]] = {name: functools.partial(quality_report, f"{name}.json") for name in QUALITY}
 TABLES |= {f.__name__: f for f in (
     compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
     swarm_matches_simulate, overlap_link, overlap_link_fragments, overlap_fragments, overlap_sweep_seed0,
     allreduce_paced, allreduce_ceiling, allreduce_paced_cubic, wan_line_rate, wan_topk, wan_256x4, hivemind, scale,
-    nat, planner, robust, data_fetch, data_scale, churn_4n_before, churn_4n, churn_8n, join_stripes)}
+    nat, planner, robust, data_fetch, data_scale, churn_4n_before, churn_4n, churn_8n, join_stripes,
+    quality_sync)}
 
 
 def render(doc: str) -> str:
@@ -422,10 +429,13 @@ def plots() -> None:
     import overlap_sweep
     import plan_check
     import quality
+    import quality_sync
     import robust
 
     for name in QUALITY:
         quality.report(load(f"{name}.json"), RESULTS / f"{name}.png")
+    quality_sync.plot(quality_sync.collect(quality_sync.DEFAULT, 4, 0, quality_sync.LRS), 4, 0,
+                      RESULTS / "quality_sync.png")
     compression.plot(load("compression.json")["results"], RESULTS / "compression.png")
     for name in ("compression_topk_carry", "compression_topk_seeds"):
         compression_decay.plot(load(f"{name}.json")["results"], RESULTS / f"{name}.png")
