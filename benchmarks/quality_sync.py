@@ -43,7 +43,8 @@ def points(state: dict, m: int, seed: int) -> dict[tuple[str, float], list[tuple
     return {k: sorted(v) for k, v in out.items()}
 
 
-def collect(files: list[Path], m: int, seed: int, lrs: list[float]) -> dict[tuple[str, float], list]:
+def collect(files: list[Path] = DEFAULT, m: int = 4, seed: int = 0, lrs: list[float] = LRS
+            ) -> dict[tuple[str, float], list]:
     """Every file's plain-outer-step runs of `m` and `seed` at the outer lrs `lrs`, by (optimizer, η)."""
     groups: dict[tuple[str, float], list[tuple[int, float, str]]] = {}
     for f in files:
@@ -53,7 +54,7 @@ def collect(files: list[Path], m: int, seed: int, lrs: list[float]) -> dict[tupl
     return groups
 
 
-def report(groups: dict[tuple[str, float], list], m: int, seed: int) -> str:
+def report(groups: dict[tuple[str, float], list], m: int = 4, seed: int = 0) -> str:
     lines = [f"M={m}, seed {seed}: gap vs data-parallel with the same inner optimizer, by all-reduces",
              f"{'inner':<6} {'η':>4}  all-reduces  gap     schedule"]
     for (optimizer, lr), pts in sorted(groups.items()):
@@ -71,11 +72,11 @@ def main() -> None:
     args = p.parse_args()
     groups = collect(args.files, args.m, args.seed, args.lrs)
     print(report(groups, args.m, args.seed))
-    plot(groups, args.m, args.seed, args.png)
+    plot(groups, args.png, args.m, args.seed)
     print(f"plot: {args.png}")
 
 
-def plot(groups: dict, m: int, seed: int, png: Path) -> None:
+def plot(groups: dict, png: Path, m: int = 4, seed: int = 0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -400,7 +400,7 @@ def join_stripes() -> str:
 def quality_sync() -> str:
     import quality_sync as sync
 
-    return code(sync.report(sync.collect(sync.DEFAULT, 4, 0, sync.LRS), 4, 0))
+    return code(sync.report(sync.collect()))
 
 
 TABLES: dict[str, Callable[[], str]] = {name: functools.partial(quality_report, f"{name}.json") for name in QUALITY}
@@ -434,8 +434,7 @@ def plots() -> None:
 
     for name in QUALITY:
         quality.report(load(f"{name}.json"), RESULTS / f"{name}.png")
-    quality_sync.plot(quality_sync.collect(quality_sync.DEFAULT, 4, 0, quality_sync.LRS), 4, 0,
-                      RESULTS / "quality_sync.png")
+    quality_sync.plot(quality_sync.collect(), RESULTS / "quality_sync.png")
     compression.plot(load("compression.json")["results"], RESULTS / "compression.png")
     for name in ("compression_topk_carry", "compression_topk_seeds"):
         compression_decay.plot(load(f"{name}.json")["results"], RESULTS / f"{name}.png")
