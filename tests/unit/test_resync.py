@@ -131,6 +131,26 @@ def test_a_node_cut_off_and_ahead_does_not_pull_the_averaging_nodes_back():
     assert "cut off" in target.reason
 
 
+def test_lineages_of_one_averaged_round_merge_to_the_furthest_ahead_and_the_cut_off_one_never():
+    """After a partition heals, c goes back to a's round-5 state (it inherits averaged_round 5),
+    then all three end rounds alone while the links recover: a at 7, b at 7 (its round 5 failed:
+    last averaged at 4), c at 9. Lineages of equal standing: a and b both take c's round 9, so the
+    three meet again (CI saw this). c's record from before its return (last averaged at 1) moves
+    nobody, however far ahead."""
+    a, b, c = PEERS[:3]
+    rec = {a: make(a, round=7, params_sha256=H["a"], status="alone", group_size=1, averaged_round=5),
+           b: make(b, round=7, params_sha256=H["b"], status="alone", group_size=1, averaged_round=4),
+           c: make(c, round=9, params_sha256=H["c"], status="alone", group_size=1, averaged_round=5)}
+    for me, averaged in ((a, 5), (b, 4)):
+        target = resync_target({p: r for p, r in rec.items() if p != me}, 7, rec[me].params_sha256,
+                               averaged_round=averaged)
+        assert target is not None and (target.min_round, target.params_hash) == (9, H["c"])
+        assert target.exclude == ({b} if me == a else frozenset())  # b reads a as a reference too
+    assert resync_target({a: rec[a], b: rec[b]}, 9, H["c"], averaged_round=5) is None  # c keeps its own
+    cut_off = make(c, round=9, params_sha256=H["e"], status="alone", group_size=1, averaged_round=1)
+    assert resync_target({b: rec[b], c: cut_off}, 7, H["a"], averaged_round=5) is None
+
+
 def test_records_averaged_before_our_own_theta_never_move_us():
     """Just after a partition heals, a DHT read may return the cut-off node's record (ahead in
     round number, last averaged at round 1) and miss the record of the node we averaged with, or
