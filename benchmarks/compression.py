@@ -72,7 +72,7 @@ def run(name: str, root: Path, replicas: int, sets: list[str]) -> dict:
 
 def parameters() -> int:
     from diloco_p2p.config import load_config
-    from diloco_p2p.model import build_model, build_tokenizer
+    from diloco_p2p.model.build import build_model, build_tokenizer
 
     cfg = load_config(CONFIG, [])
     return sum(p.numel() for p in build_model(cfg.model, build_tokenizer(cfg.model).vocab_size, cfg.seed).parameters())

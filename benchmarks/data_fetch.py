@@ -48,7 +48,7 @@ run_dir = Path(sys.argv[3])
 sync = SwarmSync(cfg.sync, cfg.p2p, run_id=cfg.run_id, swarm_view=cfg.swarm_view(), run_dir=run_dir,
                  stop=StopRequested(), max_round=cfg.train.max_rounds)
 joined = time.time() - t0
-from diloco_p2p.node import Node
+from diloco_p2p.loop.node import Node
 node = Node(cfg, run_dir, sync, progress=False)
 steps, step = [], node.trainer.step
 node.trainer.step = lambda *a, **k: (step(*a, **k), steps.append(time.time() - t0))[0]
@@ -65,7 +65,7 @@ sync.close()
 _FETCH = r"""
 import json, sys
 from pathlib import Path
-from diloco_p2p.transfer import fetch_dataset
+from diloco_p2p.ops.transfer import fetch_dataset
 r = fetch_dataset([sys.argv[1]], sys.argv[2], Path(sys.argv[3]), 120.0, 4)
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({**r, "peak_rss_mb": int(hwm.split()[1]) / 1024}), flush=True)

@@ -38,7 +38,7 @@ _CHILD = r"""
 import json, sys, time
 t0 = float(sys.argv[1])
 from diloco_p2p.config import load_config
-from diloco_p2p.node import Node
+from diloco_p2p.loop.node import Node
 cfg = load_config(None, json.loads(sys.argv[2]))
 node = Node(cfg, __import__("pathlib").Path(sys.argv[3]), progress=False)
 node.trainer.step(node._next_batch)
@@ -98,7 +98,7 @@ def bench_bpe(corpus: Path, work: Path, bpe_mb: int, repeats: int = 2) -> dict:
     `repeats` times: the fastest wall time and the least CPU time of each."""
     from diloco_p2p.config import ModelConfig
     from diloco_p2p.data.encode import tokenizer_identity
-    from diloco_p2p.model import build_tokenizer
+    from diloco_p2p.model.build import build_tokenizer
 
     sample = work / "bpe-sample"
     sample.mkdir(exist_ok=True)
@@ -151,9 +151,9 @@ def bench_loader(prepared: Path, steps: int = 30, repeats: int = 3) -> dict:
     from diloco_p2p.config import load_config
     from diloco_p2p.data.dataset import ArraySource, ShardSource, TokenDataset
     from diloco_p2p.data.manifest import Manifest
-    from diloco_p2p.inner import InnerTrainer
-    from diloco_p2p.model import ByteTokenizer, build_model
-    from diloco_p2p.ranks import Ranks
+    from diloco_p2p.local.ranks import Ranks
+    from diloco_p2p.loop.inner import InnerTrainer
+    from diloco_p2p.model.build import ByteTokenizer, build_model
 
     torch.set_num_threads(2)
     cfg = load_config(None, TRAIN)
@@ -194,7 +194,7 @@ def main() -> None:
     args = p.parse_args()
     from diloco_p2p.config import ModelConfig
     from diloco_p2p.data.encode import tokenizer_identity
-    from diloco_p2p.model import ByteTokenizer
+    from diloco_p2p.model.build import ByteTokenizer
 
     work = args.work or Path(tempfile.mkdtemp(prefix="data-scale-"))
     byte, ident = ByteTokenizer(), tokenizer_identity(ModelConfig(), ByteTokenizer())

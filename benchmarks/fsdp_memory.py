@@ -25,8 +25,8 @@ import time
 import torch
 
 from diloco_p2p.config import Config
-from diloco_p2p.llama import Llama
-from diloco_p2p.model import PRESETS, ByteTokenizer, llama_shape
+from diloco_p2p.model.build import PRESETS, ByteTokenizer, llama_shape
+from diloco_p2p.model.llama import Llama
 
 MiB = 2**20
 
@@ -59,11 +59,11 @@ def memory_table(nprocs: list[int]) -> None:
 def rank_main(args: argparse.Namespace) -> None:
     """One rank of the throughput run (or the whole run when WORLD_SIZE is 1)."""
     from diloco_p2p.data import build_dataset
-    from diloco_p2p.fsdp import ShardLayout, shard_model
-    from diloco_p2p.inner import InnerTrainer
-    from diloco_p2p.model import build_model
-    from diloco_p2p.outer import OuterOptimizer
-    from diloco_p2p.ranks import Ranks
+    from diloco_p2p.local.fsdp import ShardLayout, shard_model
+    from diloco_p2p.local.ranks import Ranks
+    from diloco_p2p.loop.inner import InnerTrainer
+    from diloco_p2p.loop.outer import OuterOptimizer
+    from diloco_p2p.model.build import build_model
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -103,7 +103,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def run_ranks(args: argparse.Namespace, world: int) -> dict:
-    from diloco_p2p.launch import free_port
+    from diloco_p2p.local.launch import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), FSDP_BENCH_RANK="1")

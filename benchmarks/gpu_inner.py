@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from diloco_p2p.config import load_config
-from diloco_p2p.model import build_model
-from diloco_p2p.node import Node
+from diloco_p2p.loop.node import Node
+from diloco_p2p.model.build import build_model
 
 
 def matmul_tflops() -> float:

@@ -22,10 +22,11 @@ from collections.abc import Callable
 import torch
 
 from diloco_p2p.config import OuterConfig, load_config
-from diloco_p2p.inner import InnerTrainer
-from diloco_p2p.llama import Llama
-from diloco_p2p.model import llama_shape
-from diloco_p2p.outer import OuterOptimizer, flatten, tensor_sha256
+from diloco_p2p.hashing import tensor_sha256
+from diloco_p2p.loop.inner import InnerTrainer
+from diloco_p2p.loop.outer import OuterOptimizer, flatten
+from diloco_p2p.model.build import llama_shape
+from diloco_p2p.model.llama import Llama
 from diloco_p2p.swarm.collective import wire
 
 

@@ -4,7 +4,7 @@ hidden, 64-wide heads), as `--set` overrides, and their parameter counts."""
 from __future__ import annotations
 
 from diloco_p2p.config import load_config
-from diloco_p2p.model import build_model, build_tokenizer, count_parameters
+from diloco_p2p.model.build import build_model, build_tokenizer, count_parameters
 
 
 def size_overrides(size: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The round planner (`diloco_p2p.plan`, `diloco-p2p plan`) against real swarms on shaped links.
+"""The round planner (`diloco_p2p.planner.plan`, `diloco-p2p plan`) against real swarms on shaped links.
 
 Hosts are network namespaces on a bridge with tbf-shaped links (`tests/netns.py`, needs root),
 as in `benchmarks/allreduce_wan.py` and `benchmarks/wan.py`, whose machinery this reuses. Stages
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import allreduce_wan  # noqa: E402
 
-from diloco_p2p import plan  # noqa: E402
+from diloco_p2p.planner import plan  # noqa: E402
 from diloco_p2p.swarm.collective import wire  # noqa: E402
 from tests import netns  # noqa: E402
 

@@ -78,7 +78,7 @@ def parse_run(spec: str, rounds: int = 16, h: int = 30) -> tuple[int, list[str]]
             raise SystemExit(f"--run {spec}: {pair!r} is not key=value with a key of {sorted(KEYS)}")
         sets.append(f"{KEYS[key]}={value}")
         if key == "recipe" and value == "auto":
-            from diloco_p2p.recipe import recipe
+            from diloco_p2p.config.recipe import recipe
 
             sets += [f"outer.nodes={m}", *(f"outer.{k}={v}" for k, v in recipe(int(m), rounds, h).items())]
     return int(m), sets

@@ -298,7 +298,7 @@ def planner() -> str:
     """`plan_check.py report`'s held-out count and `holdout`'s, for the shipped constants."""
     import plan_check
 
-    from diloco_p2p import plan
+    from diloco_p2p.planner import plan
 
     cal = plan.Calibration()
     lines = []

@@ -1,6 +1,6 @@
 """Robust aggregation against one attacking member (issue 12 item 5): final eval loss and cost.
 
-Loss table: `diloco-p2p simulate`'s replicas (`diloco_p2p.simulate`: every part reduced by
+Loss table: `diloco-p2p simulate`'s replicas (`diloco_p2p.planner.simulate`: every part reduced by
 `aggregate.reduce_part`, the function the all-reduce's reducers call, with the same stated norms,
 bounds and encodings) on the embedded corpus with `configs/tiny-cpu.yaml`: 4 replicas, the last
 one attacking, each `sync.aggregation`, against 3 honest replicas alone (the attacker removed).
@@ -72,7 +72,7 @@ def simulate_one(name: str, root: Path, sets: list[str], attack: str | None, rep
     """In a child process: `replicas` replicas, the last one attacking with `attack`."""
     from diloco_p2p.config import load_config
     from diloco_p2p.contract import RoundOutcome
-    from diloco_p2p.simulate import ReplicaSync, simulate
+    from diloco_p2p.planner.simulate import ReplicaSync, simulate
 
     config = load_config(CONFIG, sets)
     keys = [f"replica-{i}" for i in range(replicas)]
@@ -131,7 +131,7 @@ def run_job(name: str, root: Path, rounds: int, sets: list[str], attack: str | N
 
 def model_size(sets: list[str]) -> int:
     from diloco_p2p.config import load_config
-    from diloco_p2p.model import build_model, build_tokenizer, count_parameters
+    from diloco_p2p.model.build import build_model, build_tokenizer, count_parameters
 
     config = load_config(CONFIG, sets)
     return count_parameters(build_model(config.model, build_tokenizer(config.model).vocab_size, config.seed))

@@ -23,8 +23,8 @@ from pathlib import Path
 import yaml
 
 from diloco_p2p.config import load_config
-from diloco_p2p.demo import run_demo
-from diloco_p2p.simulate import simulate
+from diloco_p2p.ops.demo import run_demo
+from diloco_p2p.planner.simulate import simulate
 from diloco_p2p.swarm.transport.dht import peer_id_of
 
 PRESET = Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml"

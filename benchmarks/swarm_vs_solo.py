@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 
 from diloco_p2p.config import load_config
-from diloco_p2p.demo import DEMO_OVERRIDES
-from diloco_p2p.model import build_model, build_tokenizer, count_parameters
+from diloco_p2p.model.build import build_model, build_tokenizer, count_parameters
+from diloco_p2p.ops.demo import DEMO_OVERRIDES
 
 SWARM_ONLY = ("sync.", "p2p.")
 BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "int8": 1}

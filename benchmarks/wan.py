@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.net
 
 from model_sizes import parameters, size_overrides  # noqa: E402
 
-from diloco_p2p import plan  # noqa: E402
 from diloco_p2p.config import SyncConfig  # noqa: E402
+from diloco_p2p.planner import plan  # noqa: E402
 from tests import netns  # noqa: E402
 from tests.harness.procs import wait_until  # noqa: E402
 from tests.harness.swarm import ProcessSwarm  # noqa: E402

@@ -26,7 +26,7 @@
 #    /api/v1/query (deploy/smoke_checks.py). Panels whose numbers only an event makes:
 #    - "Peers dropped / state downloads" and "State download bytes": no peer drops out and nobody
 #      joins late in this swarm, so they show 0. They still return data, because the node exports
-#      every counter and histogram at 0 from its start (diloco_p2p/metrics.py) and increase() of a
+#      every counter and histogram at 0 from its start (diloco_p2p/loop/metrics.py) and increase() of a
 #      0 series is 0; a node that resyncs makes them non-zero (tests/integration cover that).
 #    - "Loss" (eval loss), "Params agree", "All-reduce time", "Group size": NaN or empty until a
 #      node has ended a group round; after $ROUNDS committed rounds they have numbers, so they are

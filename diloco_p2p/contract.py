@@ -1,6 +1,6 @@
 """The contract between a node and the swarm it trains in.
 
-The training loop (`diloco_p2p.node`) and the network layer (`diloco_p2p.swarm`) meet only here:
+The training loop (`diloco_p2p.loop.node`) and the network layer (`diloco_p2p.swarm`) meet only here:
 
 - `Sync`: what the loop calls each round (`before_round`, `average`, `after_round`). A solo
   node uses `SoloSync`; a swarm node `swarm.sync.SwarmSync`; a node of N local ranks
@@ -12,6 +12,8 @@ The training loop (`diloco_p2p.node`) and the network layer (`diloco_p2p.swarm`)
 - `RoundRecord`: one shape for every round, from every path; the same object becomes a line
   of ``metrics.jsonl``, Prometheus gauges and the node's DHT progress record.
 - `StopRequested`: the signal flag the loop checks and the swarm polls to cut a wait short.
+- `InFlight`: one round's average under way in the background (sync.overlap), as a swarm of
+  several ranks or the loop starts it (`begin_average`).
 
 Network faults are data here: a round ends ``committed``, ``alone``, ``failed`` or
 ``resynced``, never with an exception out of the loop.
@@ -23,13 +25,15 @@ import hashlib
 import json
 import logging
 import signal
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-log = logging.getLogger("diloco_p2p.node")
+log = logging.getLogger("diloco_p2p.loop.node")
 
 # Why a node refuses a peer (`diloco_p2p.swarm.trust.guard`): a record signed by another peer than
 # the one it names, a peer a closed run has not admitted, a state claimed past train.max_rounds
@@ -55,7 +59,7 @@ class NodeState:
     process's θ and momentum (flat, fp32): the swarm packs them to serve joiners, never edits them.
 
     θ is always the *global* θ, the one every member of a round holds bit for bit. Under
-    ``sync.overlap`` (`diloco_p2p.overlap`) the average of round `in_flight_round` is still under
+    ``sync.overlap`` (`diloco_p2p.loop.overlap`) the average of round `in_flight_round` is still under
     way and not in θ yet (`state` then carries it once known, for joiners); an eager node trains
     from θ plus a local correction that is never hashed, served or averaged.
     """
@@ -111,7 +115,7 @@ class SwarmState:
     round: int
     outcome: RoundOutcome
     # How long ago the swarm began round `round + 1` (its members published `round`), when known:
-    # the node joins that round in flight with the steps the others have left (`outer.catch_up_steps`).
+    # the node joins that round in flight with the steps the others have left (`schedule.catch_up_steps`).
     behind_seconds: float | None = None
 
 
@@ -160,7 +164,7 @@ class RoundRecord:
     dropped_round: int | None = None  # a resync: the round of our own θ that was given up
     resyncs: int | None = None
     joined_at_round: int | None = None
-    # sync.overlap (`diloco_p2p.overlap`): the mode, the round whose average this round's outer step
+    # sync.overlap (`diloco_p2p.loop.overlap`): the mode, the round whose average this round's outer step
     # applied (round - 1 while the pipeline runs; None: none), and wall-clock times (time.time) of
     # this round's compute and of that average's background span ("compute_start", "compute_end",
     # "average_start", "average_done"): exposed_seconds is then only the wait past compute_end.
@@ -250,3 +254,85 @@ class StopRequested:
             raise SystemExit(128 + signum)
         self.requested = True
         log.info("signal %s: stopping at the next safe point", signal.Signals(signum).name)
+
+
+class InFlight:
+    """One round's averaging, under way in the background. `result()` waits for it (the
+    exposed part); `started`/`done_at` are wall-clock (time.time) for the round's record."""
+
+    def __init__(self, round: int, delta: torch.Tensor, weight: float, params_hash: str,
+                 node_wide: Callable[[RoundOutcome], RoundOutcome] | None = None):
+        self.round, self.delta, self.weight, self.params_hash = round, delta, weight, params_hash
+        self._node_wide = node_wide  # run once on the loop's thread (`node_result`)
+        self.started = time.time()
+        self.done_at: float | None = None
+        self._outcome: RoundOutcome | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+
+    def _finish(self, outcome: RoundOutcome | None, error: BaseException | None = None) -> None:
+        self._outcome, self._error, self.done_at = outcome, error, time.time()
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def span(self) -> dict[str, float]:
+        """Its wall-clock span for the round record's `phases` (done: now, if not yet known)."""
+        return {"average_start": self.started, "average_done": self.done_at or time.time()}
+
+    def result(self) -> RoundOutcome:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._outcome is not None
+        return self._outcome
+
+    def node_result(self) -> RoundOutcome:
+        """`result()`, made node-wide the first time (on N local ranks a collective: every rank
+        calls it at the same point of the loop, on the loop's thread); `result()` then returns it."""
+        outcome = self.result()
+        if self._node_wide is not None:
+            node_wide, self._node_wide = self._node_wide, None
+            self._outcome = outcome = node_wide(outcome)
+        return outcome
+
+
+class Background(InFlight):
+    """`average` in a daemon thread (a swarm's call never raises for a network fault); the
+    optional `node_wide` step runs later, on the loop's thread (`InFlight.node_result`)."""
+
+    def __init__(self, average: Callable[..., RoundOutcome], round: int, delta: torch.Tensor, weight: float,
+                 params_hash: str, node_wide: Callable[[RoundOutcome], RoundOutcome] | None = None):
+        super().__init__(round, delta, weight, params_hash, node_wide)
+        threading.Thread(target=self._run, args=(average,), name=f"average-round-{round}", daemon=True).start()
+
+    def _run(self, average: Callable[..., RoundOutcome]) -> None:
+        try:
+            outcome = average(self.round, self.delta, self.weight, self.params_hash)
+        except BaseException as e:  # handed to the loop by result()
+            self._finish(None, e)
+            return
+        self._finish(outcome)
+
+
+@runtime_checkable
+class BeginsAverage(Protocol):
+    """A `Sync` that starts an average itself (the simulator's replicas take turns on one baton)."""
+
+    def begin_average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> InFlight: ...
+
+
+def begin_average(sync, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> InFlight:
+    """Start averaging `delta` for `round` in the background; `sync.average` in a thread unless
+    the sync starts it itself."""
+    if isinstance(sync, BeginsAverage):
+        return sync.begin_average(round, delta, weight, params_hash)
+    return Background(sync.average, round, delta.clone(), weight, params_hash)
+
+
+def resolved(round: int, delta: torch.Tensor, weight: float, params_hash: str, outcome: RoundOutcome) -> InFlight:
+    """An average already done (a sync with nothing to wait for)."""
+    flight = InFlight(round, delta, weight, params_hash)
+    flight._finish(outcome)
+    return flight

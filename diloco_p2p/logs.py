@@ -12,7 +12,7 @@ overrides it for the current thread or task only (several nodes in one test proc
 
 Two renderings of the same fields:
 
-- text (default): ``2025-01-01 12:00:00,123 INFO    [peer=x7Yz9AbC round=3 step=150] diloco_p2p.node: ...``
+- text (default): ``2025-01-01 12:00:00,123 INFO    [peer=x7Yz9AbC round=3 step=150] diloco_p2p.loop.node: ...``
 - JSON (``log.json_format`` / ``--log-json``): one object per line with the keys
   ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``peer``, ``round``, ``step``, ``message``
   (and ``exception`` when there is one), for log shippers.

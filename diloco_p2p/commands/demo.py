@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diloco_p2p.demo import run_demo
+    from diloco_p2p.ops.demo import run_demo
 
     if args.nodes < 1 or args.rounds < 1:
         raise UserError("demo: --nodes and --rounds must be at least 1")

@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diloco_p2p.transfer import export
+    from diloco_p2p.ops.transfer import export
 
     setup_logging("INFO", False)
     export(args.checkpoint, args.out)

@@ -19,8 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from diloco_p2p.ops.transfer import fetch
     from diloco_p2p.swarm.transport.dht import validate_maddrs
-    from diloco_p2p.transfer import fetch
 
     setup_logging("INFO", False)
     if not args.timeout > 0:

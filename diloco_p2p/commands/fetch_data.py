@@ -21,8 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from diloco_p2p.ops.transfer import fetch_dataset
     from diloco_p2p.swarm.transport.dht import validate_maddrs
-    from diloco_p2p.transfer import fetch_dataset
 
     setup_logging("INFO", False)
     if not re.fullmatch(r"[0-9a-f]{64}", args.dataset):

@@ -1,6 +1,6 @@
 """`diloco-p2p plan`: predict a round's seconds, compute utilization, bytes per node and the
-bottleneck for swarms of 4 to 1,024 nodes (`diloco_p2p.plan`), then the settings that best raise
-utilization (`diloco_p2p.recommend`); nothing is started."""
+bottleneck for swarms of 4 to 1,024 nodes (`diloco_p2p.planner.plan`), then the settings that best raise
+utilization (`diloco_p2p.planner.recommend`); nothing is started."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from diloco_p2p import plan
+    from diloco_p2p.planner import plan
 
     p = sub.add_parser("plan", help="predict round time, utilization, bytes per node and the bottleneck at N nodes")
     p.add_argument("--params", required=True, help="model parameters, e.g. 150M, 1.2B, 3500000")
@@ -52,7 +52,7 @@ def parse_count(text: str) -> int:
 
 
 def parse_links(text: str, flag: str):
-    from diloco_p2p.plan import Links
+    from diloco_p2p.planner.plan import Links
 
     try:
         lo, _, hi = text.partition("-")
@@ -65,7 +65,7 @@ def parse_links(text: str, flag: str):
 
 
 def _inputs(args: argparse.Namespace):
-    from diloco_p2p.plan import Inputs
+    from diloco_p2p.planner.plan import Inputs
 
     try:
         nodes = tuple(int(n) for n in args.nodes.split(","))
@@ -87,7 +87,7 @@ def _inputs(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from diloco_p2p.plan import Calibration, sweep
+    from diloco_p2p.planner.plan import Calibration, sweep
 
     inp, nodes = _inputs(args)
     predictions = sweep(inp, nodes)
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
               f"{p.messages:>7} {p.allreduce_seconds:>12.2f} {p.exposed_seconds:>9.2f}  {p.bottleneck} "
               f"({p.parts.get(p.bottleneck, 0.0) / p.round_seconds:.0%} of the round)")
     if not args.no_recommend:
-        from diloco_p2p.recommend import recommend, render
+        from diloco_p2p.planner.recommend import recommend, render
 
         print("\n".join(render(recommend(inp, nodes, cal))))
     return 0

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from diloco_p2p.config import ModelConfig
     from diloco_p2p.data.encode import tokenizer_identity
     from diloco_p2p.data.prepare import DEFAULT_SHARD_TOKENS, prepare
-    from diloco_p2p.model import build_tokenizer
+    from diloco_p2p.model.build import build_tokenizer
 
     setup_logging("INFO", False)
     for flag, value, ok in (("--workers", args.workers, args.workers >= 1),

@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diloco_p2p.seed import DEFAULT_HOST_MADDRS, run_seed
+    from diloco_p2p.ops.seed import DEFAULT_HOST_MADDRS, run_seed
 
     setup_logging(args.log_level, args.log_json)
     return run_seed(args.host_maddrs or list(DEFAULT_HOST_MADDRS), args.announce_maddrs, args.identity,

@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from diloco_p2p.config import load_config
     from diloco_p2p.logs import setup_logging
-    from diloco_p2p.simulate import simulate
+    from diloco_p2p.planner.simulate import simulate
 
     keys = list(args.order_keys or [])
     if args.replicas is not None and args.replicas < 1:

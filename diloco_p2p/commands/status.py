@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diloco_p2p.status import run_status
+    from diloco_p2p.ops.status import run_status
 
     logging.basicConfig(level=logging.WARNING)
     return run_status(args.initial_peers, args.run_id, as_json=args.json, timeout=args.timeout)

@@ -1,7 +1,7 @@
 """`diloco-p2p train`: run one node (of 1..N local ranks), solo or in the swarm.
 
 The config is parsed and logging set up once per process. With ``--nproc-per-node N`` this
-process becomes the launcher (`diloco_p2p.launch`): it spawns N copies of the same command,
+process becomes the launcher (`diloco_p2p.local.launch`): it spawns N copies of the same command,
 each of which runs `train` as one rank; under torchrun the ranks start here directly. Either
 way every rank runs the same path: the swarm endpoint first (hivemind forks a process, which
 must happen before any thread of ours), then the local ranks' process group, then the node.
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from diloco_p2p.config import Config, load_config
+from diloco_p2p.config.schedule import rounds
 from diloco_p2p.errors import UserError
+from diloco_p2p.local.ranks import NPROC_FLAG, env_rank, launched_as_rank, local_world_size
 from diloco_p2p.logs import log_context, setup_logging
-from diloco_p2p.ranks import NPROC_FLAG, env_rank, launched_as_rank, local_world_size
-from diloco_p2p.schedule import rounds
 
 log = logging.getLogger("diloco_p2p")
 
@@ -52,20 +52,20 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{NPROC_FLAG} must be at least 1, got {args.nproc_per_node}")
     if not launched_as_rank():
         if args.nproc_per_node > 1:
-            from diloco_p2p.launch import launch_local_ranks
+            from diloco_p2p.local.launch import launch_local_ranks
 
             return launch_local_ranks(args.argv, args.nproc_per_node)
     elif args.nproc_per_node > 1 and args.nproc_per_node != local_world_size():
         raise UserError(f"{NPROC_FLAG} {args.nproc_per_node} but the launcher started {local_world_size()} ranks; "
                         f"drop {NPROC_FLAG} under torchrun")
-    from diloco_p2p.rundir import prepare_run_dir
+    from diloco_p2p.loop.rundir import prepare_run_dir
 
     return train(config, prepare_run_dir(args.run_dir or Path("runs") / config.run_id))
 
 
 def train(config: Config, run_dir: Path) -> int:
     """Train as this process's rank of its node (rank 0 of 1 outside a launch)."""
-    from diloco_p2p.ranks import peer_rank_failed
+    from diloco_p2p.local.ranks import peer_rank_failed
 
     world = local_world_size()
     try:
@@ -88,8 +88,8 @@ def train(config: Config, run_dir: Path) -> int:
 def _train(config: Config, run_dir: Path, rank: int, world: int) -> list[Any]:
     from diloco_p2p.contract import StopRequested
     from diloco_p2p.faults import make_faults
-    from diloco_p2p.node import Node
-    from diloco_p2p.ranks import Ranks, quiet_other_ranks
+    from diloco_p2p.local.ranks import Ranks, quiet_other_ranks
+    from diloco_p2p.loop.node import Node
 
     quiet_other_ranks(rank)
     stop, faults = StopRequested(), make_faults()
@@ -119,7 +119,7 @@ def _swarm(config: Config, run_dir: Path, stop: Any, faults: Any, rank: int, wor
     if not config.p2p.initial_peers:
         return None
     if world > 1:
-        from diloco_p2p.swarm.shards import ShardSync
+        from diloco_p2p.swarm.multirank import ShardSync
 
         return ShardSync(config, run_dir, stop, rank, world, faults)
     from diloco_p2p.swarm.sync import SwarmSync
@@ -132,7 +132,7 @@ def start_metrics(config: Config, run_dir: Path) -> Any:
     """The node's Prometheus endpoint when metrics.port is set; its bound port goes to the run dir."""
     if not config.metrics.port:
         return None
-    from diloco_p2p.metrics import NodeMetrics, serve_metrics, write_port_file
+    from diloco_p2p.loop.metrics import NodeMetrics, serve_metrics, write_port_file
 
     metrics = NodeMetrics()
     port = serve_metrics(metrics.registry, config.metrics.host, max(config.metrics.port, 0))  # -1: any port

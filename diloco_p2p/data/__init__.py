@@ -7,7 +7,7 @@
 - `manifest`: the prepared corpus on disk, its dataset id and shard checks.
 - `dataset`: windows, the fixed eval split and the keyed O(1)-memory training order.
 - `cache`: a corpus fetched from the swarm's peers shard by shard as training needs it, under a
-  disk limit (the transfers: `diloco_p2p.swarm.state.datashare`).
+  disk limit (the transfers: `diloco_p2p.swarm.datashare`).
 
 `open_dataset` is what a node calls: the default corpus is tokenized in memory (it is small);
 a prepared directory (``manifest.json``) is memory-mapped; any other ``data.path`` (a text
@@ -40,7 +40,7 @@ from diloco_p2p.data.documents import default_corpus_files, input_files, iter_do
 from diloco_p2p.data.encode import tokenizer_identity
 from diloco_p2p.data.manifest import MANIFEST, Manifest
 from diloco_p2p.errors import UserError
-from diloco_p2p.model import Tokenizer
+from diloco_p2p.model.build import Tokenizer
 
 __all__ = [
     "DataPosition", "TextDataset", "TokenDataset", "build_dataset", "default_corpus_files", "load_tokens",

@@ -3,7 +3,7 @@
 A node given only a dataset id (``data.path=swarm:<id>`` or ``data.dataset_id`` with no
 path), or a ``data.path`` directory holding a manifest but not every shard, trains from a
 `ShardCache`: the manifest is fetched first (its hash must equal the id), then shards one at a
-time by a `Remote` (`diloco_p2p.swarm.state.datashare` over the swarm's libp2p streams). Each shard
+time by a `Remote` (`diloco_p2p.swarm.datashare` over the swarm's libp2p streams). Each shard
 is written to ``shard-NNNNN.bin.part`` while its sha256 runs, then renamed to its name only
 if the hash is the manifest's, so a shard file in the cache is always whole and verified; a
 ``.part`` left by a crash or a donor that left is resumed from its length (its bytes are hashed
@@ -57,7 +57,7 @@ CACHE_MARKER = "cache.json"  # a directory filled from the swarm: its order is t
 
 
 class Remote(Protocol):
-    """Where a cache gets what it lacks (`diloco_p2p.swarm.state.datashare.DataShare`)."""
+    """Where a cache gets what it lacks (`diloco_p2p.swarm.datashare.DataShare`)."""
 
     def fetch_manifest(self, dataset_id: str, timeout: float) -> bytes: ...
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from diloco_p2p.config import ModelConfig
-from diloco_p2p.model import ByteTokenizer, Tokenizer
+from diloco_p2p.model.build import ByteTokenizer, Tokenizer
 
 # The files that define a transformers tokenizer (model weights next to them are not hashed).
 TOKENIZER_FILES = (
@@ -30,7 +30,7 @@ _BYTE_IDENTITY = b"diloco-p2p byte tokenizer: id = byte + 3; pad 0, eos 1, unk 2
 
 
 def tokenizer_dir(cfg: ModelConfig) -> Path | None:
-    """The directory `diloco_p2p.model.build_tokenizer` loads from; None for the byte tokenizer."""
+    """The directory `diloco_p2p.model.build.build_tokenizer` loads from; None for the byte tokenizer."""
     if cfg.tokenizer_path:
         return Path(cfg.tokenizer_path)
     if cfg.pretrained_path and (Path(cfg.pretrained_path) / "tokenizer_config.json").is_file():

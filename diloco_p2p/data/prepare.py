@@ -33,7 +33,7 @@ from diloco_p2p.data.documents import input_files, iter_documents
 from diloco_p2p.data.encode import Encoder, token_dtype
 from diloco_p2p.data.manifest import MANIFEST, VERIFIED, Manifest, shard_name, shard_stamp, write_json_atomic
 from diloco_p2p.errors import UserError
-from diloco_p2p.model import Tokenizer
+from diloco_p2p.model.build import Tokenizer
 
 STATE = "prepare-state.json"
 # 16 MiB of uint16 ids per shard: what a node fetching from the swarm waits for before its first

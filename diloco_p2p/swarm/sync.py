@@ -47,6 +47,7 @@ from diloco_p2p.swarm.collective.aggregate import robust_of
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
 from diloco_p2p.swarm.collective.outcome import blame, round_outcome
+from diloco_p2p.swarm.datashare import DataShare
 from diloco_p2p.swarm.membership import liveness, resync
 from diloco_p2p.swarm.membership.grouping import LATE
 from diloco_p2p.swarm.membership.liveness import AdaptiveDeadline, Presence, verdicts, waited_for
@@ -64,7 +65,6 @@ from diloco_p2p.swarm.membership.resync import check_config, reference_records, 
 from diloco_p2p.swarm.state.announcements import StateAnnouncement, state_validator
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import StateCheck, pack_state
-from diloco_p2p.swarm.state.datashare import DataShare
 from diloco_p2p.swarm.state.server import StateServer
 from diloco_p2p.swarm.transport.dht import dht_peer_count, start_dht
 from diloco_p2p.swarm.transport.reach import PRIVATE, ReachServer, resolve, shortage
@@ -87,7 +87,7 @@ class SwarmSync:
     """One swarm endpoint: a DHT peer with its p2pd, in the DHT namespace `run_id`.
 
     A node of one rank has one, in its run's namespace; each rank of an N-rank node has its own,
-    in its shard's namespace (`diloco_p2p.swarm.shards`). `swarm_view` is what every node of
+    in its shard's namespace (`diloco_p2p.swarm.multirank`). `swarm_view` is what every node of
     the namespace must share (`Config.swarm_view()`): a node whose view differs is refused.
     """
 
@@ -248,7 +248,7 @@ class SwarmSync:
     def _behind(self, round: int) -> float | None:
         """How long ago the swarm began round `round + 1`: now minus the median time its members
         published `round` (None: no record at that round, or no view of the records). Clocks of
-        different machines enter here; `outer.catch_up_steps` only shortens one round by it."""
+        different machines enter here; `schedule.catch_up_steps` only shortens one round by it."""
         try:
             records = self.loop.run(self._read_records(), timeout=_RECORDS_TIMEOUT)
         except Exception:  # no view of the swarm: run the round whole

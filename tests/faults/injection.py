@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from diloco_p2p import faults
-from diloco_p2p.swarm.state.datashare import DataShare
+from diloco_p2p.swarm.datashare import DataShare
 from tests.faults.lying import LyingAllreduce
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import signal
 
-from diloco_p2p.checkpoint import load_checkpoint
+from diloco_p2p.loop.checkpoint import load_checkpoint
 from tests.harness.procs import read_records, wait_until
 from tests.harness.reaping import alive, descendants
 from tests.harness.swarm import ProcessSwarm

@@ -12,10 +12,10 @@ import threading
 import pytest
 import torch
 
-from diloco_p2p.checkpoint import load_checkpoint
 from diloco_p2p.config import load_config
 from diloco_p2p.contract import RoundOutcome
-from diloco_p2p.node import Node
+from diloco_p2p.loop.checkpoint import load_checkpoint
+from diloco_p2p.loop.node import Node
 from diloco_p2p.swarm.collective.wire import roundtrip
 from tests.unit.test_node import SMALL, ScriptedSync
 
@@ -136,10 +136,10 @@ def test_fsdp2_shards_on_one_gpu_rank_over_nccl(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from diloco_p2p.fsdp import ShardLayout, shard_model
-    from diloco_p2p.inner import InnerTrainer
-    from diloco_p2p.model import build_model
-    from diloco_p2p.ranks import Ranks
+    from diloco_p2p.local.fsdp import ShardLayout, shard_model
+    from diloco_p2p.local.ranks import Ranks
+    from diloco_p2p.loop.inner import InnerTrainer
+    from diloco_p2p.model.build import build_model
 
     config = load_config(None, [*GPU, "inner.lr=3e-3"])
     device = torch.device("cuda", 0)
@@ -194,10 +194,10 @@ def test_muon_on_fsdp_parameters_is_refused_in_one_line(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     from diloco_p2p.errors import UserError
-    from diloco_p2p.fsdp import shard_model
-    from diloco_p2p.inner import InnerTrainer
-    from diloco_p2p.model import build_model
-    from diloco_p2p.ranks import Ranks
+    from diloco_p2p.local.fsdp import shard_model
+    from diloco_p2p.local.ranks import Ranks
+    from diloco_p2p.loop.inner import InnerTrainer
+    from diloco_p2p.model.build import build_model
 
     config = load_config(None, [*GPU, "inner.optimizer=muon"])
     device = torch.device("cuda", 0)

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diloco_p2p.config import load_config
-from diloco_p2p.feedback import sent_values
-from diloco_p2p.simulate import simulate
+from diloco_p2p.loop.error_feedback import sent_values
+from diloco_p2p.planner.simulate import simulate
 from diloco_p2p.swarm.collective import codecs, wire
 from diloco_p2p.swarm.transport.dht import peer_id_of
 from tests.harness.settings import SWARM

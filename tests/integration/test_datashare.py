@@ -1,4 +1,4 @@
-"""Shard transfers between real p2pd daemons on loopback (`diloco_p2p.swarm.state.datashare`): a donor
+"""Shard transfers between real p2pd daemons on loopback (`diloco_p2p.swarm.datashare`): a donor
 that leaves mid-transfer (the shard resumes from another, nothing fetched twice), a donor that
 serves a corrupt shard (refused, named once), a closed run's donor that refuses a stranger, and
 an id nobody serves. The donor to fault is the one the fetcher's rendezvous order tries first."""
@@ -18,9 +18,9 @@ from diloco_p2p.data.encode import tokenizer_identity
 from diloco_p2p.data.manifest import MANIFEST, Manifest
 from diloco_p2p.data.prepare import prepare
 from diloco_p2p.errors import UserError
-from diloco_p2p.model import ByteTokenizer
+from diloco_p2p.model.build import ByteTokenizer
+from diloco_p2p.swarm.datashare import PROTOCOL_VERSION, DataShare
 from diloco_p2p.swarm.state.announcements import rendezvous_order
-from diloco_p2p.swarm.state.datashare import PROTOCOL_VERSION, DataShare
 from diloco_p2p.swarm.transport import streams
 from tests.faults.injection import flip_first_byte
 from tests.harness.loopback import LoopbackPeers
@@ -100,7 +100,7 @@ def test_a_corrupt_donor_is_named_once_and_the_shards_come_from_the_other(peers,
     first._outgoing = flip_first_byte  # it serves every shard with its first byte flipped
     try:
         cache = _cache(prepared, tmp_path, fetcher)
-        with caplog.at_level(logging.WARNING, "diloco_p2p.swarm.state.datashare"):
+        with caplog.at_level(logging.WARNING, "diloco_p2p.swarm.datashare"):
             for i in range(len(prepared.shards)):
                 assert cache.ensure(i).read_bytes() == prepared.path(prepared.shards[i]).read_bytes()
     finally:

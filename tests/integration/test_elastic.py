@@ -20,7 +20,7 @@ import signal
 
 import pytest
 
-from diloco_p2p.checkpoint import load_checkpoint
+from diloco_p2p.loop.checkpoint import load_checkpoint
 from tests.harness.procs import run_cli, wait_until
 from tests.harness.swarm import ProcessSwarm
 
@@ -129,6 +129,6 @@ def test_a_fetched_run_directory_resumes_and_rejoins_the_swarm(swarm):
     assert w.records()[index]["round"] > fetched.round and w.records()[index]["joined_at_round"] == fetched.round
     following = _assert_rejoins(w, index, a, b)
     # It trained from the fetched step 0 with a fresh AdamW: 5 steps a round, fewer in a round it
-    # joined in flight after a resync (`outer.catch_up_steps`), more after late rounds.
+    # joined in flight after a resync (`schedule.catch_up_steps`), more after late rounds.
     before = [r for r in w.records() if r["round"] < following["round"] and r["status"] != "resynced"]
     assert following["train_loss"] is not None and 1 <= following["step"] <= 5 * (len(before) + 1)

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from diloco_p2p.config import load_config
-from diloco_p2p.node import Node
+from diloco_p2p.loop.node import Node
 from tests.harness.procs import Proc, Procs, diloco, faulty_train, read_records, wait_until
 from tests.harness.settings import set_args
 from tests.harness.swarm import ProcessSwarm
@@ -129,7 +129,7 @@ def test_two_rank_checkpoint_resumes_in_a_one_rank_node(runs, tmp_path):
 def test_two_rank_checkpoint_exports_a_normal_transformers_model(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from diloco_p2p.transfer import export, find_checkpoint, model_from_checkpoint
+    from diloco_p2p.ops.transfer import export, find_checkpoint, model_from_checkpoint
 
     export(runs["two"], tmp_path / "hf")
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()

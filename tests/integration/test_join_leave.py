@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from diloco_p2p.model import build_model, build_tokenizer
-from diloco_p2p.transfer import find_checkpoint, model_from_checkpoint
+from diloco_p2p.model.build import build_model, build_tokenizer
+from diloco_p2p.ops.transfer import find_checkpoint, model_from_checkpoint
 from tests.harness.procs import run_cli, run_clis, wait_until
 from tests.harness.swarm import Node, ProcessSwarm
 

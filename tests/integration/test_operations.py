@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import P2P
 
-from diloco_p2p.launch import free_port
-from diloco_p2p.metrics import exported_names, read_port_file
+from diloco_p2p.local.launch import free_port
+from diloco_p2p.loop.metrics import exported_names, read_port_file
 from diloco_p2p.swarm.transport.dht import peer_id_of
 from tests.harness.procs import run_cli, run_clis, wait_until
 from tests.harness.swarm import Node, ProcessSwarm

@@ -1,6 +1,6 @@
 """A real 3-node swarm and `simulate` with the swarm's peer ids as order keys: the same θ every round.
 
-The swarm follows a sync schedule (`diloco_p2p.schedule`: H doubling from 1, the outer step's
+The swarm follows a sync schedule (`diloco_p2p.config.schedule`: H doubling from 1, the outer step's
 η and β warming up), so every round of it is shown to end with the same θ on every member and in
 `simulate`, whatever H, η and β the round has.
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from diloco_p2p.config import load_config
-from diloco_p2p.schedule import rounds
-from diloco_p2p.simulate import simulate, wire_average
+from diloco_p2p.config.schedule import rounds
+from diloco_p2p.planner.simulate import simulate, wire_average
 from diloco_p2p.swarm.transport.dht import peer_id_of
 from tests.harness.settings import SWARM
 from tests.harness.swarm import ProcessSwarm

@@ -12,7 +12,7 @@ from hivemind.utils import get_dht_time
 
 from diloco_p2p.config import Config, P2PConfig
 from diloco_p2p.logs import short_peer
-from diloco_p2p.status import run_status
+from diloco_p2p.ops.status import run_status
 from diloco_p2p.swarm.membership.records import (
     ProgressRecord,
     progress_key,

@@ -7,8 +7,14 @@ import sys
 import pytest
 import torch
 
-from diloco_p2p.checkpoint import Checkpoint, join_tensors, load_checkpoint, save_checkpoint, split_tensors
 from diloco_p2p.errors import UserError
+from diloco_p2p.loop.checkpoint import (
+    Checkpoint,
+    join_tensors,
+    load_checkpoint,
+    save_checkpoint,
+    split_tensors,
+)
 
 
 def _ckpt(round_: int) -> Checkpoint:
@@ -107,7 +113,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_as_latest_and_no_file_of_
 # Writes round 1, then a round 2 too big for the disk; prints the error, then what loads.
 FILL_THE_DISK = """
 import os, sys, torch
-from diloco_p2p.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from diloco_p2p.loop.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from diloco_p2p.errors import UserError
 d = __import__("pathlib").Path(sys.argv[1]) / "checkpoints"
 save_checkpoint(d, Checkpoint(round=1, step=1, tokens=0, tensors={"t": torch.zeros(10)}))

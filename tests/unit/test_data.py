@@ -10,7 +10,7 @@ from diloco_p2p.config import DataConfig
 from diloco_p2p.data import DataPosition, TokenDataset, build_dataset, default_corpus_files, load_tokens
 from diloco_p2p.data.dataset import EVAL_BATCH, ArraySource, KeyedPermutation, is_eval
 from diloco_p2p.errors import UserError
-from diloco_p2p.model import ByteTokenizer
+from diloco_p2p.model.build import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -24,7 +24,7 @@ from diloco_p2p.data.encode import tokenizer_identity
 from diloco_p2p.data.manifest import MANIFEST, Manifest
 from diloco_p2p.data.prepare import prepare
 from diloco_p2p.errors import UserError
-from diloco_p2p.model import ByteTokenizer
+from diloco_p2p.model.build import ByteTokenizer
 
 BYTE = ByteTokenizer()
 

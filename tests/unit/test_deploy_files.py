@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from diloco_p2p.cli import build_parser
-from diloco_p2p.metrics import NodeMetrics, SeedMetrics, exported_names, exposition
+from diloco_p2p.loop.metrics import NodeMetrics, SeedMetrics, exported_names, exposition
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

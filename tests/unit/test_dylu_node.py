@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from diloco_p2p.config import load_config
 from diloco_p2p.contract import SoloSync
-from diloco_p2p.node import Node
+from diloco_p2p.loop.node import Node
 
 SMALL = ["model.preset=tiny", "data.max_bytes=200000", "data.eval_fraction=0.05", "inner.batch_size=2",
          "inner.seq_len=32", "inner.warmup_steps=1", "outer.inner_steps=4", "train.eval_batches=0",

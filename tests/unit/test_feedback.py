@@ -1,4 +1,4 @@
-"""Error feedback (`diloco_p2p.feedback`): the arithmetic after each kind of round, what
+"""Error feedback (`diloco_p2p.loop.error_feedback`): the arithmetic after each kind of round, what
 "sent" means per wire and group size, and the buffer in a node: offered with Δ, checkpointed,
 restored on resume, reset when the node adopts the swarm's state."""
 
@@ -9,9 +9,9 @@ import torch
 
 from diloco_p2p.config import SyncConfig, load_config
 from diloco_p2p.contract import RoundOutcome, StopRequested, SwarmState
-from diloco_p2p.feedback import ErrorFeedback, sent_values
-from diloco_p2p.node import Node
-from diloco_p2p.simulate import simulate
+from diloco_p2p.loop.error_feedback import ErrorFeedback, sent_values
+from diloco_p2p.loop.node import Node
+from diloco_p2p.planner.simulate import simulate
 from diloco_p2p.swarm.collective import codecs, wire
 from tests.unit.test_node import SMALL, ScriptedSync
 

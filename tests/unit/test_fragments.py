@@ -9,15 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco_p2p.checkpoint import load_checkpoint, save_checkpoint
 from diloco_p2p.config import OuterConfig, SyncConfig, load_config
 from diloco_p2p.contract import RoundOutcome, StopRequested
 from diloco_p2p.errors import UserError
-from diloco_p2p.feedback import ErrorFeedback, sent_values
-from diloco_p2p.node import Node
-from diloco_p2p.outer import OuterOptimizer, flatten, tensor_sha256
-from diloco_p2p.overlap import outer_update
-from diloco_p2p.simulate import simulate
+from diloco_p2p.hashing import tensor_sha256
+from diloco_p2p.loop.checkpoint import load_checkpoint, save_checkpoint
+from diloco_p2p.loop.error_feedback import ErrorFeedback, sent_values
+from diloco_p2p.loop.node import Node
+from diloco_p2p.loop.outer import OuterOptimizer, flatten
+from diloco_p2p.loop.overlap import outer_update
+from diloco_p2p.planner.simulate import simulate
 from diloco_p2p.swarm.collective.wire import partition
 from tests.unit.test_node import SMALL
 from tests.unit.test_overlap import OverlapSync, _weights
@@ -234,9 +235,9 @@ def test_a_resumed_round_in_flight_is_rebased_from_where_it_ended(tmp_path):
 
 
 def test_a_part_goes_to_the_one_rank_layout_and_back_and_a_wrong_size_is_refused():
-    from diloco_p2p.fragments import Fragments
-    from diloco_p2p.fsdp import ShardLayout
-    from diloco_p2p.ranks import Ranks
+    from diloco_p2p.local.fsdp import ShardLayout
+    from diloco_p2p.local.ranks import Ranks
+    from diloco_p2p.loop.fragments import Fragments
 
     params = _params()
     fragments = Fragments(3, ShardLayout(params, Ranks(torch.device("cpu"))), 16)
@@ -253,9 +254,9 @@ def test_a_part_goes_to_the_one_rank_layout_and_back_and_a_wrong_size_is_refused
 
 
 def test_after_a_parts_step_only_the_hash_chunks_it_touched_are_hashed_again(monkeypatch):
-    import diloco_p2p.outer as outer_module
+    from diloco_p2p import hashing
 
-    monkeypatch.setattr(outer_module, "HASH_CHUNK_BYTES", 16)  # 4 values a chunk: θ of 16 values in 4 chunks
+    monkeypatch.setattr(hashing, "HASH_CHUNK_BYTES", 16)  # 4 values a chunk: θ of 16 values in 4 chunks
     outer = OuterOptimizer(_params(), OUTER)
     assert outer.params_sha256() == tensor_sha256(outer.theta.clone())
     for part, stale in [((3, 9), {0, 1, 2}), ((9, 16), {2, 3}), ((4, 8), {1})]:

@@ -8,14 +8,14 @@ import threading
 import pytest
 import torch
 
-from diloco_p2p.checkpoint import load_checkpoint
 from diloco_p2p.config import InnerConfig, load_config
 from diloco_p2p.errors import UserError
-from diloco_p2p.inner import InnerTrainer, muon_split, warmup_cosine
-from diloco_p2p.model import build_model
-from diloco_p2p.node import Node
-from diloco_p2p.ranks import Ranks
-from diloco_p2p.simulate import Rendezvous, ReplicaSync
+from diloco_p2p.local.ranks import Ranks
+from diloco_p2p.loop.checkpoint import load_checkpoint
+from diloco_p2p.loop.inner import InnerTrainer, muon_split, warmup_cosine
+from diloco_p2p.loop.node import Node
+from diloco_p2p.model.build import build_model
+from diloco_p2p.planner.simulate import Rendezvous, ReplicaSync
 from tests.unit.test_node import SMALL, ScriptedSync
 
 CPU = torch.device("cpu")

@@ -9,8 +9,8 @@ import pytest
 from diloco_p2p.config import load_config
 from diloco_p2p.contract import view_hash
 from diloco_p2p.errors import UserError
-from diloco_p2p.launch import _describe, split_nproc_arg
-from diloco_p2p.swarm.shards import node_swarm_view, rank_p2p, shard_run_id
+from diloco_p2p.local.launch import _describe, split_nproc_arg
+from diloco_p2p.swarm.multirank import node_swarm_view, rank_p2p, shard_run_id
 from tests.harness.procs import REPO
 
 
@@ -40,7 +40,7 @@ def test_exit_codes_are_described_for_humans():
 
 def test_the_ranks_run_the_entry_the_launcher_was_started_as(tmp_path):
     """`python -m tests.faults.node train --nproc-per-node 2` spawns ranks with the same faults."""
-    (tmp_path / "entry.py").write_text("from diloco_p2p.launch import entry_module; print(entry_module())")
+    (tmp_path / "entry.py").write_text("from diloco_p2p.local.launch import entry_module; print(entry_module())")
 
     def entry(*argv: str) -> str:
         return subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120,

@@ -1,5 +1,7 @@
-"""The package's shape: no import cycle, the swarm layer never reaches up into the node, and inside
-the swarm each sub-package imports only from the layers below it (`SWARM_LAYERS`).
+"""The package's shape: no import cycle; each package imports only from the layers below it
+(`PACKAGE_LAYERS`: the seams, then the model and a node's ranks, data, the swarm, the loop, the
+planner and operations, the commands); inside the swarm each sub-package imports only from the
+layers below it (`SWARM_LAYERS`).
 
 Imports are read from the source (module level and inside functions alike: a lazy import is
 still a dependency), so a cycle is caught before it ever bites at run time.
@@ -23,8 +25,23 @@ SWARM_LAYERS: list[set[str]] = [
     {"collective", "membership", "state"},  # all-reduce; groups, records, resync; state and data sharing
     {"facade"},
 ]
-# Above the swarm: data flows node -> contract -> swarm, so nothing in the swarm imports these.
-ABOVE_SWARM = ("diloco_p2p.node", "diloco_p2p.cli", "diloco_p2p.commands")
+# Above the swarm: data flows loop -> contract -> swarm, so nothing in the swarm imports these.
+ABOVE_SWARM = ("diloco_p2p.loop", "diloco_p2p.planner", "diloco_p2p.ops", "diloco_p2p.cli", "diloco_p2p.commands")
+# The package's layers, bottom up, by first name under `diloco_p2p`. The seams (root modules and
+# the config) are what every layer shares; a unit imports only its own and lower layers.
+SEAMS = {"errors", "faults", "hashing", "logs", "contract", "config"}
+PACKAGE_LAYERS: list[set[str]] = [
+    SEAMS,
+    {"model", "local"},  # the model and its tokenizer; the ranks of one node
+    {"data"},  # documents, shards, the training order
+    {"swarm"},  # everything that talks to peers
+    {"loop"},  # one node's rounds
+    {"planner", "ops"},  # planning and simulating a run; the seed, status, transfer, the demo
+    {"commands"},  # one module per subcommand
+    {"cli"},
+    {"__main__"},
+]
+ROOT_MODULES_AT_MOST = 8
 # Fault injection is the tests' (`tests.faults.injection`, installed by `python -m tests.faults.node`):
 # the product names none of the variables that plan it.
 TEST_ONLY_VARIABLES = ("DILOCO_P2P_FAULTS", "DILOCO_P2P_START_GATE", "DILOCO_P2P_CORRUPT_SHARDS")
@@ -126,16 +143,37 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert "diloco_p2p.node" in graph["diloco_p2p.commands.train"]  # the walk sees lazy imports
+    assert "diloco_p2p.loop.node" in graph["diloco_p2p.commands.train"]  # the walk sees lazy imports
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-def test_the_swarm_layer_never_imports_the_node():
+def test_the_swarm_layer_never_imports_the_loop():
     graph = import_graph()
     swarm = [m for m in graph if m.startswith("diloco_p2p.swarm")]
     assert "diloco_p2p.swarm.sync" in swarm
-    offenders = {m: sorted(graph[m] & {"diloco_p2p.node", "diloco_p2p.cli", "diloco_p2p.commands"}) for m in swarm}
+    offenders = {m: sorted(d for d in graph[m] if swarm_unit(d) == "above") for m in swarm}
     assert not {m: d for m, d in offenders.items() if d}
+
+
+def package_unit(module: str) -> str | None:
+    """The layer unit of a package module: its first name under `diloco_p2p` (None for the
+    package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    graph = import_graph()
+    units = {package_unit(m) for m in graph} - {None}
+    assert units == set().union(*PACKAGE_LAYERS), "place each package and root module in PACKAGE_LAYERS"
+    found = [edge for edge in upward_imports(graph, PACKAGE_LAYERS, package_unit)
+             if edge.split(" -> ")[0].split(".")[1] not in SEAMS or edge.split(" -> ")[1].split(".")[1] not in SEAMS]
+    assert not found
+
+
+def test_the_package_root_stays_small():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_AT_MOST, root
 
 
 def test_modules_and_functions_stay_readable():
@@ -191,7 +229,7 @@ def test_a_node_of_one_rank_imports_no_fsdp():
     import subprocess
     import sys
 
-    code = ("import sys, diloco_p2p.commands.train, diloco_p2p.node, diloco_p2p.swarm.sync, diloco_p2p.inner; "
+    code = ("import sys, diloco_p2p.commands.train, diloco_p2p.loop.node, diloco_p2p.swarm.sync, diloco_p2p.loop.inner; "
             "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.fsdp', 'torch.distributed.tensor'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

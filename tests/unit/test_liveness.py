@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from diloco_p2p.metrics import NodeMetrics, exposition
-from diloco_p2p.status import format_away, format_table, status_rows
+from diloco_p2p.loop.metrics import NodeMetrics, exposition
+from diloco_p2p.ops.status import format_away, format_table, status_rows
 from diloco_p2p.swarm.membership.liveness import (
     AdaptiveDeadline,
     Presence,

@@ -44,10 +44,10 @@ def test_text_line_has_peer_round_step(stream, monkeypatch):
     monkeypatch.delenv("HIVEMIND_LOGLEVEL", raising=False)
     setup_logging("INFO", json_format=False, stream=stream)
     set_log_context(peer=PEER, round=3, step=150)
-    logging.getLogger("diloco_p2p.node").info("round %d done", 3)
+    logging.getLogger("diloco_p2p.loop.node").info("round %d done", 3)
     (line,) = lines(stream)
     short = PEER[-logs.SHORT_PEER_CHARS:]
-    pattern = rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}} INFO +\[peer={short} round=3 step=150\] diloco_p2p.node: round 3 done"
+    pattern = rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}} INFO +\[peer={short} round=3 step=150\] diloco_p2p.loop.node: round 3 done"
     assert re.fullmatch(pattern, line), line
 
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from diloco_p2p import __version__
 from diloco_p2p.errors import UserError
-from diloco_p2p.metrics import (
+from diloco_p2p.loop.metrics import (
     ALLREDUCE_BUCKETS,
     ROUND_STATUSES,
     NodeMetrics,
@@ -131,7 +131,7 @@ def test_missing_and_none_keys_are_skipped():
 
 def test_unknown_status_is_not_a_label(caplog):
     m = NodeMetrics()
-    with caplog.at_level(logging.WARNING, logger="diloco_p2p.metrics"):
+    with caplog.at_level(logging.WARNING, logger="diloco_p2p.loop.metrics"):
         m.observe_round({"round": 1, "status": "exploded"})
         m.observe_round({"round": 2, "status": "exploded"})
     statuses = {dict(k[1]).get("status") for k in samples(m) if k[0] == "diloco_rounds_total"}

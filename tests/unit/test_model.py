@@ -4,7 +4,7 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaForCausalLM
 
 from diloco_p2p.config import ModelConfig
 from diloco_p2p.errors import UserError
-from diloco_p2p.model import (
+from diloco_p2p.model.build import (
     ByteTokenizer,
     build_model,
     build_tokenizer,
@@ -46,7 +46,7 @@ def test_field_overrides_and_local_pretrained_path(tmp_path):
 
 def test_the_small_and_35m_presets_have_the_shapes_their_quality_tables_assume():
     from diloco_p2p.config import ModelConfig
-    from diloco_p2p.model import ByteTokenizer, build_model
+    from diloco_p2p.model.build import ByteTokenizer, build_model
 
     def non_embedding(preset: str) -> int:
         model = build_model(ModelConfig(preset=preset), ByteTokenizer.vocab_size, 0)

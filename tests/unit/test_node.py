@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_p2p import outer as outer_module
-from diloco_p2p.checkpoint import load_checkpoint
 from diloco_p2p.config import load_config
+from diloco_p2p.config.schedule import catch_up_steps
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState
-from diloco_p2p.node import Node
-from diloco_p2p.outer import OuterOptimizer, catch_up_steps
-from diloco_p2p.ranks import Ranks
+from diloco_p2p.local.ranks import Ranks
+from diloco_p2p.loop import outer as outer_module
+from diloco_p2p.loop.checkpoint import load_checkpoint
+from diloco_p2p.loop.node import Node
+from diloco_p2p.loop.outer import OuterOptimizer
 
 SMALL = ["model.preset=tiny", "data.max_bytes=200000", "data.eval_fraction=0.05", "inner.batch_size=2",
          "inner.seq_len=32", "inner.warmup_steps=1", "outer.inner_steps=2", "train.eval_batches=1",
@@ -238,7 +239,7 @@ def test_the_records_checkpoint_is_written_before_the_record(tmp_path, monkeypat
 
     node.run()  # rounds 1-2 on disk
     node2 = _node(tmp_path, ScriptedSync(), rounds=3)
-    monkeypatch.setattr("diloco_p2p.node.save_checkpoint", disk_full)
+    monkeypatch.setattr("diloco_p2p.loop.node.save_checkpoint", disk_full)
     with pytest.raises(OSError):
         node2.run()
     assert [r["round"] for r in _lines(node2)] == [0, 1, 2]  # round 3 is in no checkpoint, so in no record

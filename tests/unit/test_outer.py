@@ -3,10 +3,12 @@ import hashlib
 import pytest
 import torch
 
-from diloco_p2p import outer as outer_module
-from diloco_p2p.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from diloco_p2p import hashing
 from diloco_p2p.config import OuterConfig
-from diloco_p2p.outer import OuterOptimizer, dylu_steps, flatten, tensor_sha256
+from diloco_p2p.config.schedule import dylu_steps
+from diloco_p2p.hashing import tensor_sha256
+from diloco_p2p.loop.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from diloco_p2p.loop.outer import OuterOptimizer, flatten
 
 
 def _workers(theta: torch.Tensor, n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -154,16 +156,16 @@ def test_dynamic_local_updates_match_the_worked_example():
 
 
 def test_theta_hash_is_sha256_of_its_bytes_up_to_one_chunk_and_of_the_chunk_digests_past_it(monkeypatch):
-    monkeypatch.setattr(outer_module, "HASH_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(hashing, "HASH_CHUNK_BYTES", 1024)
     small = torch.randn(256)  # exactly one chunk
     assert tensor_sha256(small) == hashlib.sha256(small.numpy().tobytes()).hexdigest()
 
     big = torch.randn(1000)  # 4000 bytes: chunks of 1024, 1024, 1024, 928
     raw = big.numpy().tobytes()
     digests = b"".join(hashlib.sha256(raw[i : i + 1024]).digest() for i in range(0, len(raw), 1024))
-    assert tensor_sha256(big) == hashlib.sha256(outer_module._CHUNKED + digests).hexdigest()
-    monkeypatch.setattr(outer_module.os, "cpu_count", lambda: 1)  # one thread: the same hash
-    assert tensor_sha256(big) == hashlib.sha256(outer_module._CHUNKED + digests).hexdigest()
+    assert tensor_sha256(big) == hashlib.sha256(hashing._CHUNKED + digests).hexdigest()
+    monkeypatch.setattr(hashing.os, "cpu_count", lambda: 1)  # one thread: the same hash
+    assert tensor_sha256(big) == hashlib.sha256(hashing._CHUNKED + digests).hexdigest()
     flipped = big.clone()
     flipped[999] = torch.nextafter(flipped[999], torch.tensor(float("inf")))  # last bit of the last chunk
     assert tensor_sha256(flipped) != tensor_sha256(big)

@@ -1,4 +1,4 @@
-"""sync.overlap (`diloco_p2p.overlap`): the Eager Updates formulas, recomputed here by hand, and the
+"""sync.overlap (`diloco_p2p.loop.overlap`): the Eager Updates formulas, recomputed here by hand, and the
 node's loop against a scripted swarm: the global θ every member hashes, the eager node's local
 start point, checkpoints of the round in flight, joiners, and the in-process replicas."""
 
@@ -9,14 +9,15 @@ import threading
 import pytest
 import torch
 
-from diloco_p2p.checkpoint import load_checkpoint
 from diloco_p2p.config import OuterConfig, load_config
-from diloco_p2p.contract import RoundOutcome, StopRequested, SwarmState
+from diloco_p2p.contract import Background, RoundOutcome, StopRequested, SwarmState
 from diloco_p2p.errors import UserError
-from diloco_p2p.node import Node
-from diloco_p2p.outer import flatten, tensor_sha256
-from diloco_p2p.overlap import Background, EagerCorrection, Pipeline, outer_update
-from diloco_p2p.simulate import simulate
+from diloco_p2p.hashing import tensor_sha256
+from diloco_p2p.loop.checkpoint import load_checkpoint
+from diloco_p2p.loop.node import Node
+from diloco_p2p.loop.outer import flatten
+from diloco_p2p.loop.overlap import EagerCorrection, Pipeline, outer_update
+from diloco_p2p.planner.simulate import simulate
 from tests.unit.test_node import SMALL
 
 BETA, LR = 0.9, 0.7
@@ -432,7 +433,7 @@ class _ShardSwarm:
 def test_a_shard_averages_behind_compute_and_its_outcome_is_made_node_wide_on_the_loops_thread():
     """Collectives among local ranks in the background thread would interleave with FSDP's on the
     loop's thread: the shard's average runs there, the node-wide part only when the loop takes it."""
-    from diloco_p2p.swarm.shards import ShardSync
+    from diloco_p2p.swarm.multirank import ShardSync
 
     sync = ShardSync.__new__(ShardSync)  # its swarm endpoint and ranks replaced by the two above
     sync.world_size, sync.inner, sync.ranks = 2, _ShardSwarm(), _Ranks()

@@ -1,4 +1,4 @@
-"""The round planner (`diloco_p2p.plan`, `diloco-p2p plan`): its byte counts are the wire's, its
+"""The round planner (`diloco_p2p.planner.plan`, `diloco-p2p plan`): its byte counts are the wire's, its
 predictions move the right way with their inputs, and its CLI refuses bad input in one line."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from diloco_p2p import cli, plan
+from diloco_p2p import cli
+from diloco_p2p.planner import plan
 from diloco_p2p.swarm.collective import wire
 from diloco_p2p.swarm.transport import streams
 
@@ -279,7 +280,8 @@ README_EXAMPLE = plan.Inputs(params=150_000_000, step_seconds=0.5, inner_steps=5
 
 def _config_with(inp: plan.Inputs, sets: tuple[str, ...]):
     """The config a user of `inp`'s settings gets by pasting the recommended `--set` lines."""
-    from diloco_p2p import config, recommend
+    from diloco_p2p import config
+    from diloco_p2p.planner import recommend
 
     mine = [f"{k}={v}" for k, v in recommend.fields_of(inp).items()]
     return config.load_config(None, [*mine, *sets])
@@ -294,7 +296,7 @@ def _inputs_of(cfg, base: plan.Inputs) -> plan.Inputs:
 
 
 def test_the_readme_example_is_recommended_settings_that_reach_0_9_and_the_config_accepts():
-    from diloco_p2p import recommend
+    from diloco_p2p.planner import recommend
 
     advice = recommend.recommend(README_EXAMPLE)
     assert advice.baseline.lowest < 0.35  # the issue's 0.59 at 4 nodes down to 0.30 at 1,024
@@ -318,7 +320,7 @@ def test_the_readme_example_is_recommended_settings_that_reach_0_9_and_the_confi
     (dict(params=1_000_000_000, step_seconds=0.1, inner_steps=50, uplink=plan.Links(5, 5)), (4, 64)),  # none reach
 ])
 def test_every_recommendation_is_a_valid_config_that_raises_utilization(kw, nodes):
-    from diloco_p2p import recommend
+    from diloco_p2p.planner import recommend
 
     base = replace(README_EXAMPLE, **kw)
     advice = recommend.recommend(base, nodes)
@@ -339,7 +341,7 @@ def test_every_recommendation_is_a_valid_config_that_raises_utilization(kw, node
 def test_the_cheapest_setting_that_reaches_0_9_wins():
     """At 15 Mbit/s int4 alone reaches 0.9 (+0.35%), so no overlap and no larger H; at 20 Mbit/s int8
     (+0.01%) with a smaller grid row (free) reaches it, so not int4."""
-    from diloco_p2p import recommend
+    from diloco_p2p.planner import recommend
 
     base = plan.Inputs(params=20_000_000, step_seconds=0.5, inner_steps=500, compression="fp16")
     at = {rate: recommend.recommend(replace(base, uplink=plan.Links(rate, rate), downlink=plan.Links(rate, rate)),
@@ -351,7 +353,7 @@ def test_the_cheapest_setting_that_reaches_0_9_wins():
 
 
 def test_fast_links_recommend_nothing(capsys):
-    from diloco_p2p import recommend
+    from diloco_p2p.planner import recommend
 
     fast = plan.Inputs(params=20_000_000, step_seconds=0.5, inner_steps=500, uplink=plan.Links(1000, 1000),
                        downlink=plan.Links(1000, 1000))
@@ -402,7 +404,7 @@ def test_the_readme_example_shows_what_plan_prints(capsys):
 
 
 def test_topk2_is_offered_at_two_and_four_nodes_with_its_measured_recipe():
-    from diloco_p2p import recommend
+    from diloco_p2p.planner import recommend
 
     advice = recommend.recommend(replace(README_EXAMPLE, compression="fp16"), (2, 4))
     assert advice.best.inputs.compression == "topk2" and advice.best.inputs.inner_steps == 500

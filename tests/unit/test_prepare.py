@@ -21,7 +21,7 @@ from diloco_p2p.data.encode import token_dtype, tokenizer_identity
 from diloco_p2p.data.manifest import Manifest
 from diloco_p2p.data.prepare import prepare
 from diloco_p2p.errors import UserError
-from diloco_p2p.model import ByteTokenizer, build_tokenizer
+from diloco_p2p.model.build import ByteTokenizer, build_tokenizer
 
 BYTE = ByteTokenizer()
 BYTE_ID = tokenizer_identity(ModelConfig(), BYTE)
@@ -226,7 +226,7 @@ NODE = ["model.preset=tiny", "inner.batch_size=2", "inner.seq_len=16", "inner.wa
 
 
 def _node(run_dir, data_path, *extra):
-    from diloco_p2p.node import Node
+    from diloco_p2p.loop.node import Node
 
     return Node(load_config(None, [*NODE, f"data.path={data_path}", *extra]), run_dir, progress=False)
 

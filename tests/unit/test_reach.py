@@ -5,7 +5,7 @@ is told (log and `status`), and the status row. The probe itself runs on loopbac
 from __future__ import annotations
 
 from diloco_p2p.config import P2PConfig
-from diloco_p2p.status import format_warning, status_rows
+from diloco_p2p.ops.status import format_warning, status_rows
 from diloco_p2p.swarm.membership.records import ProgressRecord
 from diloco_p2p.swarm.transport.reach import PRIVATE, PUBLIC, observed_host, resolve, shortage, tcp_ports
 

@@ -10,7 +10,7 @@ import pytest
 
 from diloco_p2p.config import load_config
 from diloco_p2p.contract import RoundOutcome
-from diloco_p2p.metrics import NodeMetrics, process_start_time
+from diloco_p2p.loop.metrics import NodeMetrics, process_start_time
 from diloco_p2p.swarm.sync import SwarmSync
 from tests.unit.test_metrics import value as sample
 from tests.unit.test_node import ScriptedSync, _node

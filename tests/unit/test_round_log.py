@@ -8,7 +8,7 @@ import re
 
 from diloco_p2p.config import load_config
 from diloco_p2p.logs import setup_logging
-from diloco_p2p.node import Node
+from diloco_p2p.loop.node import Node
 
 SMALL = ["model.preset=tiny", "data.max_bytes=200000", "data.eval_fraction=0.05", "inner.batch_size=2",
          "inner.seq_len=32", "inner.warmup_steps=1", "outer.inner_steps=3", "train.eval_batches=1",
@@ -19,10 +19,10 @@ def test_round_lines_carry_their_own_round_and_step_and_round_0_is_rounded(tmp_p
     stream = io.StringIO()
     setup_logging("INFO", stream=stream)
     Node(load_config(None, SMALL), tmp_path / "run", progress=False).run()
-    lines = [line for line in stream.getvalue().splitlines() if "diloco_p2p.node: round " in line]
+    lines = [line for line in stream.getvalue().splitlines() if "diloco_p2p.loop.node: round " in line]
     assert len(lines) == 3, lines
     for line in lines:
-        m = re.search(r"\[peer=\S+ round=(\d+) step=(\d+)\] diloco_p2p.node: round (\d+)", line)
+        m = re.search(r"\[peer=\S+ round=(\d+) step=(\d+)\] diloco_p2p.loop.node: round (\d+)", line)
         assert m and m.group(1) == m.group(3), line
         said = re.search(r"  step (\d+)  ", line)
         assert m.group(2) == (said.group(1) if said else "0"), line

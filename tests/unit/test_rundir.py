@@ -9,13 +9,13 @@ import sys
 import pytest
 
 from diloco_p2p.errors import UserError
-from diloco_p2p.rundir import node_key, prepare_run_dir
+from diloco_p2p.loop.rundir import node_key, prepare_run_dir
 
 # Prints, for each directory argument, "ok" or the UserError's line.
 CHECK = """
 import sys
 from diloco_p2p.errors import UserError
-from diloco_p2p.rundir import prepare_run_dir
+from diloco_p2p.loop.rundir import prepare_run_dir
 for path in sys.argv[1:]:
     try:
         prepare_run_dir(path)

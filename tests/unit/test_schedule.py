@@ -1,15 +1,14 @@
-"""The outer loop's schedules (`diloco_p2p.schedule`) and the recipe that picks them."""
+"""The outer loop's schedules (`diloco_p2p.config.schedule`) and the recipe that picks them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from diloco_p2p import schedule
-from diloco_p2p.config import OuterConfig, load_config
+from diloco_p2p.config import OuterConfig, load_config, schedule
+from diloco_p2p.config.recipe import recipe
 from diloco_p2p.errors import UserError
-from diloco_p2p.outer import OuterOptimizer
-from diloco_p2p.recipe import recipe
+from diloco_p2p.loop.outer import OuterOptimizer
 
 
 def lengths(cfg: OuterConfig, max_rounds: int) -> list[int]:

@@ -8,12 +8,12 @@ import sys
 
 import torch
 
-from diloco_p2p.threads import ThreadBudget, usable_cores
+from diloco_p2p.local.threads import ThreadBudget, usable_cores
 
 
 def test_unset_threads_share_the_cores_among_live_training_processes(tmp_path, monkeypatch):
     before = torch.get_num_threads()
-    monkeypatch.setattr("diloco_p2p.threads.usable_cores", lambda: 4)
+    monkeypatch.setattr("diloco_p2p.local.threads.usable_cores", lambda: 4)
     # Two other live processes of our own (not our parent: it may be pid 1 when pytest was detached).
     others = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
     try:

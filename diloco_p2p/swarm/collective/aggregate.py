@@ -1,7 +1,7 @@
 """Robust aggregation of one part's contributions, and the checks members run on a reducer.
 
 Pure functions of tensors and bytes (no sockets): the all-reduce (`diloco_p2p.swarm.collective.allreduce`)
-and the replica simulator (`diloco_p2p.simulate`) both reduce through `reduce_part` /
+and the replica simulator (`diloco_p2p.planner.simulate`) both reduce through `reduce_part` /
 `reduce_chunk` here, so what a benchmark measures in-process is what the swarm computes.
 
 What a reducer does with the contributions to its part (`Robust`, from `sync.*`):

@@ -2,7 +2,7 @@
 values. Pure functions of tensors and bytes, like `wire` (which dispatches ``int4`` here); the
 protocol that moves them is `allreduce` (``int4``, a dense reduce-scatter) and `allgather`
 (``topk2``, sparse). What a node did not send is carried to its next round by
-`diloco_p2p.feedback` (error feedback).
+`diloco_p2p.loop.error_feedback` (error feedback).
 
 ``int4`` (dense): per-block absmax scaling as ``int8`` (blocks of `INT4_BLOCK` elements, one
 float32 scale = absmax/7 per block), codes -7..7 stored as the nibble ``code + 8`` (1..15; 0 is
@@ -16,7 +16,7 @@ Communication-efficient LLM training", used for Covenant-72B): the vector is cut
 `TOPK_BLOCK` elements and each block keeps its ``ceil(density * m)`` largest values by
 magnitude; each kept value is sent as 2 bits (sign, and which of two magnitude levels) with a
 per-block pair of float32 levels (lower, upper), and every value not kept is dropped (error =
-the value). The error feedback of the sender (`diloco_p2p.feedback`) sends what was dropped in
+the value). The error feedback of the sender (`diloco_p2p.loop.error_feedback`) sends what was dropped in
 later rounds, as in SparseLoCo and Deep Gradient Compression (Lin et al. 2018). Two choices
 differ from SparseLoCo's, each measured on the tiny preset (2 nodes, 40 rounds x H=5, density
 3.4%, `benchmarks/compression_decay.py`):

@@ -12,7 +12,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from diloco_p2p.outer import tensor_sha256
+from diloco_p2p.hashing import tensor_sha256
 
 MAX_SAFETENSORS_HEADER = 100 << 20  # what safetensors itself accepts
 _HEADER_LENGTH = 8  # safetensors starts with its JSON header's length, 8 bytes little-endian

@@ -4,7 +4,7 @@ Every refusal of a peer (a forged record, a peer a closed run has not admitted, 
 vouches for or past `train.max_rounds`, a downloaded θ that is not the one vouched for) goes
 through `Guard.reject`: one log line naming the peer (full base58 id), the reason and what it
 did, once per round for the same refusal (records are read several times a round); the round's refusals go into the round record (`rejections`, then
-``diloco_rejections_total{reason}`` in Prometheus, `diloco_p2p.metrics`), and the peers refused
+``diloco_rejections_total{reason}`` in Prometheus, `diloco_p2p.loop.metrics`), and the peers refused
 recently into our progress record (`excluded`), which `diloco-p2p status` shows.
 
 Reasons are a small fixed set (`diloco_p2p.contract.REJECTION_REASONS`) so they can be labels.

@@ -4,14 +4,14 @@
 is built by `Node.__init__` from the config; the network layer is behind `Sync`
 (`diloco_p2p.contract`), so a solo node and a swarm node run the same loop. So do nodes of
 one and of N local ranks: `Ranks` makes every node-wide collective a no-op on one rank, and
-the model, the outer state and the checkpoint go through `ShardLayout` (`diloco_p2p.fsdp`),
+the model, the outer state and the checkpoint go through `ShardLayout` (`diloco_p2p.local.fsdp`),
 an identity on one rank. On N ranks rank 0 owns the run directory (config, metrics.jsonl,
 checkpoints); rank r > 0 writes its own metrics.jsonl (the same node-wide numbers) under
 ``ranks/<r>/``.
 
 The module is long (~600 lines) because the overlap modes' landing, unlanding and resuming, and
 sync.fragments' parts, touch the loop's own state (round, θ, the trained weights, the record in
-wait); what stands alone is in `diloco_p2p.overlap`, `diloco_p2p.fragments` and `diloco_p2p.outer`.
+wait); what stands alone is in `diloco_p2p.loop.overlap`, `diloco_p2p.loop.fragments` and `diloco_p2p.loop.outer`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from diloco_p2p import __version__, schedule
-from diloco_p2p.checkpoint import Checkpoint, join_tensors, load_checkpoint, save_checkpoint, split_tensors
-from diloco_p2p.config import Config, save_config
+from diloco_p2p import __version__
+from diloco_p2p.config import Config, save_config, schedule
 from diloco_p2p.contract import (
+    InFlight,
     NodeState,
     RoundOutcome,
     RoundRecord,
@@ -43,26 +43,33 @@ from diloco_p2p.contract import (
 from diloco_p2p.data import DataPosition, open_dataset
 from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
-from diloco_p2p.feedback import ErrorFeedback
-from diloco_p2p.fragments import Fragments
-from diloco_p2p.fsdp import (
+from diloco_p2p.local.fsdp import (
     ShardLayout,
     gather_optimizer_state,
     shard_model,
     shard_optimizer_state,
     uses_bf16_params,
 )
-from diloco_p2p.inner import InnerTrainer, StepStats
+from diloco_p2p.local.ranks import Ranks, resolve_device
+from diloco_p2p.local.threads import ThreadBudget
 from diloco_p2p.logs import log_context, set_log_context
-from diloco_p2p.metrics import process_start_time
-from diloco_p2p.model import build_model, build_tokenizer, count_parameters
-from diloco_p2p.outer import OuterOptimizer, catch_up_steps, dylu_steps
-from diloco_p2p.overlap import InFlight, Pipeline
-from diloco_p2p.ranks import Ranks, resolve_device
-from diloco_p2p.rundir import node_key, prepare_run_dir
-from diloco_p2p.threads import ThreadBudget
+from diloco_p2p.loop.checkpoint import (
+    Checkpoint,
+    join_tensors,
+    load_checkpoint,
+    save_checkpoint,
+    split_tensors,
+)
+from diloco_p2p.loop.error_feedback import ErrorFeedback
+from diloco_p2p.loop.fragments import Fragments
+from diloco_p2p.loop.inner import InnerTrainer, StepStats
+from diloco_p2p.loop.metrics import process_start_time
+from diloco_p2p.loop.outer import OuterOptimizer
+from diloco_p2p.loop.overlap import Pipeline
+from diloco_p2p.loop.rundir import node_key, prepare_run_dir
+from diloco_p2p.model.build import build_model, build_tokenizer, count_parameters
 
-log = logging.getLogger("diloco_p2p.node")
+log = logging.getLogger("diloco_p2p.loop.node")
 
 
 class Landing(NamedTuple):
@@ -99,7 +106,7 @@ class Node:
         self.joined_at_round: int | None = None
         self._first_commit = False  # whether this process has committed a round with the swarm yet
         # After a resync: (the round the swarm is computing, how far behind it we were, perf_counter then);
-        # that round runs only the steps the others have left (`outer.catch_up_steps`).
+        # that round runs only the steps the others have left (`schedule.catch_up_steps`).
         self._catch_up: tuple[int, float, float] | None = None
         self.resyncs = 0
         self._node_hash: tuple[int, str] | None = None
@@ -140,7 +147,7 @@ class Node:
         self.outer = OuterOptimizer(self.layout.local_views(), cfg.outer)
         self.feedback = ErrorFeedback(self.outer.numel, cfg.sync)  # what the lossy wire has not sent yet
         self.fragments = Fragments(cfg.sync.fragments, self.layout, self.outer.numel)  # what each round averages
-        # sync.overlap: the average in flight behind the next round's compute (diloco_p2p.overlap)
+        # sync.overlap: the average in flight behind the next round's compute (diloco_p2p.loop.overlap)
         # (on N local ranks, one per rank on its shard, as the outer state)
         self.pipeline = None if cfg.sync.overlap == "none" else Pipeline(
             cfg.sync.overlap, self.outer.numel, cfg.outer, cfg.sync.min_group_size, cfg.sync.overlap_steps)
@@ -178,7 +185,7 @@ class Node:
 
             h, behind, compute_s = self._inner_steps(), self._behind(), 0.0
             for _ in range(h):  # H inner steps on our own data
-                if self._round_ends(len(steps), catch_up_steps(h, behind, compute_s / max(len(steps), 1))):
+                if self._round_ends(len(steps), schedule.catch_up_steps(h, behind, compute_s / max(len(steps), 1))):
                     break
                 steps.append(self.trainer.step(self._next_batch))
                 compute_s = time.perf_counter() - start
@@ -236,7 +243,7 @@ class Node:
                  phases: dict[str, float]) -> tuple[RoundOutcome | None, int | None]:
         """The round's outer step: the round's average now (blocking), or under sync.overlap the
         previous round's, which ran behind this round's inner steps, while this round's starts in
-        the background (`diloco_p2p.overlap`). Returns the outcome applied and its round; None
+        the background (`diloco_p2p.loop.overlap`). Returns the outcome applied and its round; None
         when a stop came first (the round is dropped; a round whose average is under way is not)."""
         round, pipe, part = self.round + 1, self.pipeline, self.fragments.part(self.round + 1)
         if pipe is None or round >= self.last_round:  # blocking; the last round drains the pipeline
@@ -315,7 +322,7 @@ class Node:
     def _land(self, done: int) -> None:
         """sync.overlap=inner: τ steps into round t+1, wait for round t's average (the exposed part),
         apply it to θ, and merge θ into the weights being trained: θ_local ← α·θ_local + (1−α)·θ
-        (`diloco_p2p.overlap`). Round t's record is served first, its state still without it."""
+        (`diloco_p2p.loop.overlap`). Round t's record is served first, its state still without it."""
         pipe = self.pipeline
         assert pipe is not None and pipe.inflight is not None  # `_lands_now`
         began = time.perf_counter()
@@ -380,14 +387,14 @@ class Node:
             self._outer_seconds += time.perf_counter() - began
 
     def _inner_steps(self) -> int:
-        """H of this round (`diloco_p2p.schedule`), or fewer on a node slower than its last group
+        """H of this round (`diloco_p2p.config.schedule`), or fewer on a node slower than its last group
         under outer.dynamic_local_updates."""
         if not self.config.outer.dynamic_local_updates:
             return schedule.inner_steps(self.config.outer, self.config.train.max_rounds, self.round + 1)
         speeds = self.sync.speeds  # the swarm's measure of our last group; None alone
         if not speeds:
             return self.config.outer.inner_steps
-        return dylu_steps(speeds, self.sync.peer_id, self.config.outer.inner_steps)
+        return schedule.dylu_steps(speeds, self.sync.peer_id, self.config.outer.inner_steps)
 
     def _behind(self) -> float | None:
         """Seconds between the swarm's start of this round and ours, right after a resync (None:
@@ -448,7 +455,7 @@ class Node:
         if self.pipeline is not None:  # our round in flight and correction go; the state's average in flight comes
             self.pipeline.adopt(resync.tensors, resync.round, self.fragments.numel(resync.round))
         self.outer.copy_into(self.layout.local_views())
-        self.feedback.reset()  # our residual belongs to the trajectory we just left (`diloco_p2p.feedback`)
+        self.feedback.reset()  # our residual belongs to the trajectory we just left (`diloco_p2p.loop.error_feedback`)
         if self.step == 0 and self.joined_at_round is None:
             self.joined_at_round = resync.round
         else:
@@ -617,7 +624,7 @@ class Node:
                     return self.fragments.to_local(t, round, f"checkpoint round {ckpt.round}")
             self._resumed_flight = self.pipeline.load(ckpt.tensors, meta, to_local)
         # overlap=inner carries on from where the round in flight ended: θ − its Δ (with error
-        # feedback on, less the residual it carried: `diloco_p2p.feedback`); sync.fragments from the
+        # feedback on, less the residual it carried: `diloco_p2p.loop.error_feedback`); sync.fragments from the
         # weights the checkpoint holds; otherwise from θ
         local = ckpt.tensors.get("fragments.local") if self.fragments.on else None
         if local is not None:

@@ -26,8 +26,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from diloco_p2p import config, plan
+from diloco_p2p import config
 from diloco_p2p.errors import UserError
+from diloco_p2p.planner import plan
 
 TARGET = 0.9
 DENSE = ("fp32", "fp16", "int8", "int4")  # fewer bytes left to right, through the same all-reduce

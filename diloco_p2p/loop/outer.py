@@ -28,83 +28,25 @@ and on the N-th the momentum step uses the buffer and empties it:
 The buffer and the step count are part of the outer state (`state_tensors`) so a joiner that
 adopts the swarm's state flushes in step with it.
 
-Hashing θ costs a pass over it (4 GB at 1B parameters), so the hash is cached by `version`,
-which changes whenever θ does: θ is hashed once per distinct value, not once per caller. The
-hash of more than one 64 MiB chunk is the sha256 of the chunks' sha256 digests (`tensor_sha256`),
-computed on several threads: at 1B parameters one stream took 6.6 s on a 16-core GPU host, the
-chunks 0.3 s (`benchmarks/gpu_outer.py`).
+θ's hash is cached by `version`, which changes whenever θ does; past one chunk only the chunks
+that changed are hashed again (`diloco_p2p.hashing`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from diloco_p2p import hashing
 from diloco_p2p.config import OuterConfig
-from diloco_p2p.schedule import outer_step
+from diloco_p2p.config.schedule import outer_step
 
 
 def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """Concatenate tensors (any device or dtype) into one flat fp32 CPU vector."""
     return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
-
-
-def dylu_steps(speeds: Mapping[str, float], me: str, h: int) -> int:
-    """Dynamic local updates (AsyncDiLoCo, Liu et al. 2024; review MATH ENTRY 6): the fastest
-    member runs H inner steps, a slower one ⌊v/max v · H⌋ (at least 1), so all reach the
-    all-reduce together; the token weighting of the average accounts for the fewer steps.
-    H when our speed or the group's is unknown."""
-    fastest = max(speeds.values(), default=0.0)
-    mine = speeds.get(me, 0.0)
-    if not (fastest > 0 and mine > 0):
-        return h
-    return max(1, min(h, math.floor(mine / fastest * h)))
-
-
-def catch_up_steps(h: int, behind_s: float | None, step_s: float) -> int:
-    """A node that adopted the swarm's state `behind_s` seconds after the swarm began the round
-    joins that round in flight: it runs only the steps the others have left, H − ⌊behind/step⌋
-    (at least 1), so it reaches the round's group with them instead of after it closed and
-    having to download again. `step_s` is its own step time, taken as the others' too. The token
-    weighting of the average accounts for the fewer steps, as with dynamic local updates. H when
-    either time is unknown."""
-    if behind_s is None or not (behind_s > 0 and step_s > 0):
-        return h
-    return max(1, min(h, h - math.floor(behind_s / step_s)))
-
-
-HASH_CHUNK_BYTES = 64 << 20
-_CHUNKED = b"diloco-p2p sha256 of 64 MiB chunks\n"
-
-
-def tensor_sha256(flat: torch.Tensor) -> str:
-    """sha256 of a CPU tensor's bytes; past one `HASH_CHUNK_BYTES` chunk, sha256 over a tag and the
-    chunks' digests in order (a fixed layout: the same bytes give the same hash on any machine,
-    whatever its thread count). hashlib releases the GIL, so the chunks hash in parallel."""
-    data = memoryview(flat.detach().contiguous().numpy()).cast("B")  # no copy
-    if data.nbytes <= HASH_CHUNK_BYTES:
-        return hashlib.sha256(data).hexdigest()
-    return _combined(_chunk_digests(data, range(-(-data.nbytes // HASH_CHUNK_BYTES))))
-
-
-def _chunk_digests(data: memoryview, chunks: Sequence[int]) -> list[bytes]:
-    """The sha256 digests of `data`'s `HASH_CHUNK_BYTES` chunks numbered `chunks`, in parallel."""
-    def digest(i: int) -> bytes:
-        return hashlib.sha256(data[i * HASH_CHUNK_BYTES:(i + 1) * HASH_CHUNK_BYTES]).digest()
-
-    with ThreadPoolExecutor(min(len(chunks), os.cpu_count() or 1, 16)) as pool:
-        return list(pool.map(digest, chunks))
-
-
-def _combined(digests: Iterable[bytes]) -> str:
-    """`tensor_sha256` of a tensor past one chunk, from its chunks' digests in order."""
-    return hashlib.sha256(_CHUNKED + b"".join(digests)).hexdigest()
 
 
 Part = tuple[int, int]  # [lo, hi) of the flat parameter vector (sync.fragments)
@@ -165,7 +107,7 @@ class OuterOptimizer:
     def step(self, avg_delta: torch.Tensor, part: Part | None = None, round: int | None = None) -> None:
         """Apply one outer SGD(+Nesterov) step with the averaged pseudo-gradient Δ̄; to θ[lo:hi]
         and its momentum only when Δ̄ is that `part`'s (sync.fragments: each part steps on its own).
-        η and β are round `round`'s under outer.warmup_rounds (`diloco_p2p.schedule.outer_step`)."""
+        η and β are round `round`'s under outer.warmup_rounds (`diloco_p2p.config.schedule.outer_step`)."""
         lo, hi = part or (0, self.numel)
         if avg_delta.shape != (hi - lo,):
             raise ValueError(f"averaged pseudo-gradient has shape {tuple(avg_delta.shape)}, expected {(hi - lo,)}")
@@ -186,7 +128,7 @@ class OuterOptimizer:
         self.version += 1
         if self._stale is not None and hi > lo:
             size = self.theta.element_size()
-            self._stale.update(range(lo * size // HASH_CHUNK_BYTES, (hi * size - 1) // HASH_CHUNK_BYTES + 1))
+            self._stale.update(range(lo * size // hashing.HASH_CHUNK_BYTES, (hi * size - 1) // hashing.HASH_CHUNK_BYTES + 1))
 
     def _momentum_step(self, grad: torch.Tensor, nesterov: bool, lo: int = 0, hi: int | None = None,
                        lr: float | None = None, beta: float | None = None) -> None:
@@ -274,17 +216,17 @@ class OuterOptimizer:
 
     def _sha256(self) -> str:
         data = memoryview(self.theta.detach().numpy()).cast("B")
-        if data.nbytes <= HASH_CHUNK_BYTES:
-            return tensor_sha256(self.theta)
-        count = -(-data.nbytes // HASH_CHUNK_BYTES)
+        if data.nbytes <= hashing.HASH_CHUNK_BYTES:
+            return hashing.tensor_sha256(self.theta)
+        count = -(-data.nbytes // hashing.HASH_CHUNK_BYTES)
         if self._stale is None or len(self._digests) != count:
             self._digests, self._stale = [b""] * count, set(range(count))
         stale = sorted(self._stale)
         if stale:
-            for i, digest in zip(stale, _chunk_digests(data, stale), strict=True):
+            for i, digest in zip(stale, hashing.chunk_digests(data, stale), strict=True):
                 self._digests[i] = digest
         self._stale = set()
-        return _combined(self._digests)
+        return hashing.combined_digest(self._digests)
 
     def snapshot(self, part: Part | None = None) -> dict[str, torch.Tensor]:
         """A copy of θ and momentum on `part` (all of them without), to `restore` if a stop drops

@@ -137,7 +137,7 @@ def _write_atomically(path: Path, text: str) -> None:
 def _start_metrics(host: str, port: int, dht: Any) -> Any:
     """The seed's Prometheus endpoint (DHT size, uptime); port 0 means off, -1 any free port
     (logged: ``metrics on http://HOST:PORT/metrics``)."""
-    from diloco_p2p.metrics import start_seed_metrics
+    from diloco_p2p.loop.metrics import start_seed_metrics
 
     if not port:
         return None

@@ -5,7 +5,7 @@ keeps a run tuned for it. The choices come from `benchmarks/quality.py` (the tab
 docs/recipes.md; every run in benchmarks/results/quality_tiny_sweep.txt):
 
 - H: a run of M >= 2 nodes spends up to twice the all-reduces of a constant H on the quadratic
-  synchronization rule (`diloco_p2p.schedule`, ``qsr``; Gu et al. 2023): short rounds while the inner
+  synchronization rule (`diloco_p2p.config.schedule`, ``qsr``; Gu et al. 2023): short rounds while the inner
   lr is high, H once it has decayed. ``h_start`` is the smallest that keeps the run within
   2 x max_rounds all-reduces (8 for H=30). On the tiny preset, 16 rounds of H=30 at M=4 (seed 0),
   against data-parallel at equal tokens: a constant H=30 +18.7%, H=15 (32 all-reduces) +16.2%,
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco_p2p.schedule import qsr_start
+from diloco_p2p.config.schedule import qsr_start
 
 ALLREDUCE_BUDGET = 2.0  # at most this many times the all-reduces of a constant H
 LONG_HORIZON = 64  # rounds from which momentum has time to build up

@@ -43,7 +43,7 @@ landing take the new θ in part:
 
 so round t+1's Δ = θ − θ_local holds its H steps, the first τ of them from before the landing. The
 staleness is τ steps instead of a round; what the all-reduce hides is τ steps of compute instead
-of H (`diloco_p2p.plan`). With ``sync.overlap_merge: rebase`` the τ steps' progress is moved onto
+of H (`diloco_p2p.planner.plan`). With ``sync.overlap_merge: rebase`` the τ steps' progress is moved onto
 the new θ instead, as if round t's outer step had come before them (only their gradients are stale):
 
       θ_local ← θ + (θ_local − θ_local at the end of round t)
@@ -61,10 +61,10 @@ The last round of a run (train.max_rounds) drains the pipeline: it waits for rou
 applies it, then averages its own Δ blocking and applies that too, so the run ends on a θ that
 holds every round's Δ and no local correction.
 
-On a node of N local ranks (`diloco_p2p.fsdp`) every rank runs this pipeline on its own shard:
+On a node of N local ranks (`diloco_p2p.local.fsdp`) every rank runs this pipeline on its own shard:
 Δ, the average, the outer step and (c_m, μ_m) are elementwise, so the shards together are the
 1-rank pipeline. Each rank averages its shard through its own swarm endpoint
-(`diloco_p2p.swarm.shards`) as in the blocking path; only the outcome is made node-wide, with
+(`diloco_p2p.swarm.multirank`) as in the blocking path; only the outcome is made node-wide, with
 small collectives among the ranks, and those must not run in the background thread, where they
 would interleave with FSDP's collectives on the loop's thread. So a flight may carry a
 node-wide step (`InFlight.node_result`) that `Pipeline.take` runs on the loop's thread, at the
@@ -74,99 +74,14 @@ same point on every rank. Checkpoints hold the pipeline's tensors in the 1-rank 
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from diloco_p2p.config import OuterConfig
-from diloco_p2p.contract import RoundOutcome
+from diloco_p2p.contract import InFlight, RoundOutcome, begin_average, resolved
 
 OVERLAPS = ("none", "delayed", "eager", "inner")
-
-
-class InFlight:
-    """One round's averaging, under way in the background. `result()` waits for it (the
-    exposed part); `started`/`done_at` are wall-clock (time.time) for the round's record."""
-
-    def __init__(self, round: int, delta: torch.Tensor, weight: float, params_hash: str,
-                 node_wide: Callable[[RoundOutcome], RoundOutcome] | None = None):
-        self.round, self.delta, self.weight, self.params_hash = round, delta, weight, params_hash
-        self._node_wide = node_wide  # run once on the loop's thread (`node_result`)
-        self.started = time.time()
-        self.done_at: float | None = None
-        self._outcome: RoundOutcome | None = None
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-
-    def _finish(self, outcome: RoundOutcome | None, error: BaseException | None = None) -> None:
-        self._outcome, self._error, self.done_at = outcome, error, time.time()
-        self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def span(self) -> dict[str, float]:
-        """Its wall-clock span for the round record's `phases` (done: now, if not yet known)."""
-        return {"average_start": self.started, "average_done": self.done_at or time.time()}
-
-    def result(self) -> RoundOutcome:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._outcome is not None
-        return self._outcome
-
-    def node_result(self) -> RoundOutcome:
-        """`result()`, made node-wide the first time (on N local ranks a collective: every rank
-        calls it at the same point of the loop, on the loop's thread); `result()` then returns it."""
-        outcome = self.result()
-        if self._node_wide is not None:
-            node_wide, self._node_wide = self._node_wide, None
-            self._outcome = outcome = node_wide(outcome)
-        return outcome
-
-
-class Background(InFlight):
-    """`average` in a daemon thread (a swarm's call never raises for a network fault); the
-    optional `node_wide` step runs later, on the loop's thread (`InFlight.node_result`)."""
-
-    def __init__(self, average: Callable[..., RoundOutcome], round: int, delta: torch.Tensor, weight: float,
-                 params_hash: str, node_wide: Callable[[RoundOutcome], RoundOutcome] | None = None):
-        super().__init__(round, delta, weight, params_hash, node_wide)
-        threading.Thread(target=self._run, args=(average,), name=f"average-round-{round}", daemon=True).start()
-
-    def _run(self, average: Callable[..., RoundOutcome]) -> None:
-        try:
-            outcome = average(self.round, self.delta, self.weight, self.params_hash)
-        except BaseException as e:  # handed to the loop by result()
-            self._finish(None, e)
-            return
-        self._finish(outcome)
-
-
-@runtime_checkable
-class BeginsAverage(Protocol):
-    """A `Sync` that starts an average itself (the simulator's replicas take turns on one baton)."""
-
-    def begin_average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> InFlight: ...
-
-
-def begin_average(sync, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> InFlight:
-    """Start averaging `delta` for `round` in the background; `sync.average` in a thread unless
-    the sync starts it itself."""
-    if isinstance(sync, BeginsAverage):
-        return sync.begin_average(round, delta, weight, params_hash)
-    return Background(sync.average, round, delta.clone(), weight, params_hash)
-
-
-def resolved(round: int, delta: torch.Tensor, weight: float, params_hash: str, outcome: RoundOutcome) -> InFlight:
-    """An average already done (a sync with nothing to wait for)."""
-    flight = InFlight(round, delta, weight, params_hash)
-    flight._finish(outcome)
-    return flight
 
 
 def outer_update(theta: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, cfg: OuterConfig) -> None:
@@ -213,7 +128,7 @@ class EagerCorrection:
 class Pipeline:
     """A node's overlap state: the average in flight and, for ``eager``, the local correction.
 
-    The loop (`diloco_p2p.node`) calls `take` at the end of round t (under ``inner`` τ steps
+    The loop (`diloco_p2p.loop.node`) calls `take` at the end of round t (under ``inner`` τ steps
     into it: `Node._land`) for round t-1's average, applies what it returns to the global θ,
     then `correct` and `begin` round t's. The node publishes round t (its record and state) only
     once round t's average is known, and the state then carries it (`served_tensors`): θ of

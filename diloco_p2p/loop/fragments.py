@@ -1,13 +1,13 @@
 """``sync.fragments``: which values of the flat parameters a round averages (Streaming DiLoCo's
 fragments, Douillard et al. 2025, arXiv:2501.18512).
 
-The 1-rank flat layout (the model's parameters in order, `diloco_p2p.outer.flatten`) is cut into
+The 1-rank flat layout (the model's parameters in order, `diloco_p2p.loop.outer.flatten`) is cut into
 P contiguous parts whose sizes differ by at most one (`wire.partition`), and round r averages part
 (r − 1) mod P: its all-reduce carries 1/P of the bytes, and each part syncs every P rounds.
 Streaming DiLoCo's fragments are layers; a contiguous range of the flat layout is a run of
 consecutive layers, cut mid-layer at its ends, which keeps every round's bytes equal.
 
-On N local ranks (`diloco_p2p.fsdp`) each rank holds some rows of every parameter, in order, so
+On N local ranks (`diloco_p2p.local.fsdp`) each rank holds some rows of every parameter, in order, so
 its values of a part are a contiguous range of its own flat layout (`ShardLayout.local_range`):
 each rank averages those through its shard's swarm, and the shards together are the part, as
 for every other round. What outlives the rank layout (a checkpoint's part in flight) is kept in
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from diloco_p2p.errors import UserError
-from diloco_p2p.fsdp import ShardLayout
-from diloco_p2p.outer import Part
+from diloco_p2p.local.fsdp import ShardLayout
+from diloco_p2p.loop.outer import Part
 from diloco_p2p.swarm.collective.wire import partition
 
 

@@ -12,11 +12,11 @@ decoded once more; each member's stated norm is the one its sender computes). So
 peer ids end every round with the swarm's ``params_sha256``; with M = 1 Δ is applied as is
 (a node alone). Every round is a committed round of all M: no faults, no stragglers. The sparse
 ``topk2`` is averaged as its all-gather does (`codecs.sparse_mean` of every member's contribution,
-in member order); error feedback (`diloco_p2p.feedback`) lives in each replica's `Node`, as on
+in member order); error feedback (`diloco_p2p.loop.error_feedback`) lives in each replica's `Node`, as on
 the swarm.
 
 Under ``sync.overlap`` a replica hands its Δ in at the end of a round and collects the average
-at the end of the next (``inner``: τ steps into it), as a swarm node does (`diloco_p2p.overlap`;
+at the end of the next (``inner``: τ steps into it), as a swarm node does (`diloco_p2p.loop.overlap`;
 `ReplicaSync.begin_average`). With ``inner`` fix τ (``sync.overlap_steps``): the replicas take
 turns, so "as soon as it is known" lands after H−1 steps on the replica that handed in first and
 after one on the last.
@@ -35,9 +35,8 @@ from pathlib import Path
 import torch
 
 from diloco_p2p.config import Config, SyncConfig
-from diloco_p2p.contract import RoundOutcome, RoundRecord, SoloSync
+from diloco_p2p.contract import InFlight, RoundOutcome, RoundRecord, SoloSync
 from diloco_p2p.logs import log_context
-from diloco_p2p.overlap import InFlight
 from diloco_p2p.swarm.collective import aggregate, codecs, wire
 
 log = logging.getLogger(__name__)
@@ -158,7 +157,7 @@ def simulate(config: Config, root: Path, keys: Sequence[str],
              make_sync: Callable[[str, Rendezvous], ReplicaSync] = ReplicaSync) -> dict[str, list[RoundRecord]]:
     """Train len(keys) replicas of `config` under `root/<key>`; each replica's round records.
     `make_sync` builds each replica's `Sync` (a benchmark's attacker replica alters its Δ there)."""
-    from diloco_p2p.node import Node
+    from diloco_p2p.loop.node import Node
 
     if len(set(keys)) != len(keys) or not keys:
         raise ValueError("replica keys must be distinct and at least one")

@@ -156,7 +156,7 @@ class OuterConfig(_Section):
         "manual",
         description="`auto` sets every outer field below that the config leaves unset (H's schedule, its start, "
         "outer.lr, outer.momentum, the outer warmup) from outer.nodes and train.max_rounds, by the table that "
-        "benchmarks/quality.py measured (`diloco_p2p.recipe`); `manual` uses the fields as given.",
+        "benchmarks/quality.py measured (`diloco_p2p.config.recipe`); `manual` uses the fields as given.",
     )
     nodes: int = Field(
         4, ge=1, description="The number of nodes the run plans for (M); only outer.recipe=auto reads it.",
@@ -166,7 +166,7 @@ class OuterConfig(_Section):
         description="H of each round: `constant` = outer.inner_steps; `ramp` doubles from outer.h_start each round up "
         "to outer.inner_steps (post-local SGD); `qsr` grows it from outer.h_start as the cosine lr decays (H ∝ 1/lr², "
         "Gu et al. 2023). The run still takes train.max_rounds x outer.inner_steps inner steps; the shorter early "
-        "rounds add all-reduces (`diloco_p2p.schedule`).",
+        "rounds add all-reduces (`diloco_p2p.config.schedule`).",
     )
     h_start: int = Field(1, gt=0, description="H of the first round under outer.h_schedule ramp or qsr.")
     warmup_rounds: int = Field(
@@ -188,7 +188,7 @@ class OuterConfig(_Section):
 
     @property
     def scheduled(self) -> bool:
-        """Whether H, η or β change from round to round (`diloco_p2p.schedule`)."""
+        """Whether H, η or β change from round to round (`diloco_p2p.config.schedule`)."""
         return self.h_schedule != "constant" or self.warmup_rounds > 0
 
 
@@ -196,7 +196,7 @@ class TrainConfig(_Section):
     max_rounds: int = Field(
         10, gt=0,
         description="The run's length in rounds of outer.inner_steps: it takes max_rounds x outer.inner_steps inner "
-        "steps; under outer.h_schedule the early rounds are shorter, so it takes more rounds (`diloco_p2p.schedule.rounds`).",
+        "steps; under outer.h_schedule the early rounds are shorter, so it takes more rounds (`diloco_p2p.config.schedule.rounds`).",
     )
     eval_batches: int = Field(
         8, ge=0, description="Held-out batches of 8 windows scored after each round (0 = no eval); a fixed set, "
@@ -371,7 +371,7 @@ class SyncConfig(_Section):
 
     @property
     def feedback_on(self) -> bool:
-        """Whether error feedback runs (`diloco_p2p.feedback`): a lossy wire, and unset = topk2 only."""
+        """Whether error feedback runs (`diloco_p2p.loop.error_feedback`): a lossy wire, and unset = topk2 only."""
         on = self.compression == "topk2" if self.error_feedback is None else self.error_feedback
         return on and self.compression in ("int8", "int4", "topk2")
 
@@ -470,7 +470,7 @@ class Config(_Section):
     _VIEW_DEFAULTS: ClassVar[dict[str, Any]] = {
         "sync.aggregation": "mean", "sync.trim_fraction": 0.25, "sync.clip_radius": 1.0, "sync.max_norm_ratio": 8.0,
         "sync.weight_cap": 4.0, "sync.max_weight_ratio": 16.0,
-        # The outer schedules (`diloco_p2p.schedule`): absent while off, so runs from before keep their hash.
+        # The outer schedules (`diloco_p2p.config.schedule`): absent while off, so runs from before keep their hash.
         "outer.h_schedule": "constant", "outer.h_start": 1, "outer.warmup_rounds": 0, "outer.lr_start": None,
     }
     # outer.recipe and outer.nodes only choose the fields above: the values they chose are hashed.
@@ -478,7 +478,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _overlap_fits(self) -> Config:
-        # The eager correction runs the outer step on its own input (diloco_p2p.overlap): a plain
+        # The eager correction runs the outer step on its own input (diloco_p2p.loop.overlap): a plain
         # (Nesterov) momentum step, and H known when the round in flight is averaged.
         if self.sync.overlap != "none" and self.outer.delayed_nesterov:
             raise ValueError("sync.overlap needs outer.delayed_nesterov unset (the overlapped step is plain Nesterov)")
@@ -503,10 +503,10 @@ class Config(_Section):
     @model_validator(mode="before")
     @classmethod
     def _recipe(cls, data: Any) -> Any:
-        """outer.recipe=auto: the outer fields the config leaves unset, from `diloco_p2p.recipe`."""
+        """outer.recipe=auto: the outer fields the config leaves unset, from `diloco_p2p.config.recipe`."""
         outer = data.get("outer") if isinstance(data, dict) else None
         if isinstance(outer, dict) and outer.get("recipe") == "auto":
-            from diloco_p2p.recipe import recipe
+            from diloco_p2p.config.recipe import recipe
 
             train = data.get("train") if isinstance(data.get("train"), dict) else {}
             sync = data.get("sync") if isinstance(data.get("sync"), dict) else {}

@@ -1,6 +1,6 @@
 """The swarm seen from an N-rank node: one `SwarmSync` per local rank, decisions made node-wide.
 
-Shard r of a node (rank r's 1/N of θ, see `diloco_p2p.fsdp`) only ever averages with shard r
+Shard r of a node (rank r's 1/N of θ, see `diloco_p2p.local.fsdp`) only ever averages with shard r
 of the other nodes. Each rank therefore runs a complete `SwarmSync` (its own DHT peer and
 p2pd, its own identity, its TCP port offset by r) in the namespace ``f"{run_id}.shard{r}of{N}"``:
 matchmaking, the all-reduce of its Δ shard, progress records with its shard's hash, and the
@@ -23,7 +23,7 @@ What must be node-wide is agreed on with small collectives among the local ranks
   training loop's stop check is node-wide (`Node._stopping`).
 - **sync.overlap.** `begin_average` runs the shard's average in a background thread and leaves
   the node-wide outcome (`_node_outcome`, collectives) to the loop's thread when it takes the
-  result (`diloco_p2p.overlap`): collectives in that thread would interleave with FSDP's.
+  result (`diloco_p2p.loop.overlap`): collectives in that thread would interleave with FSDP's.
 
 Nodes with another local world size train in other namespaces and would never meet ours, so
 rank 0 also keeps one node-level progress record under the plain ``run_id`` (the node's hash of
@@ -43,12 +43,20 @@ from typing import Any
 import torch
 
 from diloco_p2p.config import Config, P2PConfig
-from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState, view_hash
+from diloco_p2p.config.schedule import rounds
+from diloco_p2p.contract import (
+    Background,
+    InFlight,
+    NodeState,
+    RoundOutcome,
+    RoundRecord,
+    StopRequested,
+    SwarmState,
+    view_hash,
+)
 from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
-from diloco_p2p.overlap import Background, InFlight
-from diloco_p2p.ranks import Ranks
-from diloco_p2p.schedule import rounds
+from diloco_p2p.local.ranks import Ranks
 from diloco_p2p.swarm.membership.records import (
     ProgressPublisher,
     progress_fields,

@@ -1,7 +1,7 @@
 """Spawning the local ranks of one node (a small torchrun).
 
 A node may be N processes on one machine (one per GPU) that shard the model with FSDP2 and
-behave as one DiLoCo node towards the swarm (see `diloco_p2p.fsdp`). Two ways to start them:
+behave as one DiLoCo node towards the swarm (see `diloco_p2p.local.fsdp`). Two ways to start them:
 
 - ``diloco-p2p train --nproc-per-node N ...``: `launch_local_ranks` is a small torchrun. It
   spawns N copies of ``python -m diloco_p2p train ...`` with torchrun's environment variables
@@ -9,7 +9,7 @@ behave as one DiLoCo node towards the swarm (see `diloco_p2p.fsdp`). Two ways to
 - ``torchrun --nproc-per-node N -m diloco_p2p train ...``: torchrun sets the same variables.
 
 Either way each rank runs the same train command as a 1-rank node; `Ranks.from_env`
-(`diloco_p2p.ranks`) reads those variables and joins the process group.
+(`diloco_p2p.local.ranks`) reads those variables and joins the process group.
 
 When one rank dies the node cannot go on: the FSDP collectives of the others would wait for
 it. The launcher then stops the other ranks (SIGTERM, then SIGKILL after `grace_s`) and exits
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from diloco_p2p.errors import UserError
-from diloco_p2p.ranks import NPROC_FLAG
+from diloco_p2p.local.ranks import NPROC_FLAG
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ Outer warmup (``outer.warmup_rounds`` = W > 0): over rounds 1..W, η moves linea
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Protocol
 
@@ -91,3 +92,27 @@ def outer_step(cfg: OuterConfig, round: int) -> tuple[float, float]:
     start = cfg.lr if cfg.lr_start is None else cfg.lr_start
     f = (round - 1) / w if w > 1 else 1.0
     return start + (cfg.lr - start) * f, cfg.momentum * f
+
+
+def dylu_steps(speeds: Mapping[str, float], me: str, h: int) -> int:
+    """Dynamic local updates (AsyncDiLoCo, Liu et al. 2024; review MATH ENTRY 6): the fastest
+    member runs H inner steps, a slower one ⌊v/max v · H⌋ (at least 1), so all reach the
+    all-reduce together; the token weighting of the average accounts for the fewer steps.
+    H when our speed or the group's is unknown."""
+    fastest = max(speeds.values(), default=0.0)
+    mine = speeds.get(me, 0.0)
+    if not (fastest > 0 and mine > 0):
+        return h
+    return max(1, min(h, math.floor(mine / fastest * h)))
+
+
+def catch_up_steps(h: int, behind_s: float | None, step_s: float) -> int:
+    """A node that adopted the swarm's state `behind_s` seconds after the swarm began the round
+    joins that round in flight: it runs only the steps the others have left, H − ⌊behind/step⌋
+    (at least 1), so it reaches the round's group with them instead of after it closed and
+    having to download again. `step_s` is its own step time, taken as the others' too. The token
+    weighting of the average accounts for the fewer steps, as with dynamic local updates. H when
+    either time is unknown."""
+    if behind_s is None or not (behind_s > 0 and step_s > 0):
+        return h
+    return max(1, min(h, h - math.floor(behind_s / step_s)))

@@ -1,13 +1,13 @@
 """The local ranks of one node: one process per GPU, or just this one.
 
-A node is 1..N processes on one machine that shard the model with FSDP2 (`diloco_p2p.fsdp`)
+A node is 1..N processes on one machine that shard the model with FSDP2 (`diloco_p2p.local.fsdp`)
 and behave as one DiLoCo node towards the swarm. `Ranks` carries this process's place in the
 node and the few small collectives the node loop needs. With one rank (the usual case) every
 collective returns its input and nothing is initialised: the same loop serves 1 and N ranks,
 as a parallelism degree of 1 means "no sharding".
 
 `Ranks.from_env` joins the process group when the process was started as one of several ranks
-(by `diloco_p2p.launch` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
+(by `diloco_p2p.local.launch` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
 NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU. Every collective runs under a timeout so a
 peer rank that stalls ends in an error instead of a hang.
 """
@@ -159,7 +159,7 @@ def local_world_size() -> int:
 
 
 def launched_as_rank() -> bool:
-    """True inside a rank started by `diloco_p2p.launch` or torchrun."""
+    """True inside a rank started by `diloco_p2p.local.launch` or torchrun."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 

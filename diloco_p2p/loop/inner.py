@@ -1,6 +1,6 @@
 """The inner optimizer: AdamW (or Muon) steps on this node's own data.
 
-On a node of N local ranks the model is FSDP-sharded (`diloco_p2p.fsdp`): AdamW runs on the
+On a node of N local ranks the model is FSDP-sharded (`diloco_p2p.local.fsdp`): AdamW runs on the
 sharded parameters, and each step's loss and tokens are made node-wide with one small
 all-reduce, so every rank reports the node's mean loss and total tokens.
 
@@ -37,8 +37,8 @@ import torch
 from diloco_p2p.config import InnerConfig
 from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
-from diloco_p2p.fsdp import is_dtensor, reshard
-from diloco_p2p.ranks import Ranks
+from diloco_p2p.local.fsdp import is_dtensor, reshard
+from diloco_p2p.local.ranks import Ranks
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:

@@ -1,6 +1,6 @@
 """The language model and its tokenizer, built locally with no download.
 
-The model is a Llama causal LM (`diloco_p2p.llama`: transformers' `LlamaForCausalLM`, op for op and
+The model is a Llama causal LM (`diloco_p2p.model.llama`: transformers' `LlamaForCausalLM`, op for op and
 name for name) built from a size preset (optionally overridden field by field), or any transformers
 causal LM loaded from a local `from_pretrained` directory. The default tokenizer is
 byte-level: token = byte + 3, with pad=0, eos=1, unk=2 — exactly the id layout of
@@ -18,7 +18,7 @@ import torch
 
 from diloco_p2p.config import ModelConfig
 from diloco_p2p.errors import UserError
-from diloco_p2p.llama import Llama, LlamaShape
+from diloco_p2p.model.llama import Llama, LlamaShape
 
 # Transformer shapes. `tiny` is a ~0.4M-parameter model that trains on 2 CPU cores in about a
 # minute; `small` (4.2M non-embedding parameters) is the smallest shape whose quality says something

@@ -1,6 +1,6 @@
 """FSDP inside a node: N local ranks train as one DiLoCo node, each owning one shard of θ.
 
-A volunteer with N GPUs in one box runs one node of N ranks (`diloco_p2p.launch`). The design:
+A volunteer with N GPUs in one box runs one node of N ranks (`diloco_p2p.local.launch`). The design:
 
 **Inner steps.** The model is wrapped with FSDP2 (`fully_shard`, Zhao et al. 2023, "PyTorch
 FSDP") per transformer block and at the root, so each rank holds 1/N of every parameter (rows
@@ -25,7 +25,7 @@ average is its total tokens. A stop request (SIGTERM on any rank) is an all-redu
 point where the loop checks it, so all ranks leave the loop at the same step (`Node._stopping`).
 
 **Across the WAN, shard by shard.** Each rank runs its own swarm endpoint
-(`diloco_p2p.swarm.shards.ShardSync`) whose run id is ``f"{run_id}.shard{r}of{N}"``: shard r of one node only
+(`diloco_p2p.swarm.multirank.ShardSync`) whose run id is ``f"{run_id}.shard{r}of{N}"``: shard r of one node only
 ever meets shard r of the others, in groups of its own, and averages just its 1/N of Δ; its
 progress records carry the shard's hash and it serves its shard of the state to joiners, who
 download shard by shard. Decisions that must be node-wide are made together: whether to resync
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diloco_p2p.ranks import Ranks
+from diloco_p2p.local.ranks import Ranks
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

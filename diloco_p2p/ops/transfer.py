@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from diloco_p2p.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from diloco_p2p.config import Config, apply_override, load_config, save_config, validate_config
 from diloco_p2p.errors import UserError
-from diloco_p2p.model import build_model, build_tokenizer, save_pretrained
-from diloco_p2p.outer import OuterOptimizer, tensor_sha256
+from diloco_p2p.hashing import tensor_sha256
+from diloco_p2p.loop.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from diloco_p2p.loop.outer import OuterOptimizer
+from diloco_p2p.model.build import build_model, build_tokenizer, save_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 def fetch(initial_peers: Sequence[str], run_id: str, out: Path, timeout: float = 60.0) -> Checkpoint:
     """Download and verify the swarm's newest state into the run directory `out`."""
     from diloco_p2p.config import P2PConfig
-    from diloco_p2p.status import CLIENT_HOST_MADDRS
+    from diloco_p2p.ops.status import CLIENT_HOST_MADDRS
     from diloco_p2p.swarm.membership.records import read_progress_async
     from diloco_p2p.swarm.membership.resync import majority
     from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
@@ -88,8 +89,8 @@ def fetch_dataset(initial_peers: Sequence[str], dataset: str, out: Path, timeout
 
     from diloco_p2p.config import P2PConfig
     from diloco_p2p.data.cache import CACHE_MARKER, ShardCache, ShardUnavailable, load_or_fetch_manifest
-    from diloco_p2p.status import CLIENT_HOST_MADDRS
-    from diloco_p2p.swarm.state.datashare import DataShare
+    from diloco_p2p.ops.status import CLIENT_HOST_MADDRS
+    from diloco_p2p.swarm.datashare import DataShare
     from diloco_p2p.swarm.transport.dht import start_dht
     from diloco_p2p.swarm.transport.runner import BackgroundLoop
 

@@ -8,7 +8,7 @@ same order and the same initialisation, so that `diloco-p2p export` writes a sta
 modeling stack cost a process about 2 s of CPU (importing the node: 5.2 s with it, 3.0 s without,
 on 2 cores): every node start paid it, a restarted volunteer's return to the swarm among them. A
 `model.pretrained_path` model (any architecture) still loads through transformers
-(`diloco_p2p.model.build_model`).
+(`diloco_p2p.model.build.build_model`).
 
 The shape is torchtitan's and nanoGPT's: one module per block, the forward in a few lines.
 """
