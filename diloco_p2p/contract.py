@@ -39,10 +39,11 @@ log = logging.getLogger("diloco_p2p.loop.node")
 # the one it names, a peer a closed run has not admitted, a state claimed past train.max_rounds
 # or backed by too few peers, a downloaded θ that is not the one the swarm vouched for, a
 # contribution to the all-reduce refused for its weight or norm (`diloco_p2p.swarm.collective.aggregate`),
-# a reducer the members caught (its part dropped). The label set of diloco_rejections_total,
-# and the values of `RoundRecord.rejections`.
+# a reducer the members caught (its part dropped), a contribution that is not a vector of this
+# model (NaN or Inf, another length or wire format: "malformed"). The label set of
+# diloco_rejections_total, and the values of `RoundRecord.rejections`.
 REJECTION_REASONS = ("forged-record", "not-admitted", "past-max-rounds", "unvouched-state", "bad-state",
-                     "weight", "norm", "reducer")
+                     "weight", "norm", "reducer", "malformed")
 
 
 def view_hash(view: Mapping[str, Any]) -> str:

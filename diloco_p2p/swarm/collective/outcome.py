@@ -10,14 +10,24 @@ from diloco_p2p.contract import RoundOutcome
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
 from diloco_p2p.swarm.trust.guard import Guard
 
+# What the all-reduce says of a contribution it refused (`AllreduceResult.rejected`) -> the refusal.
+MALFORMED = {"nan": "NaN or Inf in its contribution", "shape": "a contribution of another length",
+             "compression": "a contribution in another wire format"}
 
-def blame(guard: Guard, round: int, result: AllreduceResult) -> None:
-    """Contributions refused for their weight or norm, and reducers the members caught, are
-    refusals of peers (`Guard`: logged, counted, in the round record); a caught reducer is then
-    left out of our next groups (`Guard.distrusted`)."""
+
+def blame(guard: Guard, round: int, result: AllreduceResult, me: str | None = None) -> None:
+    """Contributions refused for their weight or norm, or malformed (NaN or Inf, another length or
+    format), and reducers the members caught, are refusals of peers (`Guard`: logged, counted, in
+    the round record); a caught reducer or malformed sender is then left out of our next groups
+    (`Guard.distrusted`), so it no longer costs a group its share of the rounds it joins. Our own
+    contribution, refused (a diverged Δ), is no peer's fault."""
     for peer, reason in sorted(result.rejected.items()):
+        if peer == me:
+            continue
         if reason in ("weight", "norm"):
             guard.reject(peer, reason, f"its contribution to the all-reduce of round {round}")
+        elif reason in MALFORMED:
+            guard.reject(peer, "malformed", f"round {round}: {MALFORMED[reason]}")
     for peer, why in sorted(result.reducers.items()):
         guard.reject(peer, "reducer", f"round {round}: {why}")
 

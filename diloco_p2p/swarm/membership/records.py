@@ -25,7 +25,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, Optional
 
 import hivemind
@@ -54,6 +54,7 @@ MAX_EXCLUDED = 32  # peers listed in a record's `excluded`
 FiniteFloat = pydantic.confloat(strict=True, allow_inf_nan=False)
 NonNegFloat = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
 MAX_AWAY = 32  # peers listed in a record's `away`
+MAX_MEMBERS = 64  # peers listed in a record's `members` (the group it last committed with)
 
 
 class Absence(pydantic.BaseModel):
@@ -98,6 +99,12 @@ class ProgressRecord(pydantic.BaseModel):
     # The peer whose state this θ came from while the node has not averaged since (`resync`'s
     # donor rule); absent otherwise, so a node that never resyncs publishes what older nodes accept.
     donor: Optional[PeerB58] = None
+    # The hash of the whole state this node serves (θ, momentum, buffers: `codec.state_sha256`):
+    # what a joiner checks a download against, beyond θ.
+    state_sha256: Optional[Hex64] = None
+    # The group it last committed a round with (`averaged_round`): the peers it vouches took part,
+    # from which a reader that trusts this node extends its standing (`diloco_p2p.swarm.trust.standing`).
+    members: Optional[pydantic.conlist(PeerB58, max_items=MAX_MEMBERS)] = None
     version: pydantic.constr(strict=True, min_length=1, max_length=64)
     updated: NonNegFloat
 
@@ -129,6 +136,8 @@ class ProgressRecord(pydantic.BaseModel):
         reachability: str | None = None,
         away: Mapping[str, Mapping[str, Any]] | None = None,
         donor: str | None = None,
+        state_sha256: str | None = None,
+        members: Iterable[str] | None = None,
         updated: float | None = None,
         version: str = __version__,
     ) -> ProgressRecord:
@@ -160,6 +169,8 @@ class ProgressRecord(pydantic.BaseModel):
             away={peer: Absence(missed=int(a["missed"]), away_s=float(a["away_s"]), away=bool(a["away"]))
                   for peer, a in sorted(away.items())[:MAX_AWAY]} if away else None,
             donor=donor or None,
+            state_sha256=state_sha256,
+            members=sorted(members)[:MAX_MEMBERS] if members else None,
             version=version,
             updated=float(get_dht_time() if updated is None else updated),
         )

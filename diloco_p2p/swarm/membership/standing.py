@@ -1,0 +1,149 @@
+"""Standing: whose progress records may move this node. Headcount is not standing.
+
+A record is signed by its peer, but anyone can make a peer id, so K fresh identities backing a
+made-up later round would outvote any number of honest nodes under a headcount quorum. Here a
+record backs a state only if its peer has standing with the reader (`Standing.peers`):
+
+- **earned**: the peer committed a round in one group with this node (the all-reduce took its
+  bytes and ours: work, not a claim), or is named in the `members` of such a peer's latest
+  record (one hop of a web of trust: an honest member only names peers it really committed with);
+- **witnessed**: the run's seed, run with ``--witness RUN_ID``, follows the run from its start: it
+  trusts the operator's founders (``--trust``) and the first group it sees commit round 1 (trust
+  on first use), then every peer a trusted peer's record names (`Witness`); it publishes them,
+  signed with its identity; a node with no standing of its own (a newcomer, a restart) takes the
+  witness of the seeds it bootstrapped from (their peer ids are in `p2p.initial_peers`). A witness
+  that trusts nobody yet (no group has committed) says so: then no state moves anyone, which
+  closes the window at a run's start where headcount would still decide.
+
+Draws on BTARD (Gorbunov et al., 2021: peers accuse and are banned on evidence), Psyche's
+witnesses, Templar's scoring of peers by their contributions, and PGP's web of trust. The bound and
+what stays open are in docs/threat-model.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pydantic.v1 as pydantic
+from hivemind.dht.schema import SchemaValidator
+
+from diloco_p2p.swarm.membership.records import ProgressRecord
+from diloco_p2p.swarm.trust.schema import PeerB58, live_values, subkey_validator
+
+MAX_WITNESSED = 256  # peers a witness lists
+WITNESS_TTL = 60.0
+
+
+class Standing:
+    """The peers this node trusts to back a state: those it committed rounds with, one hop of
+    theirs, and what the run's witness lists. Thread-safe enough: sets replaced, never mutated
+    while read elsewhere."""
+
+    def __init__(self, me: str):
+        self.me = me
+        self.direct: dict[str, int] = {}  # peer -> the last round we committed together
+        self.witnessed: frozenset[str] | None = None  # None: no witness has spoken to us
+
+    def committed(self, members: Iterable[str], round: int) -> None:
+        """We committed `round` in a group with `members` (the all-reduce took every member's part)."""
+        self.direct = {**self.direct, **{p: round for p in members if p != self.me}}
+
+    def witness(self, peers: Iterable[str]) -> None:
+        self.witnessed = frozenset(peers) - {self.me}
+
+    def peers(self, records: Mapping[str, ProgressRecord]) -> frozenset[str]:
+        """Who has standing now: direct and witnessed peers, and the members named in their records."""
+        trusted = set(self.direct) | set(self.witnessed or ())
+        for peer in list(trusted):
+            record = records.get(peer)
+            if record is not None and record.members:
+                trusted.update(record.members)
+        return frozenset(trusted - {self.me})
+
+    def among(self, records: Mapping[str, ProgressRecord]) -> frozenset[str] | None:
+        """The standing peers that have a record now. None while none has and no witness spoke:
+        the node then has no view of its own (a newcomer before its first group, in a run whose
+        seed witnesses nothing) and the headcount quorum decides, as before standing existed."""
+        present = self.peers(records) & set(records)
+        return frozenset(present) if present or self.witnessed is not None else None
+
+
+# ------------------------------------------------------------------------------ the seed's witness
+
+
+def witness_key(run_id: str) -> str:
+    return f"{run_id}.witness"
+
+
+class WitnessValue(pydantic.BaseModel):
+    round: pydantic.conint(strict=True, ge=0)
+    peers: pydantic.conlist(PeerB58, max_items=MAX_WITNESSED)
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+def witness_validator(run_id: str) -> SchemaValidator:
+    return subkey_validator("WitnessSchema", witness_key(run_id), WitnessValue)
+
+
+def parse_witness(found: Any, witnesses: Iterable[str], now: float | None = None) -> set[str]:
+    """The peers the given witnesses (peer ids) vouch for, from `dht.get(witness_key)`: only
+    entries signed by a witness count (a witness's subkey is its own peer id, signed)."""
+    allowed, out = set(witnesses), set()
+    for peer, value in live_values(found, now):
+        if peer not in allowed:
+            continue
+        try:
+            out.update(WitnessValue.parse_obj(value).peers)
+        except (pydantic.ValidationError, TypeError):
+            continue
+    return out
+
+
+class Witness:
+    """The seed's view of one run: it trains nothing, so it earns no standing of its own. It
+    trusts `founders` (the operator's own nodes) and, if it watched the run from its start, the
+    first group it sees commit round 1 (each member's record names that group: trust on first
+    use), then every peer a trusted peer's record names as a member. A witness that first looks
+    at a run already past round 1 cannot tell whose history is real: without founders it
+    abstains (`abstains`), and newcomers fall back to the headcount."""
+
+    def __init__(self, founders: Iterable[str] = ()) -> None:
+        self.trusted: set[str] = set(founders)
+        self.round = 0
+        self.abstains: bool | None = None  # decided at the first look
+
+    def observe(self, records: Mapping[str, ProgressRecord]) -> frozenset[str]:
+        if self.abstains is None:
+            self.abstains = not self.trusted and any((r.averaged_round or 0) > 1 for r in records.values())
+        if not self.trusted and not self.abstains:
+            self.trusted = set(_first_group(records))
+        grew = True
+        while grew:  # members named by trusted peers, until nothing new
+            named = {m for p in self.trusted if (r := records.get(p)) and r.members for m in r.members}
+            grew = not named <= self.trusted
+            self.trusted |= named
+        present = [r.round for p, r in records.items() if p in self.trusted]
+        self.round = max(present, default=self.round)
+        return frozenset(self.trusted)
+
+    def listed(self, records: Mapping[str, ProgressRecord]) -> list[str]:
+        """The trusted peers to publish: those with a record now first, at most `MAX_WITNESSED`."""
+        live = sorted(p for p in self.trusted if p in records)
+        return (live + sorted(self.trusted - set(live)))[:MAX_WITNESSED]
+
+
+def _first_group(records: Mapping[str, ProgressRecord]) -> list[str]:
+    """A group that committed round 1, whose every member's record names that same group (the
+    largest; ties: the smallest ids); none: []."""
+    groups = []
+    for r in records.values():
+        members = set(r.members or ())
+        if len(members) < 2 or r.peer_id not in members or r.averaged_round != 1:
+            continue
+        if all(p in records and set(records[p].members or ()) == members and
+               records[p].averaged_round == r.averaged_round for p in members):
+            groups.append((r.averaged_round, -len(members), sorted(members)))
+    return min(groups)[2] if groups else []

@@ -1,0 +1,94 @@
+"""Strangers for the trust tests: K real DHT peers in the test's process, each with its own
+identity (a Sybil's whole cost), that know what anyone can know (a seed's address, the run id,
+the records) and hold no key but their own.
+
+- `claim`: each publishes a progress record of its own for a later round with a made-up θ;
+- `serve`: one serves a state blob it made (a forged one, or the swarm's θ with a made-up
+  momentum) announced as any (round, θ hash) it likes;
+- `announce`: one announces a state of any size without serving anything;
+- `ranked_first`: identities a given joiner tries before the honest donors (rendezvous order
+  is public: a joiner's peer id is in its records).
+
+Create it before starting processes (hivemind forks); give `maddr` to the seed as an initial peer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from diloco_p2p.swarm.membership.records import ProgressRecord, publish_progress, read_progress
+from diloco_p2p.swarm.state.announcements import StateAnnouncement, rendezvous_order, state_key
+from diloco_p2p.swarm.state.client import FetchedState, fetch_state
+from diloco_p2p.swarm.state.server import StateServer
+from diloco_p2p.swarm.transport.dht import peer_id_of
+from diloco_p2p.swarm.trust.signing import own_subkey
+from tests.harness.loopback import LoopbackPeers
+
+
+class Strangers(LoopbackPeers):
+    def __init__(self, k: int, identities: list[Path] = ()):
+        super().__init__(k, identities=identities)
+        self.ids = [p.peer_id.to_base58() for p in self.p2ps]
+        self.maddr = self.maddrs[0]
+        self.servers: list[StateServer] = []
+
+    def records(self, run_id: str) -> dict[str, ProgressRecord]:
+        return {p: r for p, r in read_progress(self.dhts[0], run_id, timeout=10).items() if p not in self.ids}
+
+    def claim(self, run_id: str, template: ProgressRecord, who: range | list[int], **lies: Any) -> None:
+        """Each stranger in `who` publishes `template` as its own record, with `lies`."""
+        for i in who:
+            record = ProgressRecord.build(**{**template.dict(), "peer_id": self.ids[i], "updated": None, **lies})
+            assert publish_progress(self.dhts[i], run_id, record, ttl=600)
+
+    def serve(self, i: int, run_id: str, round: int, blob: bytes, params_hash: str) -> None:
+        server = StateServer(self.dhts[i], self.p2ps[i], run_id=run_id)
+        self.servers.append(server)
+
+        async def go() -> None:
+            await server.start()
+            await server.set_state(round, blob, params_hash)
+
+        self.loop.run(go(), timeout=30)
+
+    def announce(self, i: int, run_id: str, round: int, params_hash: str, size: int) -> None:
+        """Announce a state of `size` bytes that nobody serves."""
+        value = StateAnnouncement(self.ids[i], round, hashlib.sha256(b"nothing").hexdigest(), size, params_hash).value()
+        subkey = own_subkey(self.dhts[i], self.ids[i])
+        assert self.dhts[i].store(state_key(run_id), value, get_dht_time() + 600, subkey=subkey)
+
+    def download(self, run_id: str, min_round: int, timeout: float = 30.0) -> FetchedState:
+        """The honest state of `min_round` or later (from the honest donors), as any stranger can download it."""
+        return self.loop.run(fetch_state(self.dhts[0], self.p2ps[0], run_id=run_id, min_round=min_round, exclude=self.ids,
+                                         timeout=timeout, wait=timeout / 2), timeout=timeout + 10)
+
+    def close(self) -> None:
+        for server in self.servers:
+            self.loop.run(server.stop(), timeout=15)
+        super().close()
+
+
+def identity(path: Path) -> str:
+    """A fresh identity file at `path`; its peer id."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    P2P.generate_identity(str(path))
+    return peer_id_of(path)
+
+
+def ranked_first(joiner: str, honest: list[str], n: int, folder: Path) -> list[Path]:
+    """`n` identity files whose peers `joiner` tries before every one of `honest`, and in this order."""
+    found: list[tuple[str, Path]] = []
+    tries = 0
+    while len(found) < n:
+        path = folder / f"ranked-{tries}.key"
+        peer = identity(path)
+        tries += 1
+        if rendezvous_order(joiner, [peer, *honest])[0] == peer:
+            found.append((peer, path))
+    order = rendezvous_order(joiner, [p for p, _ in found])
+    return [dict(found)[p] for p in order]
