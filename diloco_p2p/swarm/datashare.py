@@ -99,6 +99,7 @@ class DataShare:
         self.refused: dict[str, str] = {}  # donors whose bytes failed their hash -> why
         self.active = self.served = self.bytes_served = 0
         self.admit: Callable[[str, str], Awaitable[bool]] | None = None
+        self.admitted: Callable[[str], bool] = lambda peer: True  # a closed run fetches from members only
         self._served = AnnouncedHandler(p2p, HANDLER, self._handle, self._refresh, announce_ttl / 3)
 
     async def start(self) -> None:
@@ -212,7 +213,8 @@ class DataShare:
         found = await asyncio.wait_for(self.dht.get(data_key(dataset), latest=True, return_future=True), 10)
         peers = []
         for peer, value in live_values(found):
-            if peer == self.peer_id or not isinstance(value, dict) or not isinstance(value.get("have"), str):
+            if peer == self.peer_id or not isinstance(value, dict) or not isinstance(value.get("have"), str) \
+                    or not self.admitted(peer):
                 continue
             if index is None or has_shard(value["have"], index):
                 peers.append(peer)

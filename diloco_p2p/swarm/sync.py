@@ -157,6 +157,7 @@ class SwarmSync:
             self.datashare = DataShare(self.dht, self.p2p, self.loop)  # the corpus's shards (`datashare`)
             for service in (self.matchmaker, self.allreduce, self.state_server, self.datashare):
                 service.admit = self.admission.check_stream  # a closed run serves its members only
+            self.datashare.admitted = self.admission.admits  # ...and fetches from its members only
             self.matchmaker.distrusted = self.guard.distrusted  # caught reducers: out of our groups
             self.loop.run(self._start())
             self.check_config()  # a refused node leaves before it ever published anything
