@@ -53,7 +53,7 @@ class Pacer:
     ms deep) the ACKs wait behind it and the other direction slows. Writing a little below the
     uplink's rate keeps the queue short: k = 2-4 peers on 20 Mbit/s token-bucket links took
     1.18-1.47 x the wire time unpaced and 1.08-1.10 paced at 97 % of the link
-    (`benchmarks/allreduce_wan.py --pace 0.97`). Writes are cut into `piece`-byte slices, each
+    (`benchmarks/wire/allreduce_wan.py --pace 0.97`). Writes are cut into `piece`-byte slices, each
     released when the rate allows it (at most `burst` seconds' worth ahead). A slice is 2 ms of
     the rate (at least 16 KiB): each one costs an event-loop turn and a write to the daemon, and
     with 16 KiB slices at 200 Mbit/s those took enough of a member's CPU on a host running four
