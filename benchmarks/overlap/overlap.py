@@ -44,10 +44,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.*, tests.netns, tests.harness
 
-from benchmarks.quality.quality import run as simulate_run  # noqa: E402
+from benchmarks.quality.quality import simulate  # noqa: E402
 from benchmarks.wire.compression import wire_overrides  # noqa: E402
 
 RESULTS = Path("benchmarks/overlap/results/overlap.json")
+CONFIG = "configs/tiny-cpu.yaml"
 
 
 def quality(args: argparse.Namespace, earlier: dict | None = None) -> dict:
@@ -55,15 +56,13 @@ def quality(args: argparse.Namespace, earlier: dict | None = None) -> dict:
     common = [f"train.max_rounds={args.rounds}", f"outer.inner_steps={args.inner_steps}", "train.num_threads=1",
               f"train.eval_every={args.eval_every}", f"train.checkpoint_every={args.rounds}", *args.overrides]
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="diloco-overlap-") as tmp, \
-            concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         jobs = {mode: [f"sync.overlap={mode}"] for mode in args.modes.split(",") if mode}
         for variant in args.variants:  # MODE:OUTER_LR:MOMENTUM, e.g. the paper's lowered lr for delayed
             mode, lr, mom = variant.split(":")
             jobs[variant] = [f"sync.overlap={mode}", f"outer.lr={lr}", f"outer.momentum={mom}"]
-        keys = [f"replica-{i}" for i in range(args.replicas)]  # quality.run takes the order keys
-        futures = {name: pool.submit(simulate_run, name.replace(":", "_"), Path(tmp), keys,
-                                     [*common, *sets]) for name, sets in jobs.items()}
+        keys = [f"replica-{i}" for i in range(args.replicas)]  # quality.simulate takes the order keys
+        futures = {name: pool.submit(simulate, CONFIG, keys, [*common, *sets]) for name, sets in jobs.items()}
         runs = {mode: f.result() for mode, f in futures.items()}
     runs = {**(earlier or {}).get("runs", {}), **runs}
     base = runs["none"]["final"]
