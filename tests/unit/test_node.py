@@ -222,8 +222,8 @@ def test_a_stop_during_averaging_drops_the_round_and_saves_where_we_are(tmp_path
 
 def test_theta_is_hashed_once_per_distinct_value(tmp_path, monkeypatch):
     calls = []
-    real = outer_module.tensor_sha256
-    monkeypatch.setattr(outer_module, "tensor_sha256", lambda t: calls.append(1) or real(t))
+    real = outer_module.hashing.tensor_sha256
+    monkeypatch.setattr(outer_module.hashing, "tensor_sha256", lambda t: calls.append(1) or real(t))
     commit = {r: (lambda d: RoundOutcome(status="committed", average=d, group_size=2)) for r in (1, 2, 3)}
     node = _node(tmp_path, ScriptedSync(commit), rounds=3)
     node.run()
