@@ -690,18 +690,8 @@ class AllreduceService:
         if j in s.contribs or j in s.rejected or s.reduced:
             writer.write(NO_GO)
             return False
-        if h["part"] != s.me or h["n"] != s.n or h["numel"] != hi - lo:
-            reason = "shape"
-        elif h["comp"] != s.compression:
-            reason = "compression"
-        elif h["finite"] is not True:
-            reason = "nan"
-        else:
-            reason = wire.weight_problem(h["weight"], None, math.inf)
-        if reason is not None:
-            if reason not in ("weight", "nan"):  # a different size or format: its view of the vector differs
-                s.excluded.add(j)
-            s.rejected[j] = reason
+        shape = {"part": s.me, "n": s.n, "numel": hi - lo}
+        if s.refuse_header(j, h, shape, {"comp": s.compression}) is not None:
             writer.write(NO_GO)
             return False
         writer.write(GO)
