@@ -156,7 +156,7 @@ class OuterConfig(_Section):
         "manual",
         description="`auto` sets every outer field below that the config leaves unset (H's schedule, its start, "
         "outer.lr, outer.momentum, the outer warmup) from outer.nodes and train.max_rounds, by the table that "
-        "benchmarks/quality.py measured (`diloco_p2p.config.recipe`); `manual` uses the fields as given.",
+        "benchmarks/quality/quality.py measured (`diloco_p2p.config.recipe`); `manual` uses the fields as given.",
     )
     nodes: int = Field(
         4, ge=1, description="The number of nodes the run plans for (M); only outer.recipe=auto reads it.",
@@ -210,7 +210,7 @@ class TrainConfig(_Section):
     )
     compile: bool = Field(
         False, description="Compile the model's forward with `torch.compile` (the first steps take longer while "
-        "it compiles; see `benchmarks/gpu_inner.py` for what it gains).",
+        "it compiles; see `benchmarks/gpu/gpu_inner.py` for what it gains).",
     )
     num_threads: int | None = Field(
         None, gt=0,
@@ -396,7 +396,7 @@ class SyncConfig(_Section):
     @property
     def carry(self) -> float:
         """γ in force (`sync.feedback_carry`): as set, or unset 0.5 under topk2 with error feedback
-        where rounds start from θ (`benchmarks/results/compression_topk_carry.txt`), else 0."""
+        where rounds start from θ (`benchmarks/wire/results/compression_topk_carry.txt`), else 0."""
         if self.feedback_carry is not None:
             return self.feedback_carry
         return 0.5 if self.compression == "topk2" and self.feedback_on and self._starts_from_theta else 0.0

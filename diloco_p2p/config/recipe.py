@@ -1,8 +1,8 @@
 """outer.recipe=auto: H's schedule and the outer step for a number of nodes and a horizon.
 
 A user who changes only the number of nodes (outer.nodes) or the run's length (train.max_rounds)
-keeps a run tuned for it. The choices come from `benchmarks/quality.py` (the tables are in
-docs/recipes.md; every run in benchmarks/results/quality_tiny_sweep.txt):
+keeps a run tuned for it. The choices come from `benchmarks/quality/quality.py` (the tables are in
+docs/recipes.md; every run in benchmarks/quality/results/quality_tiny_sweep.json):
 
 - H: a run of M >= 2 nodes spends up to twice the all-reduces of a constant H on the quadratic
   synchronization rule (`diloco_p2p.config.schedule`, ``qsr``; Gu et al. 2023): short rounds while the inner

@@ -27,7 +27,7 @@ residual grows by that distance each round, not by the distance once); with γ =
 (`OuterState.pseudo_gradient`'s offset), so the offer stays Δ + β·e = θ − θ_local + (1−γ)·β·e.
 Only with sync.overlap none and sync.fragments 1, whose rounds start from weights of their own;
 unset, γ is 0.5 there under topk2 (below γ = 0 on every seed of every schedule measured:
-`benchmarks/results/compression_topk_carry.txt`) and 0 otherwise.
+`benchmarks/wire/results/compression_topk_carry.txt`) and 0 otherwise.
 
 Bit-identical θ is untouched: e only changes what this node *offers* (and where it trains
 from); θ moves by the agreed average, which every member computes from the same bytes.

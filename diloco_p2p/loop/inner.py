@@ -19,7 +19,7 @@ defaults to ``inner.lr`` (torch's default, "original", scales by √max(1, A/B) 
 need a tuning of its own, shifting with the width). Weight decay is decoupled in both (θ ← θ·(1 −
 lr·λ)), λ = ``inner.weight_decay``. Both lrs follow the same warmup + cosine factor (one `LambdaLR`
 each). On the tiny preset the transfer does not hold: Muon's best lr was 4-16x ``inner.lr``
-(`benchmarks/results/muon_tiny.txt`). The choice is per node: θ moves only by the swarm's agreed
+(`benchmarks/quality/results/muon_tiny.txt`). The choice is per node: θ moves only by the swarm's agreed
 average, so nodes of one swarm may differ in it (``inner.*`` is outside `Config.SWARM_FIELDS`, but
 for ``seq_len``). A node of several local ranks refuses Muon: its Newton–Schulz step orthogonalizes
 whole matrices, which FSDP shards row-wise across the ranks (torch does not document DTensor
@@ -71,7 +71,7 @@ class StepStats:
     pinned memory and an event, and `loss` waits for that step only when read. The node reads
     it one step late (`Node.run`), while the GPU runs the next: a read right away would leave
     the GPU idle between steps while the host launches the next one (~3% at 150M parameters,
-    `benchmarks/gpu_inner.py`). Elsewhere the loss is known on return (N ranks all-reduce it).
+    `benchmarks/gpu/gpu_inner.py`). Elsewhere the loss is known on return (N ranks all-reduce it).
     """
 
     def __init__(self, tokens: int, loss: float | None = None, pending: tuple | None = None):

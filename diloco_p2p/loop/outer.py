@@ -14,7 +14,7 @@ with Δ̄ as the gradient:
 flat buffer each so the network layer can hand an averaged flat vector straight back. When the
 model is on a GPU, θ and a staging buffer for the trained weights are pinned: θ goes to the GPU
 and the weights come back as one queue of non-blocking copies at full PCIe speed, not one
-pageable copy per parameter (`benchmarks/gpu_outer.py` measures both). Every
+pageable copy per parameter (`benchmarks/gpu/gpu_outer.py` measures both). Every
 peer that applies the same Δ̄ to the same (θ, m) ends with bit-identical θ, which
 `params_sha256` makes checkable. With η = 1 and β = 0 the step is plain parameter averaging.
 
@@ -134,7 +134,7 @@ class OuterOptimizer:
                        lr: float | None = None, beta: float | None = None) -> None:
         """m ← β·m + g, then θ ← θ − η·(g + β·m), or θ ← θ − η·m without Nesterov (on [lo, hi)).
         On whole vectors: slicing it through a small scratch buffer instead of one θ-sized temporary
-        was slower at 1B parameters (1.2-1.4 s against 0.7 s on 16 threads, `benchmarks/gpu_outer.py`)."""
+        was slower at 1B parameters (1.2-1.4 s against 0.7 s on 16 threads, `benchmarks/gpu/gpu_outer.py`)."""
         beta = self.cfg.momentum if beta is None else beta
         lr = self.cfg.lr if lr is None else lr
         momentum, theta = self.momentum[lo:hi], self.theta[lo:hi]  # views: the steps write through

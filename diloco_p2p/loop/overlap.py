@@ -49,7 +49,7 @@ the new θ instead, as if round t's outer step had come before them (only their 
       θ_local ← θ + (θ_local − θ_local at the end of round t)
 
 which drops nothing of them; it does better than the mix at τ = 1 and worse at τ ≈ H/2, where
-the stale gradients add up (`benchmarks/overlap_sweep.py`). τ, α and the merge are the node's own:
+the stale gradients add up (`benchmarks/overlap/overlap_sweep.py`). τ, α and the merge are the node's own:
 they change its Δ, never the swarm's θ.
 
 With ``sync.fragments`` = P (Streaming DiLoCo's fragments) round r's Δ, average, outer step and

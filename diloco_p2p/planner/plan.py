@@ -5,11 +5,11 @@ seconds over round seconds), bytes each node sends, and the bottleneck (compute,
 downlink, latency/messages (matchmaking included), CPU, stragglers, failures): the largest cause
 when utilization is below 0.9, else compute. Everything here is a pure function of the inputs
 and of a few constants measured on real swarms (`Calibration`, fitted and checked by
-`benchmarks/plan_check.py` on namespaces with tbf-shaped links). They were fitted on a quiet
+`benchmarks/planner/plan_check.py` on namespaces with tbf-shaped links). They were fitted on a quiet
 two-core machine (load average 0.2-3: what CI and a dedicated box look like) on unshaped, 20 and
 50 Mbit/s links and checked on held-out 10, 35 and 100 Mbit/s all-reduces and training rounds
 (22 of 26 within 15%); rows, held-out errors (also leave-one-rate-out and leave-one-k-out) and the
-same constants against a busy machine's rows are in benchmarks/results/plan_check_quiet.{json,txt},
+same constants against a busy machine's rows are in benchmarks/planner/results/plan_check_quiet.{json,txt},
 plan_holdout.txt and plan_check.{json,txt}.
 
 Bytes. For the butterfly (the protocol of `diloco_p2p.swarm.collective.allreduce`, after Patarasuk & Yuan
@@ -87,7 +87,7 @@ MEMBER_LIST_BYTES = 190  # per member in the list the matchmaking leader sends t
 
 @dataclass(frozen=True)
 class Calibration:
-    """Constants measured on real swarms here (`benchmarks/plan_check.py --calibrate`, tbf links).
+    """Constants measured on real swarms here (`benchmarks/planner/plan_check.py --calibrate`, tbf links).
 
     flow_overhead: all-reduce seconds over the wire time of its bytes once the tail and fixed costs
     are taken out (below 1.046, the Ethernet/IP/TCP framing of a 1448-byte segment, because the
@@ -110,7 +110,7 @@ class Calibration:
     matchmaking_per_member_s: float = 0.03259
     detect_s: float = 1.0
     apply_s: float = 0.0
-    source: str = ("fitted by benchmarks/plan_check.py calibrate (2-8 peers, 2,000,000 values, unshaped and 20+50 Mbit "
+    source: str = ("fitted by benchmarks/planner/plan_check.py calibrate (2-8 peers, 2,000,000 values, unshaped and 20+50 Mbit "
                    "tbf links, load average 0.6-1.5 on 2 cores; matchmaking: 2-node training rounds)")
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ FRAGMENTS = (2, 5, 10)
 TOPK_RECIPE = {"sync.topk_density": 0.034, "sync.feedback_decay": 0.9, "outer.lr": 2.0, "outer.momentum": 0.0}
 H_DOUBLING_PCT = 1.2  # blocking at equal tokens, H 5 -> 10 -> 20 -> 50: +1.2, +2.4, +3.7%
 
-# (percent, phrase): results files are under benchmarks/results/
+# (percent, phrase): results files are under benchmarks/wire/results/ and benchmarks/overlap/results/
 QUALITY = {
     "fp32": (0.0, "fp32: the reference"),
     "fp16": (0.0, "fp16: -0.00% vs fp32 (compression.txt)"),

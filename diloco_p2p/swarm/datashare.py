@@ -143,18 +143,13 @@ class DataShare:
             await self._announce(dataset)
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            if self.admit is not None and not await self.admit(info.peer_id.to_base58(), "data"):
-                return  # a closed run: closing the stream is all a stranger gets
-            async with asyncio.timeout(self.stall):
-                request = await streams.read_json(reader, MAX_HEADER_BYTES, version=PROTOCOL_VERSION)
-            await self._serve(request, reader, writer)
-        except (TimeoutError, WireError, *NETWORK_ERRORS) as e:
-            log.debug("data transfer ended early: %r", e)
-        except Exception:
-            log.exception("data transfer failed")
-        finally:
-            writer.close()
+        # in a closed run, closing the stream is all a stranger gets
+        await streams.serve_admitted(info, writer, self._request(reader, writer), self.admit, "data", log)
+
+    async def _request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async with asyncio.timeout(self.stall):
+            request = await streams.read_json(reader, MAX_HEADER_BYTES, version=PROTOCOL_VERSION)
+        await self._serve(request, reader, writer)
 
     async def _serve(self, request: dict[str, Any], reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:

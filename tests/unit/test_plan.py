@@ -214,21 +214,14 @@ def test_the_tail_is_the_slowest_of_k_minus_1_flows_and_shrinks_on_faster_links(
 
 def _check_module():
     import importlib
-    import sys
-    from pathlib import Path
 
-    bench = Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        return importlib.import_module("plan_check")
-    finally:
-        sys.path.remove(str(bench))
+    return importlib.import_module("benchmarks.planner.plan_check")
 
 
 def test_shipped_constants_are_the_fit_of_the_stored_calibration_and_predict_its_bytes():
     """`plan.Calibration` is what `plan_check.fit_file` makes of the quiet machine's stored
     calibration (unshaped, 20 and 50 Mbit/s all-reduces, 2-node training rounds;
-    benchmarks/results/plan_check_quiet.json), its terms have physical signs, the checks' load
+    benchmarks/planner/results/plan_check_quiet.json), its terms have physical signs, the checks' load
     share is `fit_load` of the busy machine's calibration (plan_check.json), and the planner's bytes
     are the measured bytes of every stored all-reduce."""
     check = _check_module()

@@ -27,7 +27,7 @@ What a reducer does with the contributions to its part (`Robust`, from `sync.*`)
   group needs: with m = 4 and one attacker, the two-sided trim keeps the 2 middle values, and
   when the attacker sits on one side (a sign flip does, at every coordinate where the honest
   values agree) those are the 2 honest values nearest it, a bias toward the attacker of one
-  order statistic at every such coordinate (`benchmarks/robust.py`, 3 seeds: +1.70% final loss
+  order statistic at every such coordinate (`benchmarks/swarm/robust.py`, 3 seeds: +1.70% final loss
   vs the attacker-free run, worst seed +2.36%; this rule: +1.60%, worst +1.72%);
   here the attacker is the one dropped and the 3 honest values are averaged, the attacker-free
   mean. ``b < m/2`` keeps the median, hence the kept values, inside the honest range. Values are

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -148,18 +147,8 @@ async def receive(s: Session, j: int, h: dict, reader: asyncio.StreamReader, wri
     if j in s.contribs or j in s.rejected or j in s.failed or s.mask_fixed:
         writer.write(NO_GO)
         return False
-    if h["n"] != s.n or h["chunk"] != s.chunk:  # every member reduces in our chunk layout
-        reason = "shape"
-    elif h["comp"] != s.compression or h["density"] != density:
-        reason = "compression"
-    elif h["finite"] is not True:
-        reason = "nan"
-    else:
-        reason = wire.weight_problem(h["weight"], None, math.inf)
-    if reason is not None:
-        if reason not in ("weight", "nan"):
-            s.excluded.add(j)
-        s.rejected[j] = reason
+    shape = {"n": s.n, "chunk": s.chunk}  # every member reduces in our chunk layout
+    if s.refuse_header(j, h, shape, {"comp": s.compression, "density": density}) is not None:
         writer.write(NO_GO)
         return False
     writer.write(GO)

@@ -4,7 +4,7 @@ Why our own all-reduce. hivemind 1.1.12's `DecentralizedAverager` does not leave
 a group with the same values under FP16: each reducer sends every peer
 ``fp16(average - that peer's own part)`` and the peer adds it to its own part, while the reducer
 keeps its own part in exact fp32. Three peers averaging N(0,1) vectors ended up to 2.7e-3 apart
-(and in 3 of 48 rounds of `benchmarks/hivemind_compare.py` one peer's average missed part of the
+(and in 3 of 48 rounds of `benchmarks/wire/hivemind_compare.py` one peer's average missed part of the
 results, 39-47% off, while its step reported success), and DiLoCo needs every member to apply the
 *same* Δ̄ to the same θ (bit-identical θ, checked by hash each round). Here the reducer of a
 part quantizes the averaged part once and sends exactly those bytes to every member; every
@@ -78,8 +78,8 @@ the vector precedes it), the gather is pipelined behind the scatter so the link 
 between the phases, and nothing proportional to the vector runs between the last chunk and the
 return (each part's digest and sum of squares are summed as its chunks land). On tbf-shaped links, paced (`sync.link_mbit`), 3.5M values, k = 2-4:
 1.06-1.12x the wire time at 20 and 100 Mbit/s, fp16 1.06-1.12x and int8 1.11-1.20x at 200; 20M
-values 1.07-1.12x at 100 and 200 (`benchmarks/allreduce_wan.py`; int8 at k = 4 and 200 Mbit/s is
-CPU-bound on a 2-core host running all four members); in training nodes (`benchmarks/wan.py`,
+values 1.07-1.12x at 100 and 200 (`benchmarks/wire/allreduce_wan.py`; int8 at k = 4 and 200 Mbit/s is
+CPU-bound on a 2-core host running all four members); in training nodes (`benchmarks/wire/wan.py`,
 3.5M parameters) 1.05-1.15x in 17 of 18 cells at 20-200 Mbit/s. Unpaced it is 1.15-1.66x, mostly TCP's with both directions of every link loaded: plain TCP moving the same
 bytes between the same hosts at once takes 1.0-1.5x. Stream setup is one libp2p stream per
 message over the connection p2pd keeps open between the peers (no TCP or TLS handshake per round).
@@ -116,7 +116,7 @@ Masks: a private member sends its mask to the public members only; a public memb
 then sends that to everyone, so every member ends with the AND of all masks although private
 members never talk to each other (no relay needed). Cost with P public members of k: a public
 member sends (P-1)·n/P in the scatter and (k-1)·n/P in the gather, (k+P-2)/P·n values each way
-(P = k: the 2(k-1)/k·n above); a private member sends and receives n (`benchmarks/nat.py`).
+(P = k: the 2(k-1)/k·n above); a private member sends and receives n (`benchmarks/swarm/nat.py`).
 
 Where later schemes plug in (keep these properties when changing this module):
 
@@ -690,18 +690,8 @@ class AllreduceService:
         if j in s.contribs or j in s.rejected or s.reduced:
             writer.write(NO_GO)
             return False
-        if h["part"] != s.me or h["n"] != s.n or h["numel"] != hi - lo:
-            reason = "shape"
-        elif h["comp"] != s.compression:
-            reason = "compression"
-        elif h["finite"] is not True:
-            reason = "nan"
-        else:
-            reason = wire.weight_problem(h["weight"], None, math.inf)
-        if reason is not None:
-            if reason not in ("weight", "nan"):  # a different size or format: its view of the vector differs
-                s.excluded.add(j)
-            s.rejected[j] = reason
+        shape = {"part": s.me, "n": s.n, "numel": hi - lo}
+        if s.refuse_header(j, h, shape, {"comp": s.compression}) is not None:
             writer.write(NO_GO)
             return False
         writer.write(GO)

@@ -136,6 +136,27 @@ class Session:
         self.complete.add(self.me)
         return True
 
+    def refuse_header(self, j: int, h: dict[str, Any], shape: dict[str, Any],
+                      fmt: dict[str, Any]) -> str | None:
+        """Member j's contribution header, checked before its payload is read (the butterfly's
+        scatter, the all-gather's contrib): why it is refused, recorded in `rejected`, or None to read
+        it. A `shape` field ("shape") or a `fmt` field ("compression") other than ours means j's view
+        of the vector differs, so j is excluded from the group; a Δ it says is not finite ("nan") or
+        a weight that is no positive finite number ("weight") refuses this contribution only."""
+        if any(h[key] != value for key, value in shape.items()):
+            reason = "shape"
+        elif any(h[key] != value for key, value in fmt.items()):
+            reason = "compression"
+        elif h["finite"] is not True:
+            reason = "nan"
+        else:
+            reason = wire.weight_problem(h["weight"], None, math.inf)
+        if reason is not None:
+            if reason not in ("weight", "nan"):
+                self.excluded.add(j)
+            self.rejected[j] = reason
+        return reason
+
     def pending(self, done: Iterable[int], only_heard: bool) -> list[int]:
         """Live members still expected to deliver what `done` is keyed by."""
         skip = self.gone | self.excluded | self.silent | set(done)

@@ -19,7 +19,7 @@ per-block pair of float32 levels (lower, upper), and every value not kept is dro
 the value). The error feedback of the sender (`diloco_p2p.loop.error_feedback`) sends what was dropped in
 later rounds, as in SparseLoCo and Deep Gradient Compression (Lin et al. 2018). Two choices
 differ from SparseLoCo's, each measured on the tiny preset (2 nodes, 40 rounds x H=5, density
-3.4%, `benchmarks/compression_decay.py`):
+3.4%, `benchmarks/wire/compression_decay.py`):
 
 - a block is a whole frame (65,536 values; SparseLoCo: 4096), which lets the kept values go
   where the pseudo-gradient is large across tensors: lower eval loss on each of 5 seeds, 0.9% on
@@ -29,7 +29,7 @@ differ from SparseLoCo's, each measured on the tiny preset (2 nodes, 40 rounds x
   each magnitude the nearer level) instead of fixed points of the kept range: kept magnitudes
   are heavy-tailed, and on such a test vector the error falls from 0.29 to 0.11 of the kept
   values' norm (levels at 1/4 and 3/4 of the range); 0.2% lower eval loss on a 5-seed mean.
-  The runs: `benchmarks/results/compression_topk_seeds.txt` and its ablation files.
+  The runs: `benchmarks/wire/results/compression_topk_seeds.txt` and its ablation files.
 
 The offsets are Elias-Fano coded (Elias 1974, Fano 1971), which costs a fixed number of bits for
 a given block size m and count k, within 2 bits per offset of the log2 C(m, k) any code needs:

@@ -48,7 +48,7 @@ Membership (`matchmaking`, with `MAX_MEMBERS` as its target: one group per round
 round: one DHT store to register, one read of the round's key (one key, a subkey per registered
 node: O(N) bytes), one store to withdraw; only the leader re-reads, every request_timeout / 2
 while its group is open. So DHT calls per node do not grow with N (`tests/unit/
-test_membership_scale.py` counts them up to 64 nodes, `benchmarks/scale.py` to 256). The leader
+test_membership_scale.py` counts them up to 64 nodes, `benchmarks/wire/scale.py` to 256). The leader
 holds one stream per member and sends each the member list: O(N) messages and O(N^2) bytes at the
 leader (~190 bytes per member per member: 190 MB a round at 1,000 nodes). A node arriving after
 the group closed is "late" (it catches up by downloading the state), never a second group.
@@ -74,9 +74,9 @@ fp32: (c-1)/c n (4 - b) more bytes. At N = 1,024, butterfly_max 32: 3,069 messag
 for the butterfly, 372 for the grid; the bytes are the same. Time: the row gather starts only
 after the column all-reduce (no pipelining across levels), so on a link-bound round the grid
 takes about one extra n/c-sized transfer and a few more round trips than the butterfly's
-wire time. Measured on 50 Mbit/s tbf links, 2M fp16 values (`benchmarks/allreduce_wan.py --grid 3`):
+wire time. Measured on 50 Mbit/s tbf links, 2M fp16 values (`benchmarks/wire/allreduce_wan.py --grid 3`):
 4 members 1.44 s butterfly, 1.72 s grid 2x2; 6 members 1.89 s butterfly, 2.12 s grid 2x3, the
-same bytes (1.0003x the bound); loopback numbers in `benchmarks/scale.py`.
+same bytes (1.0003x the bound); loopback numbers in `benchmarks/wire/scale.py`.
 """
 
 from __future__ import annotations

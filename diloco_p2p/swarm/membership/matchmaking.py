@@ -55,7 +55,7 @@ Protocol
    all-reduce is over (``hold_withdrawal``, then `release`): every member's DHT store, and the
    DHT peers answering it, would otherwise share the all-reduce's first milliseconds (4 nodes on
    2 cores, 200 Mbit/s links, int8: 1.49-1.57x the wire time against 1.29-1.40 held,
-   `benchmarks/results/wan_line_rate.txt`). A late arrival that contacts a held member meanwhile
+   `benchmarks/wire/results/wan_line_rate.txt`). A late arrival that contacts a held member meanwhile
    is answered ``closed`` with the group's close reason, as it would be anyway.
 
 This module is long (about 540 lines, a fifth of it this description) because the leader's and

@@ -80,5 +80,5 @@ stripes in place; `unpack_state` copies it once more), fine for the small and 15
 1B state (θ and m in fp32, 8 GB) would want a donor serving from its checkpoint file and a
 joiner writing to disk. Hashing costs the joiner two sha256 passes (stripes and whole blob),
 both in threads beside the download. Throughput from 1, 2 and 4 donors, on shaped links and on
-loopback beside the transport's ceiling: `benchmarks/join_stripes.py` (docs/benchmarks.md).
+loopback beside the transport's ceiling: `benchmarks/swarm/join_stripes.py` (docs/benchmarks.md).
 """

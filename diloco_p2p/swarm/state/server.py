@@ -27,7 +27,7 @@ from diloco_p2p.swarm.state.announcements import (
 )
 from diloco_p2p.swarm.state.stripes import STRIPE_SIZE, stripe_count, stripe_digests
 from diloco_p2p.swarm.transport import streams
-from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS, AnnouncedHandler, WireError
+from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS, AnnouncedHandler
 from diloco_p2p.swarm.trust.signing import own_subkey
 
 logger = logging.getLogger(__name__)
@@ -169,18 +169,8 @@ class StateServer:
 
     async def _guarded(self, info: Any, writer: asyncio.StreamWriter, serve: Coroutine[Any, Any, None]) -> None:
         """Run `serve` for an admitted peer; a transfer's end, however early, is not our error."""
-        try:
-            if self.admit is not None and not await self.admit(info.peer_id.to_base58(), "state"):
-                self.refused_count += 1
-                serve.close()
-                return  # closing the stream is all a stranger gets
-            await serve
-        except (TimeoutError, WireError, *NETWORK_ERRORS) as e:
-            logger.debug("state transfer ended early: %r", e)
-        except Exception:
-            logger.exception("state transfer failed")
-        finally:
-            writer.close()
+        if not await streams.serve_admitted(info, writer, serve, self.admit, "state", logger):
+            self.refused_count += 1  # closing the stream is all a stranger gets
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      version: int) -> tuple[bytes, bytes, int] | None:

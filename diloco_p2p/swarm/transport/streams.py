@@ -13,7 +13,8 @@ So the side that answers last keeps the stream open until the other side, having
 answer, closes it (`linger`), bounded by a timeout; a peer that listens costs nothing extra.
 
 `AnnouncedHandler`: a stream handler that is served while its DHT announcement is kept fresh
-(the state server's and data sharing's start and stop).
+(the state server's and data sharing's start and stop); `serve_admitted`: how both serve one
+inbound transfer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import suppress
 from typing import Any
 
@@ -53,7 +54,7 @@ class Pacer:
     ms deep) the ACKs wait behind it and the other direction slows. Writing a little below the
     uplink's rate keeps the queue short: k = 2-4 peers on 20 Mbit/s token-bucket links took
     1.18-1.47 x the wire time unpaced and 1.08-1.10 paced at 97 % of the link
-    (`benchmarks/allreduce_wan.py --pace 0.97`). Writes are cut into `piece`-byte slices, each
+    (`benchmarks/wire/allreduce_wan.py --pace 0.97`). Writes are cut into `piece`-byte slices, each
     released when the rate allows it (at most `burst` seconds' worth ahead). A slice is 2 ms of
     the rate (at least 16 KiB): each one costs an event-loop turn and a write to the daemon, and
     with 16 KiB slices at 200 Mbit/s those took enough of a member's CPU on a host running four
@@ -149,6 +150,28 @@ async def linger(reader: asyncio.StreamReader, timeout: float, *, drain: bool = 
         async with asyncio.timeout(timeout):
             while await reader.read(1 << 16) and drain:
                 pass
+
+
+async def serve_admitted(
+    info: Any, writer: asyncio.StreamWriter, serve: Coroutine[Any, Any, None],
+    admit: Callable[[str, str], Awaitable[bool]] | None, what: str, logger: logging.Logger,
+) -> bool:
+    """Run `serve`, one inbound `what` transfer ("state", "data"), if `admit` lets the peer in, then
+    close the stream. A transfer that ends early (a timeout, a malformed frame, the peer gone) is
+    not our error: logged at debug; anything else is, with its traceback. False only when `admit`
+    refused the peer, who gets the stream closed and nothing more."""
+    try:
+        if admit is not None and not await admit(info.peer_id.to_base58(), what):
+            serve.close()
+            return False
+        await serve
+    except (TimeoutError, WireError, *NETWORK_ERRORS) as e:
+        logger.debug("%s transfer ended early: %r", what, e)
+    except Exception:
+        logger.exception("%s transfer failed", what)
+    finally:
+        writer.close()
+    return True
 
 
 class AnnouncedHandler:
