@@ -36,6 +36,7 @@ NPROC_FLAG = "--nproc-per-node"
 # state download) that each rank runs for its own shard while the others wait at the next
 # collective. A rank that is dead, rather than stalled, is caught much sooner by the launcher.
 DEFAULT_TIMEOUT_S = 900.0
+CLOSE_WAIT_S = 10.0  # how long a closing rank waits for the others before tearing gloo down
 
 
 def resolve_device(name: str) -> torch.device:
@@ -118,6 +119,11 @@ class Ranks:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if dist.get_backend() == "gloo":  # the others may still be in the last collective:
+                    try:  # tearing gloo down under them aborts their process (SIGABRT)
+                        dist.monitored_barrier(timeout=timedelta(seconds=CLOSE_WAIT_S))
+                    except Exception:  # a rank is gone or stuck: close anyway
+                        pass
                 dist.destroy_process_group()
 
     @classmethod
