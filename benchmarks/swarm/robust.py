@@ -184,6 +184,10 @@ def jobs_of(args: argparse.Namespace) -> dict[str, tuple[list[str], str | None, 
     for seed in args.seeds:
         sets = [*common, f"seed={seed}"]
         jobs[f"attacker-free@{seed}"] = (sets, None, 3, False)
+        for rule in RULES if args.honest else ():  # what a rule costs when nobody attacks
+            jobs[f"honest/{rule}@{seed}"] = ([*sets, f"sync.aggregation={rule}"], None, 4, False)
+        if args.honest_only:
+            continue
         for attack in ATTACKS:
             for rule in (*RULES, TWO_SIDED):
                 if rule == "mean" and seed != args.seeds[0]:
@@ -219,8 +223,12 @@ def main() -> None:
                    "already complete there is read back, not run again (resume an interrupted benchmark)")
     p.add_argument("--json", type=Path, default=Path("benchmarks/swarm/results/robust.json"))
     p.add_argument("--png", type=Path, default=Path("benchmarks/swarm/results/robust.png"))
+    p.add_argument("--honest", action="store_true", help="also 4 honest replicas under each rule: a rule's "
+                   "cost to quality when nobody attacks")
+    p.add_argument("--honest-only", action="store_true", help="only the attacker-free and honest runs")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.honest |= args.honest_only
     torch.set_num_threads(1)
     if args.one:
         name, root, *rest = json.loads(args.one)
@@ -250,6 +258,13 @@ def main() -> None:
         pct = r["vs_free_pct"]
         print(f"{attack:<10} {rule or '-':<26} {statistics.mean(r['finals']):>10.4f} "
               f"{statistics.mean(pct):>+8.2f}% [{min(pct):>+6.2f}%, {max(pct):>+6.2f}%] {str(r['agree']):>8}")
+    honest = {k.partition("/")[2]: r["finals"] for k, r in rows.items() if k.startswith("honest/")}
+    if honest:
+        print("\nno attacker: 4 honest replicas, each rule against mean on the same seeds")
+        for rule, finals in honest.items():
+            pct = [100 * (f / m - 1) for f, m in zip(finals, honest["mean"], strict=True)]
+            print(f"{rule:<14} final eval {statistics.mean(finals):.4f}  vs mean {statistics.mean(pct):+.2f}% "
+                  f"[{min(pct):+.2f}%, {max(pct):+.2f}%]")
     print(f"\ncost per round, one all-reduce of {n:,} values among 4 members on loopback (fp16), median of "
           f"{args.repeats}")
     print(f"{'aggregation':<14} {'all-reduce s':>12} {'bytes sent/member':>18} {'reduce_part s':>14}")
