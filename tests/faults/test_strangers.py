@@ -13,80 +13,19 @@ swarm's vouched θ with a made-up momentum, and one of another size; a third ann
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any, NamedTuple
 
 import pytest
-import torch
 
-from diloco_p2p.swarm.state.codec import THETA, pack_state, theta_sha256, unpack_state
-from tests.faults.strangers import Strangers, identity, ranked_first
-from tests.harness.procs import run_cli, wait_until
-from tests.harness.swarm import ProcessSwarm
+from tests.faults.strangers import MOMENTUM, OVERSIZED, RUN, SYBILS, WRONG_SIZE, attacked_swarm
+from tests.harness.procs import run_cli
 
 pytestmark = pytest.mark.timeout(420)
-
-RUN = "swarm-test"  # tests.harness.settings.SWARM
-SYBILS = range(3)  # stranger 0..2: Sybils; 3, 4: bad donors the newcomer tries first; 5: oversized
-MOMENTUM, WRONG_SIZE, OVERSIZED = 3, 4, 5
-HOLD = {"DILOCO_P2P_FAULTS": "hold@delta:3"}
-OPTS = ["train.max_rounds=6", "sync.target_group_size=3", "sync.matchmaking_timeout=10"]
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    root = tmp_path_factory.mktemp("strangers")
-    honest = {name: identity(root / name / "identity.key") for name in "abc"}
-    newcomer = identity(root / "d" / "identity.key")
-    donors = ranked_first(newcomer, list(honest.values()), 2, root / "keys")
-    keys = [_fresh(root / "keys" / f"sybil-{i}.key") for i in SYBILS] + donors + [_fresh(root / "keys" / "big.key")]
-    with Strangers(len(keys), identities=keys) as strangers:
-        with ProcessSwarm(root, seed_args=["--initial-peers", strangers.maddr, "--witness", RUN]) as procs:
-            nodes = [procs.node(name, OPTS, env=HOLD) for name in "abc"]
-            procs.wait_joined(*nodes)
-            wait_until(lambda: len(strangers.records(RUN)) >= 3, 60, "3 honest records")
-            template = next(iter(strangers.records(RUN).values()))
-            g = torch.Generator().manual_seed(48)
-            forged = {THETA: torch.randn(16, generator=g), "outer.momentum": torch.zeros(16)}
-            forged_hash = theta_sha256(forged)
-            blob = pack_state(forged, {"round": 6, "averaged_round": 6})
-            for i in SYBILS:
-                strangers.serve(i, RUN, 6, blob, forged_hash)
-            strangers.claim(RUN, template, SYBILS, round=6, params_sha256=forged_hash, status="committed",
-                            averaged_round=6, members=[strangers.ids[i] for i in SYBILS])
-            procs.release(*nodes)
-            for node in nodes:
-                node.wait_round(2, timeout=240)
-
-            # The newcomer's two first donors: the swarm's round-2 θ with another momentum, and
-            # with a momentum of another size; a third stranger announces 2**62 bytes.
-            state = strangers.download(RUN, 2)
-            tensors, meta = unpack_state(state.blob)
-            theta_hash = theta_sha256(tensors)
-            assert (state.round, theta_hash) == (2, nodes[0].by_round()[2]["params_sha256"])
-            made_up = {**tensors, "outer.momentum": torch.full_like(tensors["outer.momentum"], 0.5)}
-            resized = {**tensors, "outer.momentum": torch.zeros(tensors["outer.momentum"].numel() + 1)}
-            strangers.serve(MOMENTUM, RUN, 2, pack_state(made_up, meta), theta_hash)
-            strangers.serve(WRONG_SIZE, RUN, 2, pack_state(resized, meta), theta_hash)
-            strangers.announce(OVERSIZED, RUN, 2, theta_hash, 2 ** 62)
-            d = procs.node("d", OPTS)
-            d.wait_round(3, timeout=240)
-            yield Swarm(procs, nodes, list(honest.values()), d, newcomer, strangers, forged_hash)
-
-
-class Swarm(NamedTuple):
-    procs: ProcessSwarm
-    nodes: list
-    honest: list[str]  # the nodes' peer ids
-    d: Any  # the newcomer
-    newcomer: str  # its peer id
-    strangers: Strangers
-    forged_hash: str
-
-
-def _fresh(path: Path) -> Path:
-    identity(path)
-    return path
+    with attacked_swarm(tmp_path_factory.mktemp("strangers")) as attacked:
+        yield attacked
 
 
 def _refusals(node, peer: str) -> set[str]:

@@ -85,28 +85,33 @@ def test_standing_reaches_one_hop_through_the_members_a_standing_peer_names():
     assert standing.among({SYBILS[0]: records[SYBILS[0]]}) is None  # no standing peer present: no view
 
 
-def test_the_witness_trusts_the_first_group_and_grows_only_through_trusted_records():
+def _started(*peers: str) -> dict:
+    return {p: make(p, round=0, status="started", averaged_round=None) for p in peers}
+
+
+def test_the_witness_trusts_the_first_group_it_saw_start_and_grows_only_through_trusted_records():
     a, b, c, d = HONEST
     witness = Witness()
-    # The first committed group: every member's record names it.
-    first = {p: make(p, round=1, averaged_round=1, members=[a, b, c]) for p in (a, b, c)}
+    assert witness.observe(_started(a, b, c)) == frozenset() and not witness.abstains
+    # The first committed group: every member's record names it (the witness may miss round 1).
+    first = {p: make(p, round=2, averaged_round=2, members=[a, b, c]) for p in (a, b, c)}
     assert witness.observe(first) == {a, b, c}
     # Later, d commits with b; Sybils form their own group, naming each other and also b.
     later = dict(first)
-    later[b] = make(b, round=2, averaged_round=2, members=[b, d])
-    later[d] = make(d, round=2, averaged_round=2, members=[b, d])
+    later[b] = make(b, round=3, averaged_round=3, members=[b, d])
+    later[d] = make(d, round=3, averaged_round=3, members=[b, d])
     for s in SYBILS[:4]:
-        later[s] = make(s, round=9, averaged_round=0, members=[*SYBILS[:4], b])
+        later[s] = make(s, round=9, averaged_round=1, members=[*SYBILS[:4], b])
     assert witness.observe(later) == {a, b, c, d}
     assert witness.listed(later)[:4] == sorted([a, b, c, d])
 
 
-def test_a_witness_trusts_the_group_that_committed_round_1_not_sybils_claiming_later_rounds():
+def test_sybils_that_show_up_already_averaged_found_nothing_even_with_the_earliest_round():
     witness = Witness()
-    sybils = {s: make(s, round=40, averaged_round=40, members=SYBILS[:6]) for s in SYBILS[:6]}
-    assert witness.observe({}) == frozenset() and not witness.abstains  # watching from the start
-    assert witness.observe(sybils) == frozenset()  # a consistent group, but not one of round 1
-    records = sybils | {p: make(p, round=1, averaged_round=1, members=HONEST[:3]) for p in HONEST[:3]}
+    witness.observe(_started(*HONEST[:3]))
+    sybils = {s: make(s, round=1, averaged_round=1, members=SYBILS[:6]) for s in SYBILS[:6]}
+    assert witness.observe(sybils) == frozenset()  # consistent, and earlier, but never seen start
+    records = sybils | {p: make(p, round=3, averaged_round=3, members=HONEST[:3]) for p in HONEST[:3]}
     assert witness.observe(records) == set(HONEST[:3])
 
 
@@ -118,10 +123,20 @@ def test_a_witness_that_comes_late_abstains_unless_the_operator_names_founders()
     assert founded.observe(records) == set(HONEST[:3]) and not founded.abstains
 
 
+def test_a_witness_that_sees_groups_commit_and_can_trust_none_gives_up_instead_of_blocking_newcomers():
+    witness = Witness()
+    witness.observe(_started(HONEST[0]))  # it saw one of them start, not the others
+    records = {p: make(p, round=2, averaged_round=2, members=HONEST[:3]) for p in HONEST[:3]}
+    for _ in range(Witness.PATIENCE - 1):
+        assert witness.observe(records) == frozenset() and not witness.abstains
+    witness.observe(records)
+    assert witness.abstains
+
+
 def test_a_group_whose_members_do_not_all_name_it_is_not_a_first_group():
     witness = Witness()
-    witness.observe({})
     a, b = SYBILS[:2]
+    witness.observe(_started(a, b, HONEST[1]))
     records = {a: make(a, averaged_round=1, members=[a, HONEST[1]]), b: make(b, averaged_round=1, members=[b])}
     assert witness.observe(records) == frozenset()
 

@@ -8,8 +8,9 @@ record backs a state only if its peer has standing with the reader (`Standing.pe
   bytes and ours: work, not a claim), or is named in the `members` of such a peer's latest
   record (one hop of a web of trust: an honest member only names peers it really committed with);
 - **witnessed**: the run's seed, run with ``--witness RUN_ID``, follows the run from its start: it
-  trusts the operator's founders (``--trust``) and the first group it sees commit round 1 (trust
-  on first use), then every peer a trusted peer's record names (`Witness`); it publishes them,
+  trusts the operator's founders (``--trust``) and the first group it sees commit whose members it
+  saw start (trust on first use), then every peer a trusted peer's record names (`Witness`); it
+  publishes them,
   signed with its identity; a node with no standing of its own (a newcomer, a restart) takes the
   witness of the seeds it bootstrapped from (their peer ids are in `p2p.initial_peers`). A witness
   that trusts nobody yet (no group has committed) says so: then no state moves anyone, which
@@ -104,22 +105,32 @@ def parse_witness(found: Any, witnesses: Iterable[str], now: float | None = None
 
 class Witness:
     """The seed's view of one run: it trains nothing, so it earns no standing of its own. It
-    trusts `founders` (the operator's own nodes) and, if it watched the run from its start, the
-    first group it sees commit round 1 (each member's record names that group: trust on first
-    use), then every peer a trusted peer's record names as a member. A witness that first looks
-    at a run already past round 1 cannot tell whose history is real: without founders it
-    abstains (`abstains`), and newcomers fall back to the headcount."""
+    trusts `founders` (the operator's own nodes) and the first group it sees commit a round whose
+    members it saw before they had averaged at all (their `started` records: each member's record
+    then names that group; trust on first use), then every peer a trusted peer's record names as
+    a member. A record that first shows up already averaged (a Sybil claiming a late round) can
+    found nothing. A witness that cannot vouch (it first looked at the run after some node had
+    averaged, or saw groups commit for `PATIENCE` looks with none it could trust) and has no
+    founders abstains (`abstains`): it publishes nothing, and newcomers fall back to the headcount."""
+
+    PATIENCE = 30  # looks (about a second each) with committed groups and none trustworthy
 
     def __init__(self, founders: Iterable[str] = ()) -> None:
         self.trusted: set[str] = set(founders)
         self.round = 0
         self.abstains: bool | None = None  # decided at the first look
+        self.fresh: set[str] = set()  # peers seen before they had averaged
+        self._untrusting = 0
 
     def observe(self, records: Mapping[str, ProgressRecord]) -> frozenset[str]:
         if self.abstains is None:
-            self.abstains = not self.trusted and any((r.averaged_round or 0) > 1 for r in records.values())
+            self.abstains = not self.trusted and any(r.averaged_round is not None for r in records.values())
+        self.fresh |= {p for p, r in records.items() if r.averaged_round is None}
         if not self.trusted and not self.abstains:
-            self.trusted = set(_first_group(records))
+            self.trusted = set(_first_group(records, self.fresh))
+            committed = any(r.averaged_round is not None for r in records.values())
+            self._untrusting = self._untrusting + 1 if committed and not self.trusted else 0
+            self.abstains = self._untrusting >= self.PATIENCE
         grew = True
         while grew:  # members named by trusted peers, until nothing new
             named = {m for p in self.trusted if (r := records.get(p)) and r.members for m in r.members}
@@ -135,13 +146,14 @@ class Witness:
         return (live + sorted(self.trusted - set(live)))[:MAX_WITNESSED]
 
 
-def _first_group(records: Mapping[str, ProgressRecord]) -> list[str]:
-    """A group that committed round 1, whose every member's record names that same group (the
-    largest; ties: the smallest ids); none: []."""
+def _first_group(records: Mapping[str, ProgressRecord], fresh: set[str]) -> list[str]:
+    """The earliest committed group whose every member the witness saw before it had averaged
+    and whose every member's record names that same group (the lowest `averaged_round`; ties:
+    the larger group, then the smallest ids); none: []."""
     groups = []
     for r in records.values():
         members = set(r.members or ())
-        if len(members) < 2 or r.peer_id not in members or r.averaged_round != 1:
+        if len(members) < 2 or r.peer_id not in members or r.averaged_round is None or not members <= fresh:
             continue
         if all(p in records and set(records[p].members or ()) == members and
                records[p].averaged_round == r.averaged_round for p in members):
