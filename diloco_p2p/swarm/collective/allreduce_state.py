@@ -1,7 +1,10 @@
-"""One all-reduce's bookkeeping on one peer: its parts and deadlines, what arrived from whom,
-and the commit rule that turns the masks members exchanged into the result. No sockets here;
-the protocol that fills a `Session` is `diloco_p2p.swarm.collective.allreduce` (its docstring describes
-the steps and the deadlines).
+"""One all-reduce's bookkeeping on one peer, and the rule that commits its parts.
+
+A `Session` holds the parts and deadlines, what arrived from whom, and the commit rule that
+turns the masks members exchanged into the result (`conclude`). No sockets here; the protocol
+that fills a `Session` is `allreduce`.
+
+The protocol: docs/protocol/allreduce.md
 """
 
 from __future__ import annotations
@@ -121,11 +124,8 @@ class Session:
 
     def accept_own(self, weight: float, chunks: list[bytes], finite: bool,
                    decoded: Callable[[], Iterable[torch.Tensor]]) -> bool:
-        """Our own contribution passes the checks anyone's does: a weight that is no positive finite
-        number, or a value that is not finite as `decoded` (our encoded `chunks`) reads back, and it
-        is refused under its reason like anyone's; else it is complete. `finite`: what our headers
-        say about the whole vector. The all-gather's (`allgather`); the butterfly checks its own part
-        the same way a chunk at a time, beside its sends (`AllreduceService._own_part`)."""
+        """Our own contribution under the checks anyone's passes (weight, finite as decoded), for the
+        all-gather; the butterfly checks its own part a chunk at a time (`AllreduceService._own_part`)."""
         reason = wire.weight_problem(weight, None, math.inf)
         if reason is None and not (finite and all(wire.is_finite(values) for values in decoded())):
             reason = "nan"
