@@ -6,9 +6,7 @@ inner step, whichever module logged it, ours or hivemind's. The node sets that c
 process-wide (the loop and the swarm's event loop speak for one node); `log_context` overrides it
 for one thread or task. Text by default, one JSON object per line with ``log.json_format``.
 `setup_logging` routes hivemind's lines through our handler too; ``HIVEMIND_LOGLEVEL`` still sets
-hivemind's own level, never ours.
-
-The formats: docs/architecture.md, "Logs and metrics".
+hivemind's own level, never ours. The formats: docs/architecture.md, "Logs and metrics".
 """
 
 from __future__ import annotations

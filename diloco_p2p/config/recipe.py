@@ -5,7 +5,6 @@ A user who changes only the number of nodes (``outer.nodes``) or the run's lengt
 ``h_start`` that keeps the run within twice the all-reduces of a constant H; plain averaging
 (η 1, β 0) under 64 rounds; the DiLoCo paper's Nesterov step (η 0.7, β 0.9, warmed up over 16
 rounds) from 64 rounds on. The choices come from `benchmarks/quality/quality.py` on the tiny preset.
-
 The table and the measurements behind it: docs/recipes.md
 """
 

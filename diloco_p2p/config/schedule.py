@@ -7,7 +7,6 @@ more rounds (`rounds`) and the last one is cut to end at T. ``outer.warmup_round
 β up linearly (momentum warmup as in Pier 2025). Every value is a pure function of the
 `OuterConfig` and the round's number, so every member of a round runs the same H and the same
 step, and θ stays bit-identical.
-
 The schedules: docs/architecture.md, "Schedules of H and of the outer step".
 """
 

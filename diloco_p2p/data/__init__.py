@@ -6,7 +6,6 @@
 the keyed training order) and `cache` (a corpus fetched from the swarm shard by shard).
 `open_dataset` is what a node calls: it picks in memory, memory-mapped, prepared once into the
 run directory, or fetched from the swarm, by ``data.path``.
-
 How: docs/architecture.md, "Data"; for users: docs/data.md.
 """
 

@@ -6,9 +6,7 @@ written to a ``.part`` file while hashed and renamed only when its sha256 is the
 ``.part`` is resumed. The node reads its windows shard by shard (`BlockedOrder`), so a
 `Prefetcher` keeps the next shards ahead and the cache under ``data.cache_bytes``, and
 `LazyShardSource` maps a shard when a window first needs it. MosaicML Streaming's lazy,
-verified, bounded cache, with the swarm's peers as the source.
-
-How: docs/architecture.md, "Data".
+verified, bounded cache, with the swarm's peers as the source. How: docs/architecture.md, "Data".
 """
 
 from __future__ import annotations

@@ -6,9 +6,7 @@ index alone, so every node holds out the same ones, and the eval set does not ch
 cycle-walked: Black and Rogaway, CT-RSA 2002), keyed by the node's order key, not the run's
 seed, so nodes see different data without coordinating; a corpus fetched from the swarm is read
 shard by shard (`BlockedOrder`). Nothing is stored per window, and the position is checkpointed,
-so a resumed run neither repeats nor skips a batch.
-
-How: docs/architecture.md, "Data".
+so a resumed run neither repeats nor skips a batch. How: docs/architecture.md, "Data".
 """
 
 from __future__ import annotations

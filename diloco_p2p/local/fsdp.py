@@ -7,7 +7,6 @@ windows with batch N·b. Each rank keeps θ and the outer momentum of its own sh
 sha256 over the shard hashes. Across the WAN shard r meets only shard r of the other nodes
 (`diloco_p2p.swarm.multirank`). Checkpoints hold full tensors in the 1-rank layout, so they move
 freely between world sizes; `ShardLayout` is an identity on one rank.
-
 The design: docs/architecture.md, "FSDP inside a node".
 """
 

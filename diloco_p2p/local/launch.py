@@ -6,7 +6,6 @@ then joins the process group in `Ranks.from_env`. When one rank dies the others 
 so the launcher stops them (SIGTERM, then SIGKILL after `grace_s`) and exits with one line naming
 the rank. Each rank runs in its own session, so what it forks dies with it; a Ctrl-C reaches the
 launcher, which forwards one SIGTERM per signal to every rank.
-
 How a node of N ranks trains: docs/architecture.md, "FSDP inside a node".
 """
 

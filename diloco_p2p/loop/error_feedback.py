@@ -1,14 +1,11 @@
 """Error feedback for the lossy wires (``sync.error_feedback``): what was not sent is sent later.
 
 With a compressor C a node sends C(Δ + e) and keeps e ← Δ + e − C(Δ + e), so every part of Δ
-eventually reaches the swarm, only late (Seide et al. 2014; Stich et al. 2018; SparseLoCo, Sarfi
-et al. 2025, arXiv:2508.15706, for DiLoCo's pseudo-gradients). C is exactly what the receivers
-decode of our contribution. ``sync.feedback_decay`` β decays the buffer before it is offered
-(SparseLoCo's rule); ``sync.feedback_carry`` γ starts a round's inner steps from θ − γ·β·e, so a
-coordinate not sent is owed once, not every round. θ stays bit-identical: e only changes what a
-node offers. e is settled by how the round ended, is checkpointed, and is reset when the node
-adopts the swarm's state.
-
+eventually reaches the swarm (Seide et al. 2014; Stich et al. 2018; SparseLoCo, Sarfi et al.
+2025, arXiv:2508.15706); C is exactly what the receivers decode. ``sync.feedback_decay`` β decays
+the buffer before it is offered; ``sync.feedback_carry`` γ starts a round's inner steps from
+θ − γ·β·e. θ stays bit-identical: e only changes what a node offers. e is settled by how the
+round ended, checkpointed, and reset when the node adopts the swarm's state.
 The rules after each outcome, and why: docs/architecture.md, "Error feedback".
 """
 

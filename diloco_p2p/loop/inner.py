@@ -6,7 +6,6 @@ on N local ranks it is FSDP-sharded and loss and tokens are made node-wide. ``in
 muon`` is MuLoCo (Thérien et al. 2025, arXiv:2505.23725): Muon on the hidden 2-D matrices
 (`muon_split`), AdamW on the rest, its update matched to AdamW's RMS so lr and weight decay carry
 over. The choice is per node; a node of several ranks refuses Muon.
-
 Why these choices: docs/architecture.md, "The inner optimizer".
 """
 

@@ -6,9 +6,7 @@ DHT peers and uptime. Names follow ``diloco_<noun>_<unit>``, counters end ``_tot
 a small fixed set of values; the dashboards and alerts in ``deploy/`` use these names (a test
 checks it). Each `NodeMetrics` / `SeedMetrics` owns its own registry (several nodes in one
 process), is fed the same round record as ``metrics.jsonl``, and reports NaN, not 0, for what is
-not known yet, so no alert fires on it.
-
-The conventions: docs/architecture.md, "Logs and metrics".
+not known yet, so no alert fires on it. The conventions: docs/architecture.md, "Logs and metrics".
 """
 
 from __future__ import annotations

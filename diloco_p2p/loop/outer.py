@@ -6,7 +6,6 @@ m live in fp32 on the host as one flat buffer each, so the network layer hands a
 vector straight back; on a GPU the copies go through pinned buffers. Every peer that applies the
 same Δ̄ to the same (θ, m) ends with bit-identical θ. ``outer.delayed_nesterov`` is AsyncDiLoCo's
 delayed Nesterov (Liu et al. 2024). θ's hash is cached by `version` (`diloco_p2p.hashing`).
-
 The step and its variants: docs/architecture.md, "The outer step".
 """
 

@@ -1,14 +1,11 @@
 """Communication hidden behind compute: ``sync.overlap``, one round's average in flight.
 
-With ``none`` a round ends with a blocking all-reduce. With ``delayed`` or ``eager`` (Kale,
-Douillard et al. 2025, arXiv:2502.12996, Algorithms 2 and 3) round t's all-reduce runs during
-round t+1's inner steps and lands at its end; ``inner`` (Streaming DiLoCo, arXiv:2501.18512)
-lands it τ steps in and merges it into the weights being trained (``mix`` or ``rebase``).
-Every member must keep a bit-identical θ, so the state is split: the global (θ, m), driven by
-the averages only, hashed and served; and an eager node's local correction (`EagerCorrection`),
-never hashed or sent. `Pipeline` holds the flight, lands it, and checkpoints it in the 1-rank
-layout; the last round drains it.
-
+``delayed`` and ``eager`` (Kale, Douillard et al. 2025, arXiv:2502.12996) run round t's
+all-reduce during round t+1's inner steps and land it at its end; ``inner`` (Streaming DiLoCo,
+arXiv:2501.18512) lands it τ steps in and merges it into the weights being trained. Every member
+keeps a bit-identical θ, so the state is split: the global (θ, m), driven by the averages only,
+and an eager node's local correction (`EagerCorrection`), never hashed or sent. `Pipeline` holds
+the flight, lands it and checkpoints it in the 1-rank layout; the last round drains it.
 The algebra and the multi-rank rules: docs/architecture.md, "Overlap and fragments".
 """
 

@@ -56,10 +56,8 @@ def run_seed(
     witness: Sequence[str] = (),
     founders: Sequence[str] = (),
 ) -> int:
-    """Serve the DHT until SIGTERM/SIGINT (or `stop_event`); returns the exit code. `initial_peers`
-    joins another seed; `witness`: the run ids whose trusted peers it publishes (`Witnesses`),
-    trusting `founders` from the start. `UserError` for bad addresses, an unusable identity or a busy
-    port."""
+    """Serve the DHT until SIGTERM/SIGINT (or `stop_event`); returns the exit code. `initial_peers`:
+    another seed to join; `witness`: the runs it witnesses, trusting `founders` (`Witnesses`)."""
     if not -1 <= metrics_port < 65536:
         raise UserError(f"--metrics-port must be a TCP port, 0 (off) or -1 (any free port), not {metrics_port}")
     hosts = list(host_maddrs) if host_maddrs else list(DEFAULT_HOST_MADDRS)

@@ -5,7 +5,6 @@ prints one row per node: its round, θ hash (agreeing with the majority at its r
 MISSED and AWAY (what the others saw of it), REACH (public or behind NAT). Below the table: the
 peers the nodes refuse and entries status found forged, peers reported away without a record,
 and a warning when too few nodes are public. ``--json`` gives the same rows.
-
 What each column means: docs/architecture.md, "Logs and metrics".
 """
 

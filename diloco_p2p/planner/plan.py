@@ -1,14 +1,11 @@
 """A round planner: what one DiLoCo round costs a swarm of N nodes, before anyone runs it.
 
-`diloco-p2p plan` prints, for N = 4 .. 1,024, the round's seconds, compute utilization, the
-bytes each node sends, and the bottleneck. Everything is a pure function of the inputs and of a
-few constants fitted on real swarms over shaped links (`Calibration`, checked by
-`benchmarks/planner/plan_check.py` on held-out rates). Bytes are counted frame by frame from `wire`, for
-the butterfly, the sparse all-gather and the grid; time adds the slowest link's wire time, the
-tail of the last reducer (H(k−1) flows' lateness), stream setup, CPU and round trips (`time_terms`);
-a round adds the slowest node's inner steps, matchmaking, what overlap leaves exposed, and the
-cost of failures.
-
+`diloco-p2p plan` prints, for N = 4 .. 1,024, the round's seconds, compute utilization, bytes per
+node and the bottleneck: pure functions of the inputs and of constants fitted on real swarms over
+shaped links (`Calibration`, checked by `benchmarks/planner/plan_check.py` on held-out rates).
+Bytes are counted frame by frame from `wire`; time adds the slowest link's wire time, the last
+reducer's tail, stream setup, CPU and round trips (`time_terms`); a round adds the slowest
+node's inner steps, matchmaking, what overlap leaves exposed, and the cost of failures.
 The model and its calibration: docs/architecture.md, "The planner's model".
 """
 
@@ -33,10 +30,9 @@ MEMBER_LIST_BYTES = 190  # per member in the list the matchmaking leader sends t
 
 @dataclass(frozen=True)
 class Calibration:
-    """Constants measured on real swarms here (`benchmarks/planner/plan_check.py --calibrate`, tbf links):
-    the weights of `time_terms`' wire, tail, setup, messages, CPU and round trips; forming a group per
-    member (`matchmaking_per_member_s`); noticing a dead member (`detect_s`); the outer step (`apply_s`).
-    What each means and how it was fitted: docs/architecture.md, "The planner's model"."""
+    """Constants fitted on real swarms (`benchmarks/planner/plan_check.py --calibrate`, tbf links): the
+    weights of `time_terms`, forming a group per member, noticing a dead member (`detect_s`), the outer
+    step (`apply_s`). How each was fitted: docs/architecture.md, "The planner's model"."""
 
     flow_overhead: float = 1.0353
     flow_tail: float = 0.03175

@@ -5,9 +5,7 @@ model (the wire, the overlap, H, fragments, the grid's row size), keeps those th
 accepts, and picks, among those reaching `TARGET` utilization at every N, the lowest estimated
 quality cost (`QUALITY`: the project's measurements on the tiny preset, each naming its results
 file), then the fewest changes. They come out as ``--set`` overrides. The costs rank candidates;
-they do not predict a large model's loss.
-
-The search: docs/architecture.md, "The planner's model".
+they do not predict a large model's loss. The search: docs/architecture.md, "The planner's model".
 """
 
 from __future__ import annotations

@@ -6,9 +6,7 @@ computed exactly as the all-reduce computes it (parts, chunks, the wire codec, `
 rules, member order), so replicas whose keys are a real swarm's peer ids end every round with
 that swarm's ``params_sha256``. ``topk2`` is averaged as its all-gather does; ``sync.overlap``
 lands as on a node (`ReplicaSync.begin_average`). Replicas take turns (one baton), so results
-do not depend on scheduling.
-
-What it reproduces: docs/architecture.md, "Simulating a swarm".
+do not depend on scheduling. What it reproduces: docs/architecture.md, "Simulating a swarm".
 """
 
 from __future__ import annotations

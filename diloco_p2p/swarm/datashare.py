@@ -6,9 +6,7 @@ per run) and serve them over libp2p streams to nodes that hold only its dataset 
 per shard, resumes from the bytes it has, and checks every byte: the manifest's hash is the
 dataset id, a shard's sha256 is the manifest's; a donor that sent a bad shard is named and not
 asked again. A donor caps its concurrent transfers and, in a closed run, serves admitted peers
-only. Nothing is unpickled.
-
-The protocol: docs/protocol/state-transfer.md
+only. Nothing is unpickled. The protocol: docs/protocol/state-transfer.md
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The swarm seen from an N-rank node: one `SwarmSync` per local rank, decisions made node-wide.
 
-Shard r of a node (rank r's 1/N of θ) only ever averages with shard r of the other nodes, so
-each rank runs a complete `SwarmSync` in the namespace ``f"{run_id}.shard{r}of{N}"``: groups,
-all-reduce, progress records and state serving all happen per shard, and no rank ever holds
-more than its 1/N. What must be node-wide is agreed with small collectives among the ranks: the
-resync (all ranks adopt the same round or none does), the round's outcome (the worst over the
-shards), the stop, and under `sync.overlap` the outcome taken on the loop's thread. Rank 0 also
-keeps one node-level record under the plain run id, so a node of another local world size is
-refused at start.
-
+Shard r of a node (rank r's 1/N of θ) only ever averages with shard r of the other nodes, so each
+rank runs a complete `SwarmSync` in the namespace ``f"{run_id}.shard{r}of{N}"``, and no rank
+holds more than its 1/N. Small collectives among the ranks make node-wide the resync (all ranks
+adopt the same round or none does), the round's outcome (the worst over the shards), the stop,
+and under `sync.overlap` the outcome taken on the loop's thread. Rank 0 keeps a node-level record
+under the plain run id, so a node of another local world size is refused at start.
 How a node of N ranks trains: docs/architecture.md, "FSDP inside a node".
 """
 

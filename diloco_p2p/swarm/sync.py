@@ -7,7 +7,6 @@ another config is refused here), `before_round` (a node behind or in a minority 
 swarm's verified state to adopt), `average` (the round's one group all-reduces Δ; a round with
 no group follows `sync.alone_policy`) and `after_round` (publish the record, serve the state).
 Network faults are data: each round ends committed, alone, failed or resynced.
-
 One round through the layers: docs/architecture.md
 """
 

@@ -7,7 +7,6 @@ weights, holds each sender to the norm it stated, and reduces by the rule of `sy
 (`mean`, `trimmed_mean`, `centered_clip`), in fp32 in member order. Members exchange digests and
 norms of what they gathered (`suspect_parts`): a part a reducer forged is dropped on every member
 and the reducer named, on evidence a minority of liars cannot make up.
-
 The rules, their papers and measurements: docs/protocol/allreduce.md
 """
 
@@ -268,11 +267,9 @@ def suspect_parts(
     max_norm_ratio: float | None,
     compression: str,
 ) -> dict[int, Suspect]:
-    """Parts (among `parts`) to drop, with why, from the masks' `digests` and `norms` (ours included).
-
-    `contributors`: part -> the members its reducer announced; `average_norms`: part -> our average's
-    norm; member p reduces part p. Any evidence drops a part; blaming its reducer (`Suspect.proven`)
-    takes evidence fewer than half of the members could not make up (docs/protocol/allreduce.md)."""
+    """Parts to drop, with why, from the masks' `digests` and `norms` (ours included), the
+    `contributors` each reducer announced and our `average_norms`; blaming a reducer
+    (`Suspect.proven`) takes evidence fewer than half of the members could not make up."""
     caught: dict[int, Suspect] = {}
     for p in parts:
         stated_digests = {j: d[p] for j, d in digests.items() if p < len(d) and d[p] is not None}

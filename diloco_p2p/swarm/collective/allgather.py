@@ -6,7 +6,6 @@ member, and each reduces all of them itself, in member order, in fp32, with no f
 multiply-add, so the same bytes give the same bits on every member without a reducer. Faults
 are handled on the butterfly's `Session`: a contribution enters the mean only if every mask
 heard holds it with the same digest. Worth it for small groups and low densities.
-
 The protocol and its costs: docs/protocol/allreduce.md
 """
 

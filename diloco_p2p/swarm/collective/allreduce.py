@@ -1,15 +1,12 @@
 """Fault-tolerant butterfly all-reduce of pseudo-gradients on hivemind's P2P streams.
 
-Member j of a group of k reduces part j of the flat vector: every member scatters its parts,
-the reducer sums them token-weighted in fp32 in member order, encodes the mean once and sends
-the same bytes to every member, which keeps θ bit-identical on all of them (hivemind's averager
-does not). The gather is pipelined behind the scatter; a part is always the reduce of complete
-contributions; every wait has a deadline; members AND their masks of held parts, and a part not
-committed is zero on every member. Network faults end up in the result, never as an exception.
+Member j of a group of k reduces part j: every member scatters its parts, the reducer sums them
+token-weighted in fp32 in member order, encodes the mean once and sends the same bytes to every
+member, which keeps θ bit-identical (hivemind's averager does not). The gather is pipelined
+behind the scatter; a part is always the reduce of complete contributions; every wait has a
+deadline; a part not in every mask heard is zero on every member; faults end up in the result.
 The module is long because both sides of one protocol read best side by side; its pure parts
-live in `allreduce_state`, `aggregate` and `wire`.
-
-The protocol: docs/protocol/allreduce.md
+live in `allreduce_state`, `aggregate` and `wire`. The protocol: docs/protocol/allreduce.md
 """
 
 from __future__ import annotations
@@ -120,7 +117,6 @@ class AllreduceService:
         public: list[bool] | None = None,
     ) -> AllreduceResult:
         """Weighted average of `tensor` over `peers` (this peer included, same order on all members).
-
         `part_hook` (a grid level): our part is reduced whole and ``await part_hook(values, total_weight)``
         gives what we gather, or None (lost). `public[j]`: whether member j can be dialled (None: all)."""
         allgather.check_args(compression, density, part_hook, robust.aggregation)

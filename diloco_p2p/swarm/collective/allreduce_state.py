@@ -2,9 +2,7 @@
 
 A `Session` holds the parts and deadlines, what arrived from whom, and the commit rule that
 turns the masks members exchanged into the result (`conclude`). No sockets here; the protocol
-that fills a `Session` is `allreduce`.
-
-The protocol: docs/protocol/allreduce.md
+that fills a `Session` is `allreduce`. The protocol: docs/protocol/allreduce.md
 """
 
 from __future__ import annotations
@@ -138,11 +136,9 @@ class Session:
 
     def refuse_header(self, j: int, h: dict[str, Any], shape: dict[str, Any],
                       fmt: dict[str, Any]) -> str | None:
-        """Member j's contribution header, checked before its payload is read (the butterfly's
-        scatter, the all-gather's contrib): why it is refused, recorded in `rejected`, or None to read
-        it. A `shape` field ("shape") or a `fmt` field ("compression") other than ours means j's view
-        of the vector differs, so j is excluded from the group; a Δ it says is not finite ("nan") or
-        a weight that is no positive finite number ("weight") refuses this contribution only."""
+        """Member j's contribution header, checked before its payload is read: the refusal reason (in
+        `rejected`) or None. Another `shape` or `fmt` than ours excludes j; "nan" or "weight" refuses
+        only this contribution."""
         if any(h[key] != value for key, value in shape.items()):
             reason = "shape"
         elif any(h[key] != value for key, value in fmt.items()):

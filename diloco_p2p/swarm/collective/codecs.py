@@ -7,7 +7,6 @@ of two Lloyd-Max levels, their offsets Elias-Fano coded. A frame's size is a fun
 (numel, density) alone, and `decode_topk` refuses a frame that breaks the layout. The protocol
 that moves them is `allreduce` (``int4``) and `allgather` (``topk2``); what a node did not send
 is carried to its next round by `diloco_p2p.loop.error_feedback`.
-
 The formats, their measurements and layouts: docs/protocol/wire.md
 """
 

@@ -6,7 +6,6 @@ function of the member count): each row's reducer hands its part to a column all
 the rows before gathering it, and two tiny all-reduces of a 0/1 mask agree on what committed.
 The result is the weighted mean one butterfly would form, at the same bytes per node, with
 O(√N) instead of O(N) messages, and the call returns within the butterfly's deadline.
-
 The protocol: docs/protocol/hierarchy.md
 """
 

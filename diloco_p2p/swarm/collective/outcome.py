@@ -18,11 +18,9 @@ MALFORMED = {"nan": "NaN or Inf in its contribution", "shape": "a contribution o
 
 
 def blame(guard: Guard, round: int, result: AllreduceResult, me: str | None = None) -> None:
-    """Contributions refused for their weight or norm, or malformed (NaN or Inf, another length or
-    format), and reducers the members caught, are refusals of peers (`Guard`: logged, counted, in
-    the round record); a caught reducer or malformed sender is then left out of our next groups
-    (`Guard.distrusted`), so it no longer costs a group its share of the rounds it joins. Our own
-    contribution, refused (a diverged Δ), is no peer's fault."""
+    """Contributions refused (weight, norm, malformed) and reducers caught are refusals of peers
+    (`Guard`); a caught reducer or malformed sender is left out of our next groups. Our own
+    refused contribution is no peer's fault."""
     for peer, reason in sorted(result.rejected.items()):
         if peer == me:
             continue

@@ -5,9 +5,7 @@ validation rules are unit-tested on their own: the partition of a vector among m
 dense codecs (``fp32``, ``fp16``, ``int8`` with per-block absmax; ``int4`` in `codecs`) applied
 chunk by chunk so a part streams in bounded memory, the JSON headers, the norm frame and
 trailer, the reduce of a chunk, and the checks a receiver applies at the boundary. The protocol
-that moves these bytes is `allreduce`.
-
-The formats: docs/protocol/wire.md
+that moves these bytes is `allreduce`. The formats: docs/protocol/wire.md
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 One round's session, who leads whom, the one answer a leader hands every member, and the checks
 on what peers send. No I/O here (the protocol that moves these values is `matchmaking`); `now`
 comes in as an argument, so the rules are unit-tested on their own.
-
 The protocol: docs/protocol/matchmaking.md
 """
 

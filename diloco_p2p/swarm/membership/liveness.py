@@ -7,7 +7,6 @@ peer further behind comes back by downloading the state. `AdaptiveDeadline` lear
 matchmaking and the all-reduce (a robust median plus a margin, within the configured timeout);
 `Presence` turns the verdicts into what an operator reads (missed rounds, time away, one log line
 each way). Everything here is pure: times come in as arguments.
-
 The rules and why: docs/protocol/matchmaking.md
 """
 

@@ -3,13 +3,10 @@
 Only nodes at the same round with the same θ may average, so a node registers in the DHT under
 its round and θ hash and joins the candidate leader with the smallest (registration time, peer
 id). The leader closes the group when it is full, when every live peer it expects has joined,
-or at its deadline, and hands every member the same answer (group id, members sorted by peer
-id), or ``None``: the node ends the round alone. Our own protocol rather than hivemind's
-internal one, for two properties the round needs: a hard deadline, and an answer identical on
-every member. Failures are data; a straggler learns it is late and catches up instead. The
-leader's and the follower's sides live here side by side; the pure rules are `grouping`.
-
-The protocol: docs/protocol/matchmaking.md
+or at its deadline, and hands every member the same answer, or ``None`` (the node ends alone).
+Our own protocol rather than hivemind's internal one, for a hard deadline and an answer
+identical on every member; failures are data, and a straggler learns it is late. Both sides of
+the protocol live here; its pure rules in `grouping`. The protocol: docs/protocol/matchmaking.md
 """
 
 from __future__ import annotations
@@ -152,12 +149,10 @@ class Matchmaker:
         hold_withdrawal: bool = False,
         close_after: float | None = None,
     ) -> Group | None:
-        """Find the peers at `round` with `params_hash`; return our group, or None if we end alone.
-
-        Returns within ``timeout + request_timeout``. A group we lead closes once every peer in
-        `expected` (re-read by `refresh_expected`) has joined, or `close_after` seconds after our
-        registration. `weight` and `speed` reach every member; `hold_withdrawal` defers our withdrawal
-        to `release()`."""
+        """Find the peers at `round` with `params_hash`; our group, or None if we end alone, within
+        ``timeout + request_timeout``. A group we lead closes once every peer in `expected` (re-read by
+        `refresh_expected`) has joined, or `close_after` seconds after our registration; `weight` and
+        `speed` reach every member; `hold_withdrawal` defers our withdrawal to `release()`."""
         if not self._started:
             raise RuntimeError("Matchmaker.start() must be awaited before form_group()")
         if not valid_weight(weight):

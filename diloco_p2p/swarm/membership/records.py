@@ -6,7 +6,6 @@ refuse a differing config, to decide on a resync (`resync`), to decide who a rou
 (`liveness`) and for `diloco-p2p status`. Entries are validated by the storing peers and parsed
 again by every reader; one that does not parse, has expired, or names another peer than its
 signer is dropped. A node that leaves stores a tombstone, as hivemind cannot delete a value.
-
 The records: docs/protocol/records.md
 """
 

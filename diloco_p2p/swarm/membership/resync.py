@@ -1,13 +1,12 @@
 """What a node concludes from the swarm's progress records: pure functions, no DHT I/O.
 
 `check_config` refuses a swarm whose majority config differs from ours; `vouched_records` keeps
-the records that may move a node (a state counts only when `quorum` signed peers report it);
-`resync_target` says whether a node must adopt the swarm's state (behind, in a minority, or cut
-off while the others averaged), which one and from which donors. Every reader applies the same
-rule to the same records, so all reach the same verdict without talking; a tie of θ hashes is
-broken by the donor a node follows or by the group it last committed with (`LastGroup`), never
-by the hashes themselves, which an attacker could grind.
-
+the records that may move a node (a state counts only when `quorum` signed peers with standing
+report it, `standing`); `resync_target` says whether a node must adopt the swarm's state
+(behind, in a minority, or cut off while the others averaged), which one and from which donors.
+Every reader applies the same rule to the same records, so all reach the same verdict; a tie of
+θ hashes is broken by the donor a node follows or by the group it last committed with
+(`LastGroup`), never by the hashes themselves, which an attacker could grind.
 The rules: docs/protocol/records.md
 """
 

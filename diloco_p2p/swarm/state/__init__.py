@@ -6,6 +6,5 @@ swarm's signed records vouch for; a donor that dies, stalls or lies loses its st
 named. `codec`: the blob (safetensors and JSON, no pickle); `announcements`: the DHT record and
 the donors' order; `server`: the donor; `client`: the joiner; `stripes`: one blob from several
 donors. The corpus's shards travel the same way (`diloco_p2p.swarm.datashare`).
-
 The protocol: docs/protocol/state-transfer.md
 """

@@ -6,7 +6,6 @@ fast donors serve more. Each stripe is hashed in a thread as it lands; a donor t
 stalls gives its stripes back to the queue, one whose stripe differs from its own header is
 named, and a layout that does not make up the announced sha256 is caught by the whole-blob
 check. Memory: the blob once; stripes are written in place.
-
 The protocol: docs/protocol/state-transfer.md
 """
 

@@ -113,10 +113,8 @@ def start_dht(
     record_validators: Iterable[RecordValidatorBase] = (),
 ) -> hivemind.DHT:
     """Start a DHT node (a forked process with its own p2pd) and join `p2p_cfg.initial_peers`.
-
-    Create it before your own threads (hivemind forks), and give `record_validators` here: ours only
-    travel by fork. Without an identity file a storing DHT gets a throwaway one (tests). A bad address
-    or identity, a busy port or silent initial peers raise `UserError`, with the DHT process gone."""
+    Create it before your own threads and give `record_validators` here (ours travel only by fork).
+    A bad address or identity, a busy port or silent peers raise `UserError`, the process gone."""
     initial = validate_maddrs(p2p_cfg.initial_peers, "p2p.initial_peers", require_peer_id=True)
     host = validate_maddrs(p2p_cfg.host_maddrs, "p2p.host_maddrs")
     announce = validate_maddrs(p2p_cfg.announce_maddrs, "p2p.announce_maddrs")

@@ -7,7 +7,6 @@ the request came from* (never one the requester names, so a probe cannot aim a p
 party). p2pd's own AutoNAT verdict is not exposed by its control API, hence this probe, run from
 a short-lived p2pd before the DHT starts (the DHT's mode depends on it). `detect` returns
 "public", "private", or None when no peer answered; `p2p.reachability` forces the answer.
-
 What private members change in the all-reduce: docs/protocol/allreduce.md
 """
 

@@ -6,9 +6,7 @@ JSON frames carry headers and small answers (never pickle). The side that answer
 the stream open until the other side has read the answer and closed it (`linger`): closing at
 once lost answers under CPU load. `AnnouncedHandler` serves a handler while its DHT
 announcement is kept fresh; `serve_admitted` is how the state server and data sharing serve one
-inbound transfer.
-
-The framing and the linger close: docs/protocol/wire.md
+inbound transfer. The framing and the linger close: docs/protocol/wire.md
 """
 
 from __future__ import annotations
@@ -139,10 +137,8 @@ async def serve_admitted(
     info: Any, writer: asyncio.StreamWriter, serve: Coroutine[Any, Any, None],
     admit: Callable[[str, str], Awaitable[bool]] | None, what: str, logger: logging.Logger,
 ) -> bool:
-    """Run `serve`, one inbound `what` transfer ("state", "data"), if `admit` lets the peer in, then
-    close the stream. A transfer that ends early (a timeout, a malformed frame, the peer gone) is
-    not our error: logged at debug; anything else is, with its traceback. False only when `admit`
-    refused the peer, who gets the stream closed and nothing more."""
+    """Run `serve`, one inbound `what` transfer, if `admit` lets the peer in, then close the stream; an
+    early end is logged at debug, anything else with its traceback. False only for a refused peer."""
     try:
         if admit is not None and not await admit(info.peer_id.to_base58(), what):
             serve.close()

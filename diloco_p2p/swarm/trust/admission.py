@@ -6,7 +6,6 @@ signed by the run owner's RSA key, issued with ``diloco-p2p admit``), published 
 progress record. A token is bound to one peer id, which p2pd proves on every stream, so a copied
 token admits nobody else. In a closed run a node refuses every stream and record of anyone else
 (`Admission.check_stream`), each refusal a ``not-admitted`` rejection (`guard`).
-
 Closed runs: docs/protocol/records.md
 """
 

@@ -5,9 +5,7 @@ sign our DHT entries with the same key through hivemind's `RSASignatureValidator
 subkey names the key (`owned_subkey`), and the validator rejects any entry not signed by it,
 over key, subkey, value and expiration. The validator does not know peer ids, so `owner_of`
 checks that the key is the one the peer id is made of: an entry about peer P can only be written
-by whoever holds P's key.
-
-Signed entries: docs/protocol/records.md
+by whoever holds P's key. Signed entries: docs/protocol/records.md
 """
 
 from __future__ import annotations
