@@ -1,6 +1,9 @@
-"""`diloco-p2p plan`: predict a round's seconds, compute utilization, bytes per node and the
-bottleneck for swarms of 4 to 1,024 nodes (`diloco_p2p.planner.plan`), then the settings that best raise
-utilization (`diloco_p2p.planner.recommend`); nothing is started."""
+"""`diloco-p2p plan`: predict a round's cost for 4 to 1,024 nodes, and the settings to change.
+
+A round's seconds, compute utilization, bytes per node and the bottleneck
+(`diloco_p2p.planner.plan`), then the settings that best raise utilization
+(`diloco_p2p.planner.recommend`); nothing is started.
+"""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The configuration tree: one pydantic v2 model per component, loaded from YAML or TOML.
 
 Precedence is defaults < file < ``--set a.b=value`` overrides. Every model forbids unknown
-keys so a typo fails loudly, and every field carries a description: the config
-reference (docs/config.md) is generated from these descriptions (``tests/unit/test_readme.py`` keeps it in
-sync). Each component receives only its own sub-config. The module is long (~530 lines) because
-those descriptions are the user's reference; the checks that span sections are at the end.
+keys so a typo fails loudly, and every field carries a description: the config reference
+(docs/config.md) is generated from these descriptions (``tests/unit/test_readme.py`` keeps it in
+sync). The module is long because those descriptions are the user's reference. Each component
+receives only its own sub-config; the checks that span sections are at the end.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """A DiLoCo node: H inner steps, then an outer step with whatever the swarm averaged.
 
-`Node.run` is the loop a reader opens first. Everything around it (model, data, checkpoint)
-is built by `Node.__init__` from the config; the network layer is behind `Sync`
-(`diloco_p2p.contract`), so a solo node and a swarm node run the same loop. So do nodes of
-one and of N local ranks: `Ranks` makes every node-wide collective a no-op on one rank, and
-the model, the outer state and the checkpoint go through `ShardLayout` (`diloco_p2p.local.fsdp`),
-an identity on one rank. On N ranks rank 0 owns the run directory (config, metrics.jsonl,
-checkpoints); rank r > 0 writes its own metrics.jsonl (the same node-wide numbers) under
-``ranks/<r>/``.
-
-The module is long (~600 lines) because the overlap modes' landing, unlanding and resuming, and
-sync.fragments' parts, touch the loop's own state (round, θ, the trained weights, the record in
-wait); what stands alone is in `diloco_p2p.loop.overlap`, `diloco_p2p.loop.fragments` and `diloco_p2p.loop.outer`.
+`Node.run` is the loop a reader opens first. Everything around it (model, data, checkpoint) is
+built by `Node.__init__` from the config; the network layer is behind `Sync`
+(`diloco_p2p.contract`), so a solo node and a swarm node run the same loop. So do nodes of one
+and of N local ranks: `Ranks` makes every node-wide collective a no-op on one rank, and the
+model, the outer state and the checkpoint go through `ShardLayout` (`diloco_p2p.local.fsdp`), an
+identity on one rank; rank 0 owns the run directory, rank r > 0 writes its metrics under
+``ranks/<r>/``. The module is long because the overlap modes' landing and resuming, and
+sync.fragments' parts, touch the loop's own state; what stands alone is in `overlap`,
+`fragments` and `outer`.
 """
 
 from __future__ import annotations

@@ -41,10 +41,8 @@ class _Stopped(Exception):
 
 
 class _StopSignals:
-    """SIGINT and SIGTERM set `signum`; the demo's waits call `check`, which raises `_Stopped`.
-
-    The handler only records the signal: raising from it could land between starting a process
-    and recording it, and that process would be left running."""
+    """SIGINT and SIGTERM set `signum`; the demo's waits call `check`, which raises `_Stopped`. The
+    handler only records: a raise could land between starting a process and recording it."""
 
     def __init__(self) -> None:
         self.signum: int | None = None

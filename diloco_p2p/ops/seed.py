@@ -1,22 +1,12 @@
 """`diloco-p2p seed`: a DHT bootstrap node that trains nothing.
 
-A seed is how volunteers find each other: it has a persistent identity (so its multiaddr does
-not change across restarts), listens on a fixed, documented port, and prints the multiaddrs
-others pass as ``--initial-peers``. It stores DHT records for any run id, like every other DHT
-node; it does not need to know the runs. Operators' notes (ports, NAT, announce addresses,
-identity backup, systemd) are in ``bootstrap/README.md``.
-
-It also answers the dial-back probes with which a starting node learns whether it can be
-dialled or sits behind NAT (`diloco_p2p.swarm.transport.reach`), so the seed itself must be public.
-
-With ``--witness RUN_ID`` it also follows that run's progress records and publishes, signed with
-its identity, the peers it trusts (`diloco_p2p.swarm.membership.standing.Witness`): a node with no
-standing of its own (a newcomer, a restart) backs states only by those peers' records, so fresh
-identities cannot take it over (docs/threat-model.md).
-
-It runs until SIGTERM or SIGINT, then shuts the DHT (and its p2pd) down and returns 0. If the
-DHT process dies under it, it returns 1 so a supervisor (systemd ``Restart=on-failure``)
-restarts it.
+A seed is how volunteers find each other: a persistent identity (its multiaddr survives
+restarts), a fixed port, and the multiaddrs others pass as ``--initial-peers``. It stores DHT
+records for any run id and answers the dial-back probes of `diloco_p2p.swarm.transport.reach`,
+so it must itself be public (operators' notes: ``bootstrap/README.md``). With ``--witness
+RUN_ID`` it also publishes, signed, the peers of that run it trusts (`Witness`), so a newcomer
+backs states only by those peers' records (docs/threat-model.md). It runs until SIGTERM or
+SIGINT and returns 0; if the DHT process dies under it, it returns 1 so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -66,12 +56,8 @@ def run_seed(
     witness: Sequence[str] = (),
     founders: Sequence[str] = (),
 ) -> int:
-    """Serve the DHT until SIGTERM/SIGINT (or `stop_event`), then shut down; returns the exit code.
-
-    `initial_peers` lets a second seed join the first (several seeds make one DHT). `witness`: the
-    run ids whose trusted peers it publishes (`Witnesses`), trusting `founders` from the start. Raises
-    `UserError` for bad addresses, an unusable identity or a busy port.
-    """
+    """Serve the DHT until SIGTERM/SIGINT (or `stop_event`); returns the exit code. `initial_peers`:
+    another seed to join; `witness`: the runs it witnesses, trusting `founders` (`Witnesses`)."""
     if not -1 <= metrics_port < 65536:
         raise UserError(f"--metrics-port must be a TCP port, 0 (off) or -1 (any free port), not {metrics_port}")
     hosts = list(host_maddrs) if host_maddrs else list(DEFAULT_HOST_MADDRS)

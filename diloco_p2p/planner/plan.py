@@ -1,69 +1,12 @@
 """A round planner: what one DiLoCo round costs a swarm of N nodes, before anyone runs it.
 
-`diloco-p2p plan` prints, for N = 4 .. 1,024, the round's seconds, compute utilization (inner-step
-seconds over round seconds), bytes each node sends, and the bottleneck (compute, uplink or
-downlink, latency/messages (matchmaking included), CPU, stragglers, failures): the largest cause
-when utilization is below 0.9, else compute. Everything here is a pure function of the inputs
-and of a few constants measured on real swarms (`Calibration`, fitted and checked by
-`benchmarks/planner/plan_check.py` on namespaces with tbf-shaped links). They were fitted on a quiet
-two-core machine (load average 0.2-3: what CI and a dedicated box look like) on unshaped, 20 and
-50 Mbit/s links and checked on held-out 10, 35 and 100 Mbit/s all-reduces and training rounds
-(22 of 26 within 15%); rows, held-out errors (also leave-one-rate-out and leave-one-k-out) and the
-same constants against a busy machine's rows are in benchmarks/planner/results/plan_check_quiet.{json,txt},
-plan_holdout.txt and plan_check.{json,txt}.
-
-Bytes. For the butterfly (the protocol of `diloco_p2p.swarm.collective.allreduce`, after Patarasuk & Yuan
-2009's bandwidth-optimal all-reduce: reduce-scatter, then all-gather) the count is exact, frame
-by frame, from `wire`: member j streams part i (`wire.partition`, `wire.chunk_ranges`,
-`wire.encoded_size`) to each reducer i, its reduced part j back to every member with a one-byte
-trailer, and a mask to every member; each message is a JSON header and 8-byte length prefixes.
-That is 2(k-1)/k · n · bytes/value plus a few hundred bytes per message, the all-reduce lower
-bound. ``int4`` and ``topk2`` are counted by `swarm/collective/codecs.py`'s sizes: ``int4`` (blockwise
-absmax, one fp32 scale per 64 values, two codes per byte, as in Dettmers et al.'s blockwise
-quantization) and ``topk2`` (SparseLoCo's chunked top-k, Sarfi et al. 2025: per frame of 65,536
-values two magnitude levels, Elias-Fano positions and 2-bit codes). A sparse payload does not
-shrink in a reduce-scatter (a reducer's average is the union of k supports), so top-k goes by the
-all-gather of sparse contributions (`sparse`, `swarm/collective/allgather.py`: every member sends its own
-to every other; bytes grow as (N-1) · S).
-
-Hierarchical (`grid`, issue 17, `swarm/collective/hierarchy.py`): N > B (the group size) members in
-R = ceil(N/B) rows of near-equal size s; a row's reducer averages its part of n/s values across
-its column (the R members owning that range) between the row's reduce and gather, and two tiny
-all-reduces of a 0/1 mask agree on what committed. Exact (every node ends with the one global
-average), unlike Moshpit SGD's approximate grid (Ryabinin et al. 2021). Bytes per node are the
-lower bound 2(N-1)/N · n again, but a node opens about 3(s-1) + 3(R-1) streams (twice, with the
-agreement) instead of 3(N-1).
-
-Time of one butterfly over k members: ``flow_overhead · wire + flow_tail · wire · H(k-1) · 100/rate
-+ setup + per_message · messages · o + cpu + rtts · RTT`` (`time_terms`). `wire` is the slowest node's
-bytes at its link rate (every member waits for every part, so the slowest link sets the pace: the
-N-quantile of the link distribution). The tail is the reducer whose part arrives last: k-1 TCP
-flows share each link unevenly, and a reducer can gather only what its slowest flow has delivered,
-so it finishes alone while the other links idle (seen in a trace: 0.6-0.9 s of one reducer
-gathering alone at 20 Mbit/s, k=8). If each flow's lateness is a random share of the wire time, the
-slowest of k-1 is H(k-1) = 1 + 1/2 + ... + 1/(k-1) times the mean (the maximum of k-1 exponentials);
-the lateness measured here also grew as the link got slower (relative to the wire time: ~0 at
-100 Mbit/s, ~12% at 50, 20-50% at 20), as 1/rate, which the term takes as given down to the
-calibration's slowest rate, 20 Mbit/s, and holds there below it (`TAIL_FLOOR_MBIT`: 10 Mbit/s
-all-reduces measured later were as late relative to their wire time as 20 Mbit/s ones; carrying
-1/rate on over-predicted them by up to 17.5%). 100 Mbit/s is only the unit; the checks span k =
-2..8 and 10..100 Mbit/s, so more members extrapolate it. `setup` and `messages · o` are the
-collective's fixed cost and stream setup through the p2p daemon (about 20 ms a stream here: per peer, a member opens three), CPU work that
-takes o times longer when other work shares the cores (1 on a dedicated box; on the checks' shared
-two cores, 1 + 0.38 x the load average beyond the swarm's own k nodes, `plan_check.LOAD_SHARE`:
-the k nodes mostly wait for each other, and their setup grew as k, not k², on the quiet machine);
-`cpu` is encode, reduce, decode per byte (not separable here: 0). A round is the slowest node's H
-inner steps (stragglers: per-node speed lognormal with the given spread, the N-th order
-statistic by Blom's approximation; with dynamic local updates nobody waits) plus matchmaking plus
-the all-reduce; with ``overlap=eager`` the all-reduce of round r runs behind round r+1's inner
-steps (Eager Updates; Kale et al. 2025), so only what exceeds the compute is exposed; with
-``overlap=inner`` behind its first τ inner steps (``overlap_steps``), so what exceeds τ of H; τ = 0
-is the config's default: the average lands once it is known, at the latest after H-1 steps
-(`Node._lands_now`), so τ is the steps the all-reduce takes, at most H-1. With
-``fragments`` = P (Streaming DiLoCo's, ``sync.fragments``) a round averages 1/P of the parameters:
-its bytes are those of a model P times smaller, and H is a round's inner steps (H/P of a part's). A failure
-rate p per node per round costs the expected detection delay of a dead member, the dead node's
-round, and its state download (8 bytes per parameter) at its downlink.
+`diloco-p2p plan` prints, for N = 4 .. 1,024, the round's seconds, compute utilization, bytes per
+node and the bottleneck: pure functions of the inputs and of constants fitted on real swarms over
+shaped links (`Calibration`, checked by `benchmarks/planner/plan_check.py` on held-out rates).
+Bytes are counted frame by frame from `wire`; time adds the slowest link's wire time, the last
+reducer's tail, stream setup, CPU and round trips (`time_terms`); a round adds the slowest
+node's inner steps, matchmaking, what overlap leaves exposed, and the cost of failures.
+The model and its calibration: docs/architecture.md, "The planner's model".
 """
 
 from __future__ import annotations
@@ -87,19 +30,9 @@ MEMBER_LIST_BYTES = 190  # per member in the list the matchmaking leader sends t
 
 @dataclass(frozen=True)
 class Calibration:
-    """Constants measured on real swarms here (`benchmarks/planner/plan_check.py --calibrate`, tbf links).
-
-    flow_overhead: all-reduce seconds over the wire time of its bytes once the tail and fixed costs
-    are taken out (below 1.046, the Ethernet/IP/TCP framing of a 1448-byte segment, because the
-    fixed costs overlap the transfer in part). flow_tail: the slowest flow's lateness per unit of
-    `time_terms`' tail. cpu_s_per_byte: one node's CPU per byte it sends or receives (encode,
-    reduce, decode, the hop through p2pd). setup_s, per_message_s, rtts: fixed costs of one
-    butterfly. matchmaking_per_member_s: forming the group, per other member (fitted on 2-node
-    training rounds: the round's seconds less its compute and the predicted all-reduce); the leader
-    also streams the member list to every member, `MEMBER_LIST_BYTES` per member each (O(N^2) bytes
-    at its uplink, `swarm/collective/hierarchy.py`).
-    detect_s: noticing a dead member (the probe interval). apply_s: the outer step and bookkeeping.
-    """
+    """Constants fitted on real swarms (`benchmarks/planner/plan_check.py --calibrate`, tbf links): the
+    weights of `time_terms`, forming a group per member, noticing a dead member (`detect_s`), the outer
+    step (`apply_s`). How each was fitted: docs/architecture.md, "The planner's model"."""
 
     flow_overhead: float = 1.0353
     flow_tail: float = 0.03175
@@ -218,12 +151,8 @@ def header_size(kind: str, k: int, n: int, chunk: int) -> int:
 @functools.lru_cache(maxsize=4096)  # pure; `recommend` asks for the same counts under many H and overlaps
 def butterfly_bytes(n: int, k: int, compression: str, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS,
                     member: int | None = None, density: float = 1.0) -> int:
-    """Bytes member `member` (default: the mean over members, rounded) sends in one butterfly.
-
-    Scatter of every other member's part, the gather of its own part to every other member (with
-    its one-byte trailer frame), a mask to every other member. Top-k over a butterfly: the
-    gathered part is the union of k sparse contributions (density 1-(1-d)^k), at most dense fp16.
-    """
+    """Bytes `member` (default: the mean over members) sends in one butterfly: the scatter, its
+    gathered part with its trailer, the masks. Top-k gathers the union of k supports, at most fp16."""
     if k < 2:
         return 0
     parts = [b - a for a, b in wire.partition(n, k)]
@@ -322,25 +251,14 @@ def harmonic(n: int) -> float:
     return sum(1 / i for i in range(1, n + 1))
 
 
-TAIL_MBIT = 100.0  # the tail term's unit rate (it grows as 1/rate: see the module docstring)
+TAIL_MBIT = 100.0  # the tail term's unit rate (it grows as 1/rate: docs/architecture.md, "The planner's model")
 TAIL_FLOOR_MBIT = 20.0  # the slowest calibrated rate: below it the tail stays at its value there
 
 
 def time_terms(level: Level, inp: Inputs, nodes: int) -> dict[str, float]:
-    """The unit terms of one level's seconds; `Calibration` weighs each (`TERMS` names its field):
-
-    - wire: the slowest link's seconds for the level's bytes (uplink or downlink, whichever is
-      slower: a member receives what it sends);
-    - tail: wire x H(k-1) x 100 Mbit/s / max(rate, 20 Mbit/s): the reducer whose part arrives
-      last, gathering alone (the slowest of its k-1 flows; relatively longer on slower links, down
-      to `TAIL_FLOOR_MBIT`). It replaced a per-flow volume of the link (seconds (k-1) x 8 / rate x
-      bytes), which fitted below zero on 1 MiB queues (`tests/netns.queue_ms`) and could not make
-      int8 as late as fp16 at 20 Mbit/s;
-    - setup: 1 (a fixed cost per collective; a grid runs four, its agreement two of them);
-    - messages: streams opened x o (opening a stream through p2pd is CPU work: `Inputs.oversubscribe`);
-    - cpu: bytes sent and received x o;
-    - rtt: round-trip seconds.
-    """
+    """The unit terms of one level's seconds, which `Calibration` weighs (`TERMS` names its field):
+    wire, tail (wire x H(k-1) x 100 Mbit/s / max(rate, `TAIL_FLOOR_MBIT`)), setup, messages x o, cpu
+    bytes x o, rtt. Why each: docs/architecture.md, "The planner's model"."""
     rate = min(inp.uplink.slowest(nodes), inp.downlink.slowest(nodes))
     busy = max(inp.oversubscribe, 1.0)  # CPU work takes that much longer beside other work
     wire_s = _mbit_seconds(level.sent, rate)
@@ -401,7 +319,7 @@ class Prediction:
 
 
 def predict_scheme(inp: Inputs, nodes: int, scheme: str, cal: Calibration) -> Prediction:
-    """One scheme's round at `nodes` nodes (see the module docstring for the model)."""
+    """One scheme's round at `nodes` nodes (the model: docs/architecture.md, "The planner's model")."""
     compute = inp.inner_steps * inp.step_seconds
     slowest = compute if inp.dylu else compute * straggler_factor(nodes, inp.step_spread)
     parts: dict[str, float] = {}

@@ -1,23 +1,11 @@
-"""What `diloco-p2p plan` recommends: the settings that best raise predicted compute utilization
-for the links given, as `--set` overrides the config accepts.
+"""What `diloco-p2p plan` recommends: the settings that best raise predicted compute utilization.
 
-The search tries every combination of the settings that change a round's cost in `plan`'s model:
-the wire (`sync.compression`: fewer bytes through the same all-reduce, or topk2's sparse
-all-gather), the overlap (`sync.overlap` inner or eager: the all-reduce behind the next round's
-inner steps), H (`outer.inner_steps`: compute per round), fragments (`sync.fragments` with inner
-τ = 1 or 2 and `rebase`, the README's recipe) and the grid's row size (`sync.target_group_size`).
-Each candidate is predicted by `plan.predict` at every N of the table, and kept only if
-`config.validate_config` accepts it (so `--dylu` rules out overlap, as the config does).
-
-Chosen: among candidates with utilization >= `TARGET` at every N, the one with the lowest
-estimated quality cost, then the fewest changes; if none reaches it, the highest utilization at the
-worst N. The quality cost is a rough percent of eval loss against fp32, blocking, at the given H,
-summed over the changes: the project's own measurements on the tiny preset at equal tokens
-(`QUALITY`; each names its results file). They rank candidates; they are not a prediction of a
-large model's loss (the papers report smaller overlap costs at scale).
-
-topk2 is offered only as measured: with its outer step and γ 0.5 (`sync.feedback_carry` unset),
-which holds under overlap none and fragments 1 (the config sets γ 0 otherwise, at +1.7 to +5%).
+The search tries every combination of the settings that change a round's cost in `plan`'s
+model (the wire, the overlap, H, fragments, the grid's row size), keeps those the config
+accepts, and picks, among those reaching `TARGET` utilization at every N, the lowest estimated
+quality cost (`QUALITY`: the project's measurements on the tiny preset, each naming its results
+file), then the fewest changes. They come out as ``--set`` overrides. The costs rank candidates;
+they do not predict a large model's loss. The search: docs/architecture.md, "The planner's model".
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """The swarm seen from the training loop: one object that averages a pseudo-gradient per round.
 
-`SwarmSync` composes hivemind's DHT with our own pieces on its P2P transport: matchmaking
-(`membership/matchmaking.py`), the all-reduce (`collective/allreduce.py`), state sharing (`state/`),
-progress records (`membership/records.py`) and the resync policy (`membership/resync.py`). It sees
-the node only as a `NodeState` (`diloco_p2p.contract`) and hands back data; the loop calls four
-methods:
-
-- `announce`: publish a `started` record; a node with another config is refused here.
-
-- `before_round`: compare our (round, params hash) with the swarm's progress records. A node
-  that is behind (it stalled, crashed, or just joined) or that holds a minority θ for its
-  round (it ended a round alone while others averaged) downloads the swarm's state instead
-  of averaging stale parameters: `before_round` returns it, verified, and the node adopts it
-  (its own progress since is dropped: `status: resynced`).
-  The majority rule (ties to the smallest hash) is the same on every node, so a fork heals
-  deterministically: the smaller side adopts the larger side's state.
-- `average`: form the round's one group of the nodes at the same round with the same θ
-  (however many: past `sync.target_group_size` the all-reduce runs on a grid of sub-groups,
-  `hierarchy`), all-reduce Δ, and hand back the average; a round with no group follows
-  `sync.alone_policy`.
-- `after_round`: publish the progress record and serve the new state to joiners.
-
-Network faults are data: each round ends committed / alone / failed / resynced, never with
-an exception out of the loop.
+`SwarmSync` composes hivemind's DHT with our own pieces on its P2P transport: matchmaking, the
+all-reduce, state sharing, progress records and the resync policy. It sees the node only as a
+`NodeState` (`diloco_p2p.contract`) and hands back data; the loop calls `announce` (a node with
+another config is refused here), `before_round` (a node behind or in a minority gets the
+swarm's verified state to adopt), `average` (the round's one group all-reduces Δ; a round with
+no group follows `sync.alone_policy`) and `after_round` (publish the record, serve the state).
+Network faults are data: each round ends committed, alone, failed or resynced.
+One round through the layers: docs/architecture.md
 """
 
 from __future__ import annotations

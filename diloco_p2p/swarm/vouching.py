@@ -67,10 +67,8 @@ class Vouching:
         return vouched_state_hash(self.vouched(others), round, params_hash, self.standing.among(others))
 
     async def is_vouched(self, round: int, params_hash: str | None, wait: float = 0.0) -> tuple[bool, str | None]:
-        """Whether the records vouch for θ `params_hash` at `round`, and the whole-state hash they
-        publish of it. A state at the swarm's front (the newest record's round, or one past it) is
-        waited for up to `wait` seconds: every donor announces a state just before publishing its
-        record of that round, and a quorum of records takes a moment more."""
+        """Whether the records vouch for θ `params_hash` at `round`, and its whole-state hash; a state at
+        the swarm's front is waited for up to `wait` seconds, as its records are published just after."""
         deadline = time.monotonic() + wait
         while True:
             try:

@@ -1,53 +1,13 @@
-"""Lossy codecs for pseudo-gradients beyond int8: blockwise 4-bit and sparse top-k with 2-bit
-values. Pure functions of tensors and bytes, like `wire` (which dispatches ``int4`` here); the
-protocol that moves them is `allreduce` (``int4``, a dense reduce-scatter) and `allgather`
-(``topk2``, sparse). What a node did not send is carried to its next round by
-`diloco_p2p.loop.error_feedback` (error feedback).
+"""Lossy codecs for pseudo-gradients beyond int8: blockwise 4-bit and sparse top-k with 2-bit values.
 
-``int4`` (dense): per-block absmax scaling as ``int8`` (blocks of `INT4_BLOCK` elements, one
-float32 scale = absmax/7 per block), codes -7..7 stored as the nibble ``code + 8`` (1..15; 0 is
-refused), two per byte, the even element in the low nibble. Error per element
-<= absmax(block)/14. 0.5 bytes per element plus 4 bytes per 64 elements (0.5625 in all, 3.6x
-fewer than fp16). Blockwise absmax as in Dettmers et al. 2022 (8-bit optimizers / LLM.int8) and
-the 4-bit outer gradients of Streaming DiLoCo (Douillard et al. 2025).
-
-``topk2`` (sparse): the chunked top-k of SparseLoCo (Sarfi et al. 2025, "SparseLoCo:
-Communication-efficient LLM training", used for Covenant-72B): the vector is cut into blocks of
-`TOPK_BLOCK` elements and each block keeps its ``ceil(density * m)`` largest values by
-magnitude; each kept value is sent as 2 bits (sign, and which of two magnitude levels) with a
-per-block pair of float32 levels (lower, upper), and every value not kept is dropped (error =
-the value). The error feedback of the sender (`diloco_p2p.loop.error_feedback`) sends what was dropped in
-later rounds, as in SparseLoCo and Deep Gradient Compression (Lin et al. 2018). Two choices
-differ from SparseLoCo's, each measured on the tiny preset (2 nodes, 40 rounds x H=5, density
-3.4%, `benchmarks/wire/compression_decay.py`):
-
-- a block is a whole frame (65,536 values; SparseLoCo: 4096), which lets the kept values go
-  where the pseudo-gradient is large across tensors: lower eval loss on each of 5 seeds, 0.9% on
-  their mean;
-- the levels are the 2-level Lloyd-Max quantizer of the block's kept magnitudes (Lloyd 1982;
-  `LLOYD_STEPS` steps from the median split: each level the mean of the magnitudes that take it,
-  each magnitude the nearer level) instead of fixed points of the kept range: kept magnitudes
-  are heavy-tailed, and on such a test vector the error falls from 0.29 to 0.11 of the kept
-  values' norm (levels at 1/4 and 3/4 of the range); 0.2% lower eval loss on a 5-seed mean.
-  The runs: `benchmarks/wire/results/compression_topk_seeds.txt` and its ablation files.
-
-The offsets are Elias-Fano coded (Elias 1974, Fano 1971), which costs a fixed number of bits for
-a given block size m and count k, within 2 bits per offset of the log2 C(m, k) any code needs:
-each offset splits into its low L = floor(log2(m/k)) bits, sent as they are, and its high part
-h, sent in unary as a bit vector of k + ((m - 1) >> L) + 1 bits with the i-th kept value's one
-at h_i + i: L + 1 + m/(k·2^L) < L + 3 bits per offset (8.6 bits at d = 1%, 7.0 at 3%) where
-uint16 offsets took 16, so the same bytes carry about twice the values.
-
-Layout of one chunk (a frame): the float32 levels (lower, upper) of each block; then one bit
-stream, least significant bit of each byte first: the bit vectors of every block in order, then
-per kept value (block by block, ascending) its L low bits (least significant first) and its
-2-bit code (bit 0: the upper level, bit 1: negative); zero bits pad the last byte. A full block
-at d = 1% (656 values) costs 8 bytes + 6928 bits: 0.0133 bytes per element (150x fewer than
-fp16; with uint16 offsets per 4096 it was 0.0245, 82x); at d = 3% (1967 values), 8 bytes + 17784
-bits: 0.0340 (59x). The size is a function of (numel, density) alone, so a receiver knows each
-frame's exact length from the header; `decode_topk` refuses a block whose bit vector does not
-hold exactly k ones and offsets out of range or not strictly ascending (a repeated offset would
-make the scatter order matter).
+Pure functions of tensors and bytes, like `wire` (which dispatches ``int4`` here). ``int4`` is
+per-block absmax scaling with 4-bit codes (0.5625 bytes per value); ``topk2`` is SparseLoCo's
+chunked top-k (Sarfi et al. 2025): per frame, the largest values by magnitude as a sign and one
+of two Lloyd-Max levels, their offsets Elias-Fano coded. A frame's size is a function of
+(numel, density) alone, and `decode_topk` refuses a frame that breaks the layout. The protocol
+that moves them is `allreduce` (``int4``) and `allgather` (``topk2``); what a node did not send
+is carried to its next round by `diloco_p2p.loop.error_feedback`.
+The formats, their measurements and layouts: docs/protocol/wire.md
 """
 
 from __future__ import annotations
@@ -78,7 +38,7 @@ def int4_size(numel: int) -> int:
 
 
 def encode_int4(x: torch.Tensor) -> bytes:
-    """Blockwise absmax 4-bit codes of a flat float32 tensor (see the module docstring)."""
+    """Blockwise absmax 4-bit codes of a flat float32 tensor (docs/protocol/wire.md)."""
     x = x.detach().reshape(-1).to(torch.float32)
     numel = x.numel()
     blocks = math.ceil(numel / INT4_BLOCK)
@@ -154,9 +114,7 @@ def topk_size(numel: int, density: float) -> int:
 
 def _levels(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of magnitudes: two levels and which values take the upper one, by `LLOYD_STEPS` of
-    Lloyd's algorithm from the split at the (lower) median: each level the mean of its group, then
-    the split at their midpoint, so every value takes the nearer level. A row whose values all
-    fall in one group gives both levels its mean, and all its values take the upper one."""
+    Lloyd's algorithm from the (lower) median split; a row all in one group gets its mean twice."""
     split = a.median(dim=1).values
     for _ in range(LLOYD_STEPS):
         upper = a >= split[:, None]
@@ -188,7 +146,7 @@ def _from_bits(bits: np.ndarray) -> np.ndarray:
 
 
 def encode_topk(x: torch.Tensor, density: float) -> bytes:
-    """Chunked top-k with 2-bit values of a flat float32 tensor (see the module docstring)."""
+    """Chunked top-k with 2-bit values of a flat float32 tensor (docs/protocol/wire.md)."""
     x = x.detach().reshape(-1).to(torch.float32)
     block_levels, vectors, values, start = [], [], [], 0
     for count, m, k in _groups(x.numel(), density):

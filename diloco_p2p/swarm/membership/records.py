@@ -1,22 +1,12 @@
 """The progress record every node publishes in the DHT, and what readers conclude from them.
 
-One DHT key per run, ``f"{run_id}.progress"``, holds a dictionary: subkey = the node's peer id
-(base58), value = its `ProgressRecord` (round, tokens, throughput, losses, hash of θ, hash and
-view of the swarm-relevant config). Readers use it to refuse a node whose config differs from the swarm's, to decide whether a
-node must adopt the swarm's state (both in `diloco_p2p.swarm.membership.resync`), and to show what the
-swarm is doing (`diloco-p2p status`).
-
-Each entry is signed by the node it is about (`diloco_p2p.swarm.trust.signing`): the subkey holds
-the node's peer id and public key, hivemind's signature validator checks the signature, and a
-reader refuses an entry whose key is not the peer id's, or whose record names another peer
-(``forged-record``, naming the signer). Validation happens twice (`diloco_p2p.swarm.trust.schema`):
-storing peers run hivemind's `SchemaValidator` (give `progress_validator(run_id)` to
-`start_dht`), and every reader parses each entry again with the same strict model. An entry
-that does not parse or has expired is dropped, never trusted.
-
-hivemind cannot delete a DHT value. A node that leaves stores a *tombstone* (``None``) under
-its subkey with an expiration just past its last record's, which replaces the record on the
-storing peers; readers skip tombstones.
+One DHT key per run holds a dictionary: subkey = the node's signed peer id, value = its
+`ProgressRecord` (round, tokens, losses, θ hash, averaged round, config view). Readers use it to
+refuse a differing config, to decide on a resync (`resync`), to decide who a round waits for
+(`liveness`) and for `diloco-p2p status`. Entries are validated by the storing peers and parsed
+again by every reader; one that does not parse, has expired, or names another peer than its
+signer is dropped. A node that leaves stores a tombstone, as hivemind cannot delete a value.
+The records: docs/protocol/records.md
 """
 
 from __future__ import annotations
@@ -141,10 +131,8 @@ class ProgressRecord(pydantic.BaseModel):
         updated: float | None = None,
         version: str = __version__,
     ) -> ProgressRecord:
-        """Make a record from ordinary Python values: numbers are cast to the strict wire types,
-        a non-finite loss becomes ``None`` (a diverged node stays visible instead of having its
-        record rejected), `config_view` may be the `swarm_view()` dict, `updated` defaults to now.
-        Raises `pydantic.v1.ValidationError` for values the schema rejects (negative round...)."""
+        """A record from plain values: numbers cast to the strict types, a non-finite loss as ``None``
+        (a diverged node stays visible), `updated` now. Raises `ValidationError` for rejected values."""
         return cls(
             peer_id=peer_id,
             round=int(round),

@@ -1,33 +1,13 @@
-"""What a node concludes from the swarm's progress records: pure functions, no DHT I/O
-(the records are read by `diloco_p2p.swarm.membership.records`).
+"""What a node concludes from the swarm's progress records: pure functions, no DHT I/O.
 
-- `check_config`: refuse to join a swarm whose majority config differs from ours, naming the
-  differing fields.
-- `vouched_records`: the records that may move a node at all. A (round, θ hash) counts only
-  when `quorum` distinct peers report it (each record is signed by its peer,
-  `diloco_p2p.swarm.trust.signing`), and never past `train.max_rounds`. Where no state has a quorum
-  (a swarm of one, or nodes that all end rounds alone) every record counts, as before: there
-  is no agreement for a liar to override. So a lone record claiming a later round, or a
-  superseding `averaged_round`, moves nobody while `quorum` honest nodes agree.
-- `resync_target`: whether a node must adopt the swarm's state (behind, in a minority at its
-  round, or cut off while the others averaged), which (round, θ hash) and from which donors.
-
-Every reader applies the same rule to the same records, so every node reaches the same verdict
-without talking to the others. A tie between θ hashes at our round never moves a node to an
-arbitrary one (an attacker can grind its hash to be the smallest). Two rules break a tie, and
-never both ways at once, so of two tied nodes at most one moves:
-
-- a node that adopted a peer's state and has not averaged since follows that peer (its donor,
-  which its record names) in a tie of exactly their two hashes: it chose that lineage already;
-- otherwise the members of the group we last committed with (`LastGroup`) break it: among the
-  tied hashes that such members hold, the one held by the member with the smallest
-  ``sha256(peer id, round)`` wins (`tie_winner`). A member counts only while its record says it
-  follows nobody and its θ was last averaged in that very round, and we count ourselves by the
-  same test, so both sides of a split draw from the same members and pick the same winner. That
-  heals a fork of one group, e.g. two nodes that committed a round together and then each ended
-  rounds alone (their matchmaking keys hold different θ hashes: they would never meet again).
-  A hash cannot be ground to win it (the θ hash plays no part), nor a peer id chosen afterwards
-  (only our own group's members take part, and the round changes the order every round).
+`check_config` refuses a swarm whose majority config differs from ours; `vouched_records` keeps
+the records that may move a node (a state counts only when `quorum` signed peers with standing
+report it, `standing`); `resync_target` says whether a node must adopt the swarm's state
+(behind, in a minority, or cut off while the others averaged), which one and from which donors.
+Every reader applies the same rule to the same records, so all reach the same verdict; a tie of
+θ hashes is broken by the donor a node follows or by the group it last committed with
+(`LastGroup`), never by the hashes themselves, which an attacker could grind.
+The rules: docs/protocol/records.md
 """
 
 from __future__ import annotations

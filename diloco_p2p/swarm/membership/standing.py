@@ -1,24 +1,12 @@
 """Standing: whose progress records may move this node. Headcount is not standing.
 
-A record is signed by its peer, but anyone can make a peer id, so K fresh identities backing a
-made-up later round would outvote any number of honest nodes under a headcount quorum. Here a
-record backs a state only if its peer has standing with the reader (`Standing.peers`):
-
-- **earned**: the peer committed a round in one group with this node (the all-reduce took its
-  bytes and ours: work, not a claim), or is named in the `members` of such a peer's latest
-  record (one hop of a web of trust: an honest member only names peers it really committed with);
-- **witnessed**: the run's seed, run with ``--witness RUN_ID``, follows the run from its start: it
-  trusts the operator's founders (``--trust``) and the first group it sees commit whose members it
-  saw start (trust on first use), then every peer a trusted peer's record names (`Witness`); it
-  publishes them,
-  signed with its identity; a node with no standing of its own (a newcomer, a restart) takes the
-  witness of the seeds it bootstrapped from (their peer ids are in `p2p.initial_peers`). A witness
-  that trusts nobody yet (no group has committed) says so: then no state moves anyone, which
-  closes the window at a run's start where headcount would still decide.
-
-Draws on BTARD (Gorbunov et al., 2021: peers accuse and are banned on evidence), Psyche's
-witnesses, Templar's scoring of peers by their contributions, and PGP's web of trust. The bound and
-what stays open are in docs/threat-model.md.
+Anyone can make a peer id, so fresh identities backing a made-up round would outvote honest
+nodes under a headcount quorum. A record backs a state only if its peer has standing with the
+reader (`Standing.peers`): *earned* by committing a round in one group with this node, or named
+in such a peer's latest record (one hop of a web of trust); or *witnessed* by the run's seed
+(``--witness``, `Witness`), whose signed list a node without standing of its own takes. A witness
+that trusts nobody yet moves nobody. After BTARD (Gorbunov et al. 2021), Psyche's witnesses and
+PGP's web of trust. The rule and its bound: docs/protocol/records.md, docs/threat-model.md
 """
 
 from __future__ import annotations
@@ -104,14 +92,10 @@ def parse_witness(found: Any, witnesses: Iterable[str], now: float | None = None
 
 
 class Witness:
-    """The seed's view of one run: it trains nothing, so it earns no standing of its own. It
-    trusts `founders` (the operator's own nodes) and the first group it sees commit a round whose
-    members it saw before they had averaged at all (their `started` records: each member's record
-    then names that group; trust on first use), then every peer a trusted peer's record names as
-    a member. A record that first shows up already averaged (a Sybil claiming a late round) can
-    found nothing. A witness that cannot vouch (it first looked at the run after some node had
-    averaged, or saw groups commit for `PATIENCE` looks with none it could trust) and has no
-    founders abstains (`abstains`): it publishes nothing, and newcomers fall back to the headcount."""
+    """The seed's view of one run: it trusts `founders`, the first group it sees commit whose
+    members it saw start (trust on first use), and every peer a trusted peer's record names. One
+    that first looks at a run someone already averaged in, or sees groups commit for `PATIENCE`
+    looks with none to trust, abstains without founders. docs/protocol/records.md, "Standing"."""
 
     PATIENCE = 30  # looks (about a second each) with committed groups and none trustworthy
 

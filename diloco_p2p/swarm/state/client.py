@@ -1,5 +1,7 @@
-"""The joiner's side of state sharing: find donors, stream the state from several at once, verify it.
-See `diloco_p2p.swarm.state` for the protocol and the failure handling."""
+"""The joiner's side of state sharing: find donors, stream the state from several, verify it.
+
+The protocol and the failure handling: docs/protocol/state-transfer.md
+"""
 
 from __future__ import annotations
 

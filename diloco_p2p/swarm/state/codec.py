@@ -1,10 +1,9 @@
 """The state blob: safetensors bytes of named tensors with our JSON metadata (no pickle).
 
-See `diloco_p2p.swarm.state` for what goes in it and why the bytes are deterministic. A joiner
-checks a blob before it allocates a tensor of it (`Layout`: every name, dtype and shape against
-its own model's state, the size capped by what such a state can be) and before it adopts it
-(every value finite; the whole state, not only θ, hashing to what the swarm vouches for:
-`state_sha256`, which every node publishes in its progress record).
+A joiner checks a blob before it allocates a tensor of it (`Layout`: every name, dtype and shape
+against its own model's state, the size capped) and before it adopts it (every value finite; the
+whole state hashing to the `state_sha256` the swarm vouches for in its progress records). What
+goes in it and why the bytes are deterministic: docs/protocol/state-transfer.md
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
-"""The state donor: serves this node's state blob to joiners over a libp2p stream and keeps it
-announced in the DHT. See `diloco_p2p.swarm.state` for the protocol."""
+"""The state donor: serves this node's state blob to joiners and keeps it announced.
+
+The blob goes over a libp2p stream; the announcement is refreshed in the DHT while it serves.
+The protocol: docs/protocol/state-transfer.md
+"""
 
 from __future__ import annotations
 
@@ -34,15 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 class StateServer:
-    """Serves this node's current state blob to joiners and keeps it announced in the DHT.
-
-    It serves the striped protocol (v2: the stripes a joiner asks for, `stripe_size` bytes
-    each, after a header with their digests) and, for joiners of older releases, v1 (the whole
-    blob from an offset). `throttle_bytes_per_s` caps each transfer's rate (a volunteer's
-    uplink; tests use it to make a transfer slow enough to kill the donor in the middle).
-    `max_concurrent` caps the transfers served at once; past it, joiners are told ``busy`` and
-    go to another donor.
-    """
+    """Serves this node's state blob to joiners (protocol v2 stripes, v1 from an offset) and keeps it
+    announced; `throttle_bytes_per_s` caps each transfer, `max_concurrent` their number (``busy``)."""
 
     def __init__(
         self,
