@@ -4,8 +4,9 @@ Runs `tests.faults.strangers.attacked_swarm` (a seed, three honest `diloco-p2p t
 Sybils and bad donors in this process with their own identities, then a newcomer) in two runs:
 
 - ``witness``: the seed follows the run (``--witness``), the Sybils' made-up θ is of another size;
-- ``no witness``: the seed witnesses nothing and the made-up θ has the model's size: a newcomer has
-  no standing of its own and falls back to the headcount (the open gap docs/threat-model.md names).
+- ``no witness``: the seed witnesses nothing and the made-up θ has the model's size: a node with no
+  standing of its own (every node before the run's first group, a newcomer) falls back to the
+  headcount (the open gap docs/threat-model.md names).
 
 Each row reads the nodes' records and logs: whether an honest node adopted the attacker's state,
 crashed, or named the attacker. About 2 minutes.
@@ -32,7 +33,8 @@ def outcome(attacked, who: list[int], reason: str, victims: list) -> dict:
     """What the strangers `who` achieved against `victims`: adopted by, crashed, named by."""
     ids = [attacked.strangers.ids[i] for i in who]
     adopted = [n.run_dir.name for n in victims if any(r["params_sha256"] == attacked.forged_hash for r in n.records())]
-    crashed = [n.run_dir.name for n in victims if n.exited() or "Traceback" in n.output()]
+    crashed = [n.run_dir.name for n in victims if "Traceback" in n.output()
+               or (n.exited() and n.exit_code_within(0) != 0)]
     named = [n.run_dir.name for n in victims if all(f"refused peer {p}: {reason}" in n.output() for p in ids)]
     return {"adopted by": adopted, "crashed": crashed, "named by": named}
 
@@ -52,9 +54,12 @@ def run(witness: bool) -> list[dict]:
                            forged_numel=16 if witness else TINY_PARAMETERS) as attacked:
         honest, d = attacked.nodes, attacked.d
         size = "another size" if witness else "the model's size"
+        rows = [{"attack": f"3 Sybils back a made-up later θ ({size}) and serve it", "victims": "honest a, b, c",
+                 **outcome(attacked, list(SYBILS), "unvouched-state", honest)}]
+        if d is None:  # taken over before a newcomer could join
+            return rows
         return [
-            {"attack": f"3 Sybils back a made-up later θ ({size}) and serve it", "victims": "honest a, b, c",
-             **outcome(attacked, list(SYBILS), "unvouched-state", honest)},
+            *rows,
             {"attack": "the same, against a newcomer", "victims": "newcomer d", "newcomer": newcomer_outcome(attacked),
              **outcome(attacked, list(SYBILS), "unvouched-state", [d])},
             {"attack": "the vouched θ with a made-up momentum, first in d's order", "victims": "newcomer d",

@@ -125,7 +125,8 @@ def attacked_swarm(root: Path, seed_args: tuple[str, ...] = ("--witness", RUN),
     claim the last round with a made-up θ of `forged_numel` values and serve it. The honest nodes commit
     rounds 1-2 and park at round 3 (``hold``). A newcomer then joins; the two donors it tries
     first serve the swarm's round-2 θ with a made-up momentum and with a momentum of another size,
-    and a third stranger announces a state of 2**62 bytes. Yields once the newcomer reached round 3."""
+    and a third stranger announces a state of 2**62 bytes. Yields once the newcomer reached round 3,
+    or at once (`d` None) if the Sybils took the honest nodes over (no witness, nor standing yet)."""
     honest = {name: identity(root / name / "identity.key") for name in "abc"}
     newcomer = identity(root / "d" / "identity.key")
     donors = ranked_first(newcomer, list(honest.values()), 2, root / "keys")
@@ -145,8 +146,10 @@ def attacked_swarm(root: Path, seed_args: tuple[str, ...] = ("--witness", RUN),
         strangers.claim(RUN, template, SYBILS, round=6, params_sha256=forged_hash, status="committed",
                         averaged_round=6, members=[strangers.ids[i] for i in SYBILS])
         procs.release(*nodes)
-        for node in nodes:
-            node.wait_round(2, timeout=240)
+        wait_until(lambda: all(2 in n.by_round() or n.exited() for n in nodes), 240, "round 2", *nodes)
+        if any(n.exited() for n in nodes):  # taken over (a node that adopts the last round is done)
+            yield Attacked(procs, nodes, list(honest.values()), None, newcomer, strangers, forged_hash)
+            return
 
         state = strangers.download(RUN, 2)
         tensors, meta = unpack_state(state.blob)

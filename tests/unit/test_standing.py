@@ -171,3 +171,32 @@ def test_no_record_and_no_backer_is_no_view_not_an_error():
     # quorum 1: our own state is vouched by us alone; a standing peer elsewhere and a Sybil move nothing
     records = {SYBILS[0]: make(SYBILS[0], round=5, params_sha256=FORGED)}
     assert vouched_records(records, quorum=1, standing=frozenset(), ours=(3, THETA)) == {}
+
+
+def test_no_witness_record_is_not_a_witness_that_trusts_nobody():
+    """A run whose seeds witness nothing: the node keeps the headcount (None), it is not locked out."""
+    from diloco_p2p.swarm.membership.standing import parse_witness
+
+    assert parse_witness(None, {HONEST[0]}) is None
+    newcomer = Standing(ME)
+    newcomer.witness(parse_witness(None, {HONEST[0]}))
+    assert newcomer.among({}) is None
+
+
+def test_only_a_witness_signed_entry_counts():
+    from types import SimpleNamespace
+
+    from diloco_p2p.swarm.membership.standing import parse_witness
+    from tests.unit.dht_fixtures import NOW, PEERS, subkey
+
+    def entry(value):
+        return SimpleNamespace(value=value, expiration_time=NOW + 60)
+
+    seed, stranger = PEERS[0], PEERS[1]
+    found = SimpleNamespace(value={
+        subkey(seed): entry({"round": 3, "peers": OTHERS}),
+        subkey(stranger): entry({"round": 9, "peers": list(SYBILS[:3])}),  # signed, but no witness of ours
+        subkey(seed, signer=stranger): entry({"round": 9, "peers": list(SYBILS[3:6])}),  # under the seed's id
+    })
+    assert parse_witness(found, {seed}, now=NOW) == set(OTHERS)
+    assert parse_witness(found, {PEERS[2]}, now=NOW) is None

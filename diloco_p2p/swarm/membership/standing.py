@@ -38,8 +38,9 @@ class Standing:
         """We committed `round` in a group with `members` (the all-reduce took every member's part)."""
         self.direct = {**self.direct, **{p: round for p in members if p != self.me}}
 
-    def witness(self, peers: Iterable[str]) -> None:
-        self.witnessed = frozenset(peers) - {self.me}
+    def witness(self, peers: Iterable[str] | None) -> None:
+        """What the seeds' witness says now (None: no witness spoke)."""
+        self.witnessed = None if peers is None else frozenset(peers) - {self.me}
 
     def peers(self, records: Mapping[str, ProgressRecord]) -> frozenset[str]:
         """Who has standing now: direct and witnessed peers, and the members named in their records."""
@@ -77,18 +78,20 @@ def witness_validator(run_id: str) -> SchemaValidator:
     return subkey_validator("WitnessSchema", witness_key(run_id), WitnessValue)
 
 
-def parse_witness(found: Any, witnesses: Iterable[str], now: float | None = None) -> set[str]:
+def parse_witness(found: Any, witnesses: Iterable[str], now: float | None = None) -> set[str] | None:
     """The peers the given witnesses (peer ids) vouch for, from `dht.get(witness_key)`: only
-    entries signed by a witness count (a witness's subkey is its own peer id, signed)."""
-    allowed, out = set(witnesses), set()
+    entries signed by a witness count (a witness's subkey is its own peer id, signed). None when
+    no witness published anything (none runs, or it abstains): not the same as trusting nobody."""
+    allowed, out, spoke = set(witnesses), set(), False
     for peer, value in live_values(found, now):
         if peer not in allowed:
             continue
         try:
             out.update(WitnessValue.parse_obj(value).peers)
+            spoke = True
         except (pydantic.ValidationError, TypeError):
             continue
-    return out
+    return out if spoke else None
 
 
 class Witness:
