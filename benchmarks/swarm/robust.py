@@ -292,6 +292,8 @@ def plot(args: argparse.Namespace, results: dict[str, dict]) -> None:
         rounds, losses = zip(*results[f"attacker-free@{seed}"]["curve"], strict=True)
         ax.plot(rounds, losses, "k--", label="attacker-free (3 honest)")
         for rule in (*RULES, TWO_SIDED):
+            if f"{attack}/{rule}@{seed}" not in results:  # --honest-only
+                continue
             rounds, losses = zip(*results[f"{attack}/{rule}@{seed}"]["curve"], strict=True)
             ax.plot(rounds, losses, ":" if rule == TWO_SIDED else "-", label=rule)
         ax.set_title(f"attack: {attack} (seed {seed})")

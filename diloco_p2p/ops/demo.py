@@ -123,7 +123,7 @@ def _run(nodes: int, rounds: int, root: Path, extra: list[str], procs: list[subp
          stop: _StopSignals) -> int:
     """Start the seed and the nodes (each goes into `procs` as soon as it exists), then watch them."""
     seed = _spawn(["seed", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(root / "seed.key"),
-                   "--maddrs-file", str(root / "seed.maddrs")], root / "seed.log")
+                   "--maddrs-file", str(root / "seed.maddrs"), "--witness", "demo"], root / "seed.log")
     procs.append(seed)
     seed_addr = _wait_for_file(root / "seed.maddrs", seed, timeout=60, stop=stop)
     print(f"seed: {seed_addr}", flush=True)
