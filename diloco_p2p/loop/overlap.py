@@ -53,7 +53,7 @@ the stale gradients add up (`benchmarks/overlap/overlap_sweep.py`). τ, α and t
 they change its Δ, never the swarm's θ.
 
 With ``sync.fragments`` = P (Streaming DiLoCo's fragments) round r's Δ, average, outer step and
-landing cover only part (r − 1) mod P of the parameters (`Node._part`): its all-reduce carries 1/P
+landing cover only part (r − 1) mod P of the parameters (`Fragments.part`): its all-reduce carries 1/P
 of the bytes, so it hides behind about 1/P of the steps, and the other parts carry on training
 untouched. Each part still sees P rounds of steps between its syncs.
 
@@ -128,8 +128,8 @@ class EagerCorrection:
 class Pipeline:
     """A node's overlap state: the average in flight and, for ``eager``, the local correction.
 
-    The loop (`diloco_p2p.loop.node`) calls `take` at the end of round t (under ``inner`` τ steps
-    into it: `Node._land`) for round t-1's average, applies what it returns to the global θ,
+    The loop's overlap modes (`diloco_p2p.loop.rounds`) call `take` at the end of round t (under
+    ``inner`` τ steps into it) for round t-1's average, apply what it returns to the global θ,
     then `correct` and `begin` round t's. The node publishes round t (its record and state) only
     once round t's average is known, and the state then carries it (`served_tensors`): θ of
     round t does not hold it yet, and a joiner adopting that state applies it in its first round

@@ -59,7 +59,7 @@ the all-reduce; with ``overlap=eager`` the all-reduce of round r runs behind rou
 steps (Eager Updates; Kale et al. 2025), so only what exceeds the compute is exposed; with
 ``overlap=inner`` behind its first τ inner steps (``overlap_steps``), so what exceeds τ of H; τ = 0
 is the config's default: the average lands once it is known, at the latest after H-1 steps
-(`Node._lands_now`), so τ is the steps the all-reduce takes, at most H-1. With
+(`rounds.Inner`), so τ is the steps the all-reduce takes, at most H-1. With
 ``fragments`` = P (Streaming DiLoCo's, ``sync.fragments``) a round averages 1/P of the parameters:
 its bytes are those of a model P times smaller, and H is a round's inner steps (H/P of a part's). A failure
 rate p per node per round costs the expected detection delay of a dead member, the dead node's
