@@ -15,19 +15,16 @@ steps) is one object behind one call, `diloco_p2p.loop.rounds`.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from diloco_p2p import __version__
 from diloco_p2p.config import Config, save_config, schedule
 from diloco_p2p.contract import (
     NodeState,
@@ -38,30 +35,20 @@ from diloco_p2p.contract import (
     SwarmState,
     Sync,
 )
-from diloco_p2p.data import DataPosition, open_dataset
+from diloco_p2p.data import open_dataset
 from diloco_p2p.faults import Faults
-from diloco_p2p.local.fsdp import (
-    ShardLayout,
-    gather_optimizer_state,
-    shard_model,
-    shard_optimizer_state,
-    uses_bf16_params,
-)
+from diloco_p2p.local.fsdp import ShardLayout, shard_model, uses_bf16_params
 from diloco_p2p.local.ranks import Ranks, resolve_device
 from diloco_p2p.local.threads import ThreadBudget
-from diloco_p2p.logs import log_context, set_log_context
-from diloco_p2p.loop.checkpoint import (
-    Checkpoint,
-    join_tensors,
-    load_checkpoint,
-    save_checkpoint,
-    split_tensors,
-)
+from diloco_p2p.logs import set_log_context
+from diloco_p2p.loop.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from diloco_p2p.loop.error_feedback import ErrorFeedback
 from diloco_p2p.loop.fragments import Fragments
 from diloco_p2p.loop.inner import InnerTrainer, StepStats
 from diloco_p2p.loop.metrics import process_start_time
+from diloco_p2p.loop.node_checkpoint import checkpoint_of, resume
 from diloco_p2p.loop.outer import OuterOptimizer
+from diloco_p2p.loop.round_log import RoundLog
 from diloco_p2p.loop.rounds import LoopParts, rounds_for
 from diloco_p2p.loop.rundir import node_key, prepare_run_dir
 from diloco_p2p.model.build import build_model, build_tokenizer, count_parameters
@@ -78,14 +65,14 @@ class Node:
         leader = self.ranks.leader
         self.run_dir = prepare_run_dir(run_dir if leader else run_dir / "ranks" / str(self.ranks.rank))
         self.stop = stop or StopRequested()
-        self.metrics = metrics if leader else None
-        self.progress = leader and (sys.stderr.isatty() if progress is None else progress)
         self.threads = ThreadBudget(config.train.num_threads)  # CPU threads, shared with the nodes on this box
         self.device = self.ranks.device
         # One data order per node, keyed by rank 0's identity (or run directory, alone).
         self.sync = sync or SoloSync(self.ranks.broadcast_str(node_key(run_dir) if leader else ""))
         set_log_context(peer=self.sync.peer_id)
         self._build(faults)
+        self.round_log = RoundLog(config, self.run_dir, self.last_round, metrics if leader else None,
+                                  leader and (sys.stderr.isatty() if progress is None else progress))
         self.round = self.step = self.tokens = 0
         self.swarm_view = config.swarm_view()
         self.joined_at_round: int | None = None
@@ -199,10 +186,10 @@ class Node:
             compute_s = time.perf_counter() - start
             self.step += 1
             if len(steps) > 1:  # the step before: its loss is read while the GPU runs this one
-                self._observe_step(steps[-2], len(steps) - 1)
+                self.round_log.step(steps[-2], len(steps) - 1, self.round + 1)
             self.rounds.after_step(len(steps))  # a record whose average came in; overlap=inner's landing
         if steps:
-            self._observe_step(steps[-1], len(steps))
+            self.round_log.step(steps[-1], len(steps), self.round + 1)
         return steps
 
     @contextmanager
@@ -322,13 +309,10 @@ class Node:
         if record.status == "committed" and not self._first_commit:  # a (re)start is back in the swarm
             self._first_commit = True
             record.first_commit_seconds = time.time() - process_start_time()
-        self._append(record)
-        if self.metrics:
-            self.metrics.observe_round(record.as_dict())
-            self.metrics.set_dht_peers(self.sync.dht_peers())
-            self.metrics.set_reachability(self.sync.reachability)
+        self.round_log.write(record)
+        self.round_log.observe(record, self.sync)
         self.rounds.publish(record)  # under sync.overlap once the round's average is known (`_serve`)
-        self._log_round(record)
+        self.round_log.show(record)
         return record
 
     def _serve(self, record: RoundRecord) -> None:
@@ -336,66 +320,19 @@ class Node:
         is known, so the state carries it: a joiner that adopts it applies it as the members do."""
         self.sync.after_round(self.state(), record)
 
-    def _append(self, record: RoundRecord) -> None:
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record.as_dict()) + "\n")
-
     def _initial_record(self) -> RoundRecord:
         """Round 0: the untrained global parameters, so eval loss start -> end is in metrics.jsonl."""
         self.outer.copy_into(self.layout.local_views())
         record = RoundRecord(round=0, step=0, tokens=0, params_sha256=self.params_sha256(), status="init",
                              eval_loss=self.trainer.evaluate(self.eval_set) if self.eval_set else None)
-        self._append(record)
-        with log_context(round=0, step=0):
-            log.info("round 0: eval loss %s of the initial parameters %s", _loss(record.eval_loss),
-                     record.params_sha256[:12])
+        self.round_log.initial(record)
         return record
-
-    def _observe_step(self, stats: StepStats, done: int) -> None:
-        if self.metrics:
-            self.metrics.observe_inner_step(stats.tokens, stats.loss)
-        if self.progress:
-            h = schedule.inner_steps(self.config.outer, self.config.train.max_rounds, self.round + 1)
-            bar = "#" * (20 * done // h)
-            sys.stderr.write(f"\rround {self.round + 1} [{bar:<20}] {done}/{h} loss {stats.loss:.3f}")
-            sys.stderr.flush()
-
-    def _log_round(self, r: RoundRecord) -> None:
-        if self.progress:
-            sys.stderr.write("\r\033[K")
-        with log_context(round=r.round, step=r.step):  # the prefix names the round and step this line is about
-            log.info("round %d/%d  step %d  loss %s  eval %s  %.0f tok/s  %s (group %d)  params %s", r.round,
-                     self.last_round, r.step, _loss(r.train_loss), _loss(r.eval_loss), r.tokens_per_s,
-                     r.status, r.group_size, r.params_sha256[:12])
-            if r.first_commit_seconds is not None:
-                log.info("first committed round with the swarm, %.1f s after this process started",
-                         r.first_commit_seconds)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
     def state_checkpoint(self) -> Checkpoint | None:
         """The node's checkpoint in the 1-rank layout (collective on N ranks; None off rank 0)."""
-        leader = self.ranks.leader
-        theta, momentum = self.layout.to_full(self.outer.theta), self.layout.to_full(self.outer.momentum)
-        error = self.layout.to_full(self.feedback.error) if self.feedback.enabled else None
-        trainer_state = self.trainer.state_dict()
-        for key in self.trainer.optimizers:  # AdamW, and Muon under inner.optimizer=muon
-            trainer_state[key] = gather_optimizer_state(trainer_state[key], keep=leader)
-        params_sha256 = self.params_sha256()
-        extra, overlap = self.rounds.checkpoint()  # the trained weights, the round in flight
-        if not leader:
-            return None
-        tensors = {"outer.theta": theta, "outer.momentum": momentum, **extra}
-        if error is not None:
-            tensors["feedback.error"] = error
-        inner = split_tensors(trainer_state, tensors, "inner")
-        meta = {
-            "inner": inner, "data_position": asdict(self.data.position), "swarm_view": self.swarm_view,
-            "config_hash": self.config.swarm_hash(), "params_sha256": params_sha256, "version": __version__,
-            "joined_at_round": self.joined_at_round, "resyncs": self.resyncs,
-            "local_world_size": self.ranks.world_size, "overlap": overlap,
-        }
-        return Checkpoint(round=self.round, step=self.step, tokens=self.tokens, tensors=tensors, meta=meta)
+        return checkpoint_of(self)
 
     def _save(self) -> None:
         ckpt = self.state_checkpoint()
@@ -403,30 +340,6 @@ class Node:
             save_checkpoint(self.node_dir / "checkpoints", ckpt)
 
     def _resume(self) -> None:
-        """Every rank reads the full checkpoint (any world size wrote it) and keeps its part."""
         ckpt = load_checkpoint(self.node_dir / "checkpoints", self.swarm_view, self.config.train.resume_round)
-        if ckpt is None:
-            return
-        self.outer.load_state_tensors({k: self.layout.to_local(ckpt.tensors[k]) for k in ("outer.theta",
-                                                                                          "outer.momentum")})
-        if "feedback.error" in ckpt.tensors and self.feedback.enabled:  # absent: written with feedback off
-            self.feedback.load(self.layout.to_local(ckpt.tensors["feedback.error"]))
-        if "inner" in ckpt.meta:  # absent in a state fetched from the swarm: a fresh AdamW then
-            state = join_tensors(ckpt.meta["inner"], ckpt.tensors)
-            self.trainer.check_state(state, f"checkpoint round {ckpt.round}")
-            for key, optimizer in self.trainer.optimizers.items():
-                state[key] = shard_optimizer_state(optimizer, state[key])
-            self.trainer.load_state_dict(state)
-        if "data_position" in ckpt.meta:
-            self.data.position = DataPosition(**ckpt.meta["data_position"])
-        self.round, self.step, self.tokens = ckpt.round, ckpt.step, ckpt.tokens
-        self.joined_at_round = ckpt.meta.get("joined_at_round")
-        self.resyncs = ckpt.meta.get("resyncs", 0)
-        self.rounds.resume(ckpt)  # the trained weights, the round in flight
-        log.info("resumed from checkpoint at round %d (step %d; written by %s local rank(s))",
-                 self.round, self.step, ckpt.meta.get("local_world_size", 1))
-
-
-def _loss(value: float | None) -> str:
-    """A loss as every log line shows it: 4 decimals, or "-" when there is none."""
-    return "-" if value is None else f"{value:.4f}"
+        if ckpt is not None:
+            resume(self, ckpt)
