@@ -69,8 +69,8 @@ class Blocking:
     mode = "none"
     overlapped = False
 
-    def __init__(self, parts: LoopParts):
-        self.p = parts
+    def __init__(self, loop: LoopParts):
+        self.loop = loop
         # the weights being trained carry on into the next round instead of restarting from θ
         # (sync.fragments: each part takes θ at its own round; ``inner``: the landing merges θ in)
         self.carry = False
@@ -80,21 +80,21 @@ class Blocking:
 
     def start_offset(self) -> torch.Tensor | None:
         """Where the inner steps start, relative to θ: our unsent residual's share (error feedback)."""
-        return self.p.feedback.start_offset()
+        return self.loop.feedback.start_offset()
 
     def start_round(self) -> torch.Tensor | None:
         """θ (+ the offset) into the model, unless the trained weights carry on; the offset."""
         offset = self.start_offset()
         if not self.carry:
-            with self.p.timer():
-                self.p.outer.copy_into(self.p.layout.local_views(), offset)
-            self.carry = self.p.fragments.on
+            with self.loop.timer():
+                self.loop.outer.copy_into(self.loop.layout.local_views(), offset)
+            self.carry = self.loop.fragments.on
         return offset
 
     def full_rounds(self) -> bool:
         """Whether every round runs its full H: a round that carries the last one's work does (no
         catch-up after a resync)."""
-        return self.overlapped or self.p.fragments.on
+        return self.overlapped or self.loop.fragments.on
 
     def after_step(self, done: int) -> None:
         """After the `done`-th inner step of the round."""
@@ -112,50 +112,35 @@ class Blocking:
         round whose average is under way is not). `phases` takes the average's wall-clock span."""
         return self._average_now(round, delta, weight)
 
-    def _average_now(self, round: int, delta: torch.Tensor, weight: float,
-                     before: Landing | None = None) -> tuple[RoundOutcome | None, int | None]:
-        """Average round `round`'s Δ blocking and apply it; a stop puts back `before` (an average
-        applied in this round, which goes back in flight) and drops the round."""
-        p, part = self.p, self.p.fragments.part(round)
-        delta = p.feedback.offer(delta, part)  # + what earlier rounds' lossy wire did not send
-        outcome = p.sync.average(round, delta, weight, p.shard_sha256())
-        if p.stopping():
-            p.feedback.withdraw(part)  # the round is dropped: its e is owed again (and checkpointed)
-            if before is not None:
-                self._put_back(before)
+    def _average_now(self, round: int, delta: torch.Tensor, weight: float) -> tuple[RoundOutcome | None, int | None]:
+        """Average round `round`'s Δ blocking and apply it; (None, None) at a stop."""
+        loop, part = self.loop, self.loop.fragments.part(round)
+        delta = loop.feedback.offer(delta, part)  # + what earlier rounds' lossy wire did not send
+        outcome = loop.sync.average(round, delta, weight, loop.shard_sha256())
+        if loop.stopping():
+            loop.feedback.withdraw(part)  # the round is dropped: its e is owed again (and checkpointed)
             return None, None
-        p.feedback.settle(delta, outcome, part)
+        loop.feedback.settle(delta, outcome, part)
         self._drained()
         self.apply(outcome, round)
         if part is not None:  # sync.fragments: the part's trained weights take its new θ
-            p.outer.copy_into(p.layout.local_views(), part=part)
+            loop.outer.copy_into(loop.layout.local_views(), part=part)
         return outcome, round
 
     def _drained(self) -> None:
-        """The last round averaged blocking: nothing of the node's own is left in θ's start."""
-
-    def _put_back(self, landed: Landing) -> None:
-        raise AssertionError("nothing lands before a blocking round's average")
+        """A round averaged blocking (under overlap the last): nothing of the node's own stays in θ's start."""
 
     def apply(self, outcome: RoundOutcome, round: int) -> None:
         """Round `round`'s average to θ (to its part under sync.fragments)."""
         if outcome.average is not None:
-            with self.p.timer():  # outer Nesterov step, identical on every group member
-                self.p.outer.step(outcome.average, self.p.fragments.part(round), round)
-
-    def _restore(self, saved: dict[str, torch.Tensor], round: int) -> None:
-        """θ and momentum from before round `round`'s average landed (and, under sync.fragments,
-        its part's trained weights from before the merge)."""
-        local, part = saved.get("local"), self.p.fragments.part(round)
-        self.p.outer.restore(saved)
-        if local is not None and part is not None:
-            self.p.outer.write_into(self.p.layout.local_views(), local, part[0])
+            with self.loop.timer():  # outer Nesterov step, identical on every group member
+                self.loop.outer.step(outcome.average, self.loop.fragments.part(round), round)
 
     # -- what the swarm sees -----------------------------------------------------------------
 
     def publish(self, record: RoundRecord) -> None:
         """The round's record and state to the swarm."""
-        self.p.serve(record)
+        self.loop.serve(record)
 
     def served_tensors(self) -> dict[str, torch.Tensor]:
         return {}
@@ -166,8 +151,8 @@ class Blocking:
     def record_fields(self, round: int, phases: dict[str, float], landed: Landing | None) -> dict[str, Any]:
         """What the round's record says of the mode (and of the part under sync.fragments)."""
         fields: dict[str, Any] = {"overlap": self.mode, "phases": phases} if self.overlapped else {}
-        if self.p.fragments.on:
-            fields["fragment"] = self.p.fragments.index(round)
+        if self.loop.fragments.on:
+            fields["fragment"] = self.loop.fragments.index(round)
         if landed is not None:
             fields["landed_step"] = landed.step
         return fields
@@ -180,28 +165,28 @@ class Blocking:
 
     def checkpoint(self) -> tuple[dict[str, torch.Tensor | None], dict[str, Any]]:
         """The mode's checkpoint tensors (the 1-rank layout; a collective on N ranks) and meta."""
-        p, tensors = self.p, {}
-        if p.fragments.on and self.carry:  # the parts are mid-way, so the weights being trained too
-            tensors["fragments.local"] = p.layout.to_full(p.outer.gather(p.layout.local_views()).clone())
+        loop, tensors = self.loop, {}
+        if loop.fragments.on and self.carry:  # the parts are mid-way, so the weights being trained too
+            tensors["fragments.local"] = loop.layout.to_full(loop.outer.gather(loop.layout.local_views()).clone())
         return tensors, {}
 
     def resume(self, ckpt: Checkpoint) -> None:
         """The model's weights from a checkpoint whose θ is loaded: sync.fragments' trained
         weights if it holds them, otherwise θ."""
-        p = self.p
-        local = ckpt.tensors.get("fragments.local") if p.fragments.on else None
+        loop = self.loop
+        local = ckpt.tensors.get("fragments.local") if loop.fragments.on else None
         if local is None:
             self.carry = self._resume_carry()
             return
-        if local.numel() != sum(p.layout.full_numels):
+        if local.numel() != sum(loop.layout.full_numels):
             raise UserError(f"checkpoint round {ckpt.round}: fragments.local has {local.numel()} values, the "
-                            f"model {sum(p.layout.full_numels)}; resume with the config that wrote it")
-        p.outer.write_into(p.layout.local_views(), p.layout.to_local(local.to(torch.float32).reshape(-1)))
+                            f"model {sum(loop.layout.full_numels)}; resume with the config that wrote it")
+        loop.outer.write_into(loop.layout.local_views(), loop.layout.to_local(local.to(torch.float32).reshape(-1)))
         self.carry = True
 
     def _resume_carry(self) -> bool:
         """Without trained weights in the checkpoint: θ into the model; whether they carry on."""
-        self.p.outer.copy_into(self.p.layout.local_views(), None)
+        self.loop.outer.copy_into(self.loop.layout.local_views(), None)
         return False
 
     def begin_resumed(self) -> None:
@@ -218,69 +203,75 @@ class Delayed(Blocking):
     mode = "delayed"
     overlapped = True
 
-    def __init__(self, parts: LoopParts):
-        super().__init__(parts)
-        cfg = parts.config
+    def __init__(self, loop: LoopParts):
+        super().__init__(loop)
+        cfg = loop.config
         # (on N local ranks, one per rank on its shard, as the outer state)
-        self.pipe = Pipeline(self.mode, parts.outer.numel, cfg.outer, cfg.sync.min_group_size,
+        self.pipe = Pipeline(self.mode, loop.outer.numel, cfg.outer, cfg.sync.min_group_size,
                              cfg.sync.overlap_steps)
         self.deferred: RoundRecord | None = None  # a record served once its average is known
         self.resumed: tuple[int, torch.Tensor, float] | None = None  # a checkpoint's round in flight
 
     def start_offset(self) -> torch.Tensor | None:
-        return self.pipe.local_offset()
+        return None  # the global θ
 
     def after_step(self, done: int) -> None:
         self._serve_deferred()  # now with the average in flight, which joiners need
 
     def finish_round(self, round: int, delta: torch.Tensor, weight: float,
                      phases: dict[str, float]) -> tuple[RoundOutcome | None, int | None]:
-        if round >= self.p.last_round:  # blocking; the last round drains the pipeline
+        if round >= self.loop.last_round:  # blocking; the last round drains the pipeline
             return self._drain(round, delta, weight, phases)
         return self._overlap(round, delta, weight, phases)
 
     def _overlap(self, round: int, delta: torch.Tensor, weight: float,
                  phases: dict[str, float]) -> tuple[RoundOutcome | None, int | None]:
         """Apply round − 1's average (the exposed part: the wait for it) and start this round's."""
-        p, pipe = self.p, self.pipe
+        loop, pipe = self.loop, self.pipe
         self._serve_deferred(wait=True)  # the last round's record waits for its average
         flight = pipe.take()
-        if p.stopping():
+        if loop.stopping():
             pipe.inflight = flight  # not applied: the checkpoint keeps it to average again
             return None, None
         if flight is None:  # the first round: nothing to apply yet
             outcome = RoundOutcome(status="skipped")
-            self.carry = self.carry or pipe.lands_after is not None
         else:
             outcome = flight.result()
             phases.update(flight.span())
             self.apply(outcome, flight.round)
             pipe.learn(outcome)
-            p.feedback.settle(flight.delta, outcome, p.fragments.part(flight.round))
-        pipe.correct(delta)  # eager: a_t·Δ_m^(t) replaces a_{t-1}·Δ_m^(t-1) in the local correction
+            loop.feedback.settle(flight.delta, outcome, loop.fragments.part(flight.round))
+        self._correct(delta)
         self._begin(round, delta, weight)
         return outcome, None if flight is None else flight.round
 
+    def _correct(self, delta: torch.Tensor) -> None:
+        """Our fresh Δ, as it goes into the average."""
+
     def _begin(self, round: int, delta: torch.Tensor, weight: float) -> None:
-        p = self.p
-        self.pipe.begin(p.sync, round, p.feedback.offer(delta, p.fragments.part(round)), weight, p.shard_sha256())
+        loop = self.loop
+        offer = loop.feedback.offer(delta, loop.fragments.part(round))
+        self.pipe.begin(loop.sync, round, offer, weight, loop.shard_sha256())
 
     def _drain(self, round: int, delta: torch.Tensor, weight: float,
                phases: dict[str, float]) -> tuple[RoundOutcome | None, int | None]:
         """The last round: round − 1's average applied, then this round's blocking."""
-        p = self.p
+        loop = self.loop
         self._serve_deferred(wait=True)
         flight = self.pipe.take()
         landed = self._take_landed(phases)
         if landed is None and flight is not None:
-            if p.stopping():
+            if loop.stopping():
                 self.pipe.inflight = flight  # kept for the checkpoint
                 return None, None
-            landed = Landing(flight, p.outer.snapshot(p.fragments.part(flight.round)))
+            landed = Landing(flight, loop.outer.snapshot(loop.fragments.part(flight.round)))
             phases.update(flight.span())
             self.apply(flight.result(), flight.round)
-            p.feedback.settle(flight.delta, flight.result(), p.fragments.part(flight.round))
-        return self._average_now(round, delta, weight, landed)
+            loop.feedback.settle(flight.delta, flight.result(), loop.fragments.part(flight.round))
+        outcome, applied = self._average_now(round, delta, weight)
+        if outcome is None and landed is not None:  # a stop: back to the round before
+            self._put_back(landed)
+        return outcome, applied
 
     def _take_landed(self, phases: dict[str, float]) -> Landing | None:
         """``inner``: the average that landed in this round, settled."""
@@ -291,15 +282,19 @@ class Delayed(Blocking):
         self._restore(landed.saved, landed.flight.round)
         self.pipe.inflight = landed.flight
 
-    def _drained(self) -> None:
-        if self.pipe.correction is not None:
-            self.pipe.correction.reset()
+    def _restore(self, saved: dict[str, torch.Tensor], round: int) -> None:
+        """θ and momentum from before round `round`'s average landed (and, under sync.fragments,
+        its part's trained weights from before the merge)."""
+        local, part = saved.get("local"), self.loop.fragments.part(round)
+        self.loop.outer.restore(saved)
+        if local is not None and part is not None:
+            self.loop.outer.write_into(self.loop.layout.local_views(), local, part[0])
 
     def _serve_deferred(self, wait: bool = False) -> None:
         """The record in wait, once the average in flight is known (`wait` for it)."""
         if self.deferred is not None and self.pipe.inflight_done(wait=wait):
             record, self.deferred = self.deferred, None
-            self.p.serve(record)
+            self.loop.serve(record)
 
     # -- what the swarm sees -----------------------------------------------------------------
 
@@ -307,7 +302,7 @@ class Delayed(Blocking):
         """Only once the round's average is known, so the state carries it: a joiner that adopts
         it applies it as the members do."""
         if self.pipe.inflight_done():
-            self.p.serve(record)
+            self.loop.serve(record)
         else:
             self.deferred = record
 
@@ -320,33 +315,33 @@ class Delayed(Blocking):
     def adopt(self, resync: SwarmState) -> None:
         """Our round in flight and correction go; the state's average in flight comes."""
         super().adopt(resync)
-        self.pipe.adopt(resync.tensors, resync.round, self.p.fragments.numel(resync.round))
+        self.pipe.adopt(resync.tensors, resync.round, self.loop.fragments.numel(resync.round))
 
     # -- checkpoints -------------------------------------------------------------------------
 
     def checkpoint(self) -> tuple[dict[str, torch.Tensor | None], dict[str, Any]]:
         """Also the pending local Δ (the round in flight) and the eager correction."""
         tensors, _ = super().checkpoint()
-        p, flight, to_full = self.p, self.pipe.inflight, self.p.layout.to_full
-        if p.fragments.on and flight is not None:  # the Δ in flight is its round's part
+        loop, flight, to_full = self.loop, self.pipe.inflight, self.loop.layout.to_full
+        if loop.fragments.on and flight is not None:  # the Δ in flight is its round's part
             def to_full(t: torch.Tensor, round: int = flight.round) -> torch.Tensor | None:
-                return p.fragments.to_full(t, round)
+                return loop.fragments.to_full(t, round)
         extra, meta = self.pipe.state_tensors(to_full)
         return {**extra, **tensors}, meta
 
     def resume(self, ckpt: Checkpoint) -> None:
-        p, meta = self.p, ckpt.meta.get("overlap") or {}
-        to_local = p.layout.to_local
-        if p.fragments.on:  # the round in flight holds its part's values
+        loop, meta = self.loop, ckpt.meta.get("overlap") or {}
+        to_local = loop.layout.to_local
+        if loop.fragments.on:  # the round in flight holds its part's values
             def to_local(t: torch.Tensor, round: int = int(meta.get("inflight_round", 1))) -> torch.Tensor:
-                return p.fragments.to_local(t, round, f"checkpoint round {ckpt.round}")
+                return loop.fragments.to_local(t, round, f"checkpoint round {ckpt.round}")
         self.resumed = self.pipe.load(ckpt.tensors, meta, to_local)
         super().resume(ckpt)
 
     def begin_resumed(self) -> None:
         if self.resumed is not None:
             round, delta, weight = self.resumed
-            self.pipe.begin(self.p.sync, round, delta, weight, self.p.outer.params_sha256())
+            self.pipe.begin(self.loop.sync, round, delta, weight, self.loop.outer.params_sha256())
             self.resumed = None
 
     def close(self) -> None:
@@ -360,6 +355,17 @@ class Eager(Delayed):
 
     mode = "eager"
 
+    def start_offset(self) -> torch.Tensor | None:
+        return self.pipe.local_offset()  # c_m
+
+    def _correct(self, delta: torch.Tensor) -> None:
+        self.pipe.correct(delta)  # a_t·Δ_m^(t) replaces a_{t-1}·Δ_m^(t-1) in the local correction
+
+    def _drained(self) -> None:
+        """The run ends on the global θ: no correction left."""
+        if self.pipe.correction is not None:
+            self.pipe.correction.reset()
+
 
 class Inner(Delayed):
     """``sync.overlap: inner``: round t's average lands τ = sync.overlap_steps inner steps into
@@ -368,8 +374,8 @@ class Inner(Delayed):
 
     mode = "inner"
 
-    def __init__(self, parts: LoopParts):
-        super().__init__(parts)
+    def __init__(self, loop: LoopParts):
+        super().__init__(loop)
         # overlap_merge=rebase: a round's trained weights (its part) at its end
         self.ended: tuple[int, torch.Tensor] | None = None
 
@@ -386,40 +392,40 @@ class Inner(Delayed):
             return False
         if pipe.lands_after:
             return done == pipe.lands_after
-        return done >= self.p.config.outer.inner_steps - 1 or not self.p.ranks.any(not pipe.inflight_done())
+        return done >= self.loop.config.outer.inner_steps - 1 or not self.loop.ranks.any(not pipe.inflight_done())
 
     def _land(self, done: int) -> None:
         """Wait for round t's average (the exposed part), apply it to θ, and merge θ into the
         weights being trained. Round t's record is served first, its state still without it."""
-        p, pipe, cfg = self.p, self.pipe, self.p.config.sync
+        loop, pipe, cfg = self.loop, self.pipe, self.loop.config.sync
         began = time.perf_counter()
         pipe.inflight_done(wait=True)
         self._serve_deferred()
         flight = pipe.take()
         assert flight is not None  # `_lands_now`
         waited = time.perf_counter() - began
-        part = p.fragments.part(flight.round)
-        saved = p.outer.snapshot(part)  # a copy of θ and momentum (of the part)
+        part = loop.fragments.part(flight.round)
+        saved = loop.outer.snapshot(part)  # a copy of θ and momentum (of the part)
         if part is not None:  # sync.fragments: and of the part's trained weights, which the merge changes
-            saved["local"] = p.outer.gather(p.layout.local_views())[part[0]:part[1]].clone()
+            saved["local"] = loop.outer.gather(loop.layout.local_views())[part[0]:part[1]].clone()
         outcome = flight.result()
         self.apply(outcome, flight.round)
         pipe.learn(outcome)
         if cfg.overlap_merge == "rebase":  # θ_local ← θ + (θ_local − where round t ended)
-            lo, hi = part or (0, p.outer.numel)
+            lo, hi = part or (0, loop.outer.numel)
             ended = self.ended[1] if self.ended and self.ended[0] == flight.round else saved["theta"]
-            p.outer.shift_into(p.layout.local_views(), p.outer.theta[lo:hi] - ended, part)
+            loop.outer.shift_into(loop.layout.local_views(), loop.outer.theta[lo:hi] - ended, part)
         else:  # θ_local ← α·θ_local + (1−α)·θ
-            p.outer.mix_into(p.layout.local_views(), cfg.overlap_mix, part)
+            loop.outer.mix_into(loop.layout.local_views(), cfg.overlap_mix, part)
         self.ended = None
         self.landed = Landing(flight, saved, waited, done)
 
     def end_steps(self, round: int) -> None:
         """overlap_merge=rebase: keep round `round`'s trained weights (its part) as its steps left them."""
-        p = self.p
-        if p.config.sync.overlap_merge == "rebase":
-            lo, hi = p.fragments.part(round) or (0, p.outer.numel)
-            self.ended = (round, p.outer.gather(p.layout.local_views())[lo:hi].clone())
+        loop = self.loop
+        if loop.config.sync.overlap_merge == "rebase":
+            lo, hi = loop.fragments.part(round) or (0, loop.outer.numel)
+            self.ended = (round, loop.outer.gather(loop.layout.local_views())[lo:hi].clone())
 
     def abandon(self) -> None:
         """A stop after the landing: back to θ from before it, the average in flight again (the
@@ -432,11 +438,14 @@ class Inner(Delayed):
                  phases: dict[str, float]) -> tuple[RoundOutcome | None, int | None]:
         landed, self.landed = self.landed, None
         if landed is None:  # the first round (or a state adopted without an average in flight)
-            return super()._overlap(round, delta, weight, phases)
+            outcome, applied = super()._overlap(round, delta, weight, phases)
+            if outcome is not None and applied is None:  # nothing to land: from now on the weights carry on
+                self.carry = True
+            return outcome, applied
         self.carry = True
         flight, outcome = landed.flight, landed.flight.result()
         phases.update(flight.span())
-        self.p.feedback.settle(flight.delta, outcome, self.p.fragments.part(flight.round))
+        self.loop.feedback.settle(flight.delta, outcome, self.loop.fragments.part(flight.round))
         self._begin(round, delta, weight)
         return outcome, flight.round
 
@@ -444,8 +453,8 @@ class Inner(Delayed):
         landed, self.landed = self.landed, None
         if landed is not None:
             phases.update(landed.flight.span())
-            self.p.feedback.settle(landed.flight.delta, landed.flight.result(),
-                                   self.p.fragments.part(landed.flight.round))
+            self.loop.feedback.settle(landed.flight.delta, landed.flight.result(),
+                                   self.loop.fragments.part(landed.flight.round))
         return landed
 
     def adopt(self, resync: SwarmState) -> None:
@@ -457,7 +466,7 @@ class Inner(Delayed):
         the residual it carried: `diloco_p2p.loop.error_feedback`)."""
         if self.resumed is None:
             return super()._resume_carry()
-        self.p.outer.copy_into(self.p.layout.local_views(), -self.resumed[1])
+        self.loop.outer.copy_into(self.loop.layout.local_views(), -self.resumed[1])
         return True
 
     def resume(self, ckpt: Checkpoint) -> None:
@@ -469,6 +478,6 @@ class Inner(Delayed):
 MODES: dict[str, type[Blocking]] = {"none": Blocking, "delayed": Delayed, "eager": Eager, "inner": Inner}
 
 
-def rounds_for(parts: LoopParts) -> Blocking:
+def rounds_for(loop: LoopParts) -> Blocking:
     """The object that ends the rounds of ``sync.overlap``."""
-    return MODES[parts.config.sync.overlap](parts)
+    return MODES[loop.config.sync.overlap](loop)
