@@ -55,10 +55,15 @@ class Fragments:
         part = self.part(round)
         return self.local_numel if part is None else part[1] - part[0]
 
+    def _ranges(self, round: int) -> tuple[Part, Part]:
+        """Round `round`'s part in this rank's flat layout and in the 1-rank one (fragments on)."""
+        index = (round - 1) % self.count
+        return self.parts[index], self.full_parts[index]
+
     def to_full(self, values: torch.Tensor, round: int) -> torch.Tensor | None:
         """This rank's values of round `round`'s part → the part in the 1-rank layout (a collective
         on N ranks, whose result only rank 0 gets)."""
-        (lo, hi), (full_lo, full_hi) = self.part(round), self.full_part(round)  # type: ignore[misc]
+        (lo, hi), (full_lo, full_hi) = self._ranges(round)
         placed = torch.zeros(self.local_numel)
         placed[lo:hi] = values
         full = self.layout.to_full(placed)
@@ -67,7 +72,7 @@ class Fragments:
     def to_local(self, values: torch.Tensor, round: int, source: str) -> torch.Tensor:
         """Inverse of `to_full`: round `round`'s part in the 1-rank layout → this rank's values;
         `source` names where it came from in the error for a part of the wrong size."""
-        (lo, hi), (full_lo, full_hi) = self.part(round), self.full_part(round)  # type: ignore[misc]
+        (lo, hi), (full_lo, full_hi) = self._ranges(round)
         if values.numel() != full_hi - full_lo:
             raise UserError(f"{source}: the round in flight has {values.numel()} values, its part of the model "
                             f"{full_hi - full_lo}; resume with the config that wrote it (sync.fragments)")

@@ -64,8 +64,9 @@ class EagerCorrection:
 
 class Pipeline:
     """A node's overlap state: the average in flight and, for ``eager``, the local correction. The
-    loop calls `take` for round t-1's average at the end of round t (``inner``: τ steps in), then
-    `correct` and `begin`; a joiner applies the served average in its first round (`adopt`)."""
+    overlap modes (`diloco_p2p.loop.rounds`) call `take` for round t-1's average at the end of round
+    t (``inner``: τ steps in), then `correct` and `begin`; a joiner applies the served average in
+    its first round (`adopt`)."""
 
     def __init__(self, mode: str, numel: int, cfg: OuterConfig, group: int, steps: int = 0):
         self.mode = mode
