@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from diloco_p2p.config.compression import CODECS
+from diloco_p2p.config.compression import NAMES as CODEC_NAMES
 from diloco_p2p.config.section import Section
 
 
@@ -35,7 +37,7 @@ class AdmissionConfig(Section):
 
 
 class SyncConfig(Section):
-    compression: Literal["fp32", "fp16", "int8", "int4", "topk2"] = Field(
+    compression: Literal[CODEC_NAMES] = Field(
         "fp16", description="Wire format of pseudo-gradients in the all-reduce (accumulation is fp32): fp32, fp16, "
         "int8 or int4 (blockwise absmax) through the butterfly, or topk2 (top-k values per 65,536-value block, 2 bits each) "
         "through a sparse all-gather (for small groups)."
@@ -159,14 +161,15 @@ class SyncConfig(Section):
     def feedback_on(self) -> bool:
         """Whether error feedback runs (`diloco_p2p.loop.error_feedback`): a lossy wire, and unset = topk2 only."""
         on = self.compression == "topk2" if self.error_feedback is None else self.error_feedback
-        return on and self.compression in ("int8", "int4", "topk2")
+        return on and CODECS[self.compression].feedback
 
     @model_validator(mode="after")
     def _group_bounds(self) -> SyncConfig:
         if self.target_group_size < self.min_group_size:
             raise ValueError("sync.target_group_size must be >= sync.min_group_size")
-        if self.compression == "topk2" and self.aggregation != "mean":  # every member reduces by itself (`allgather`)
-            raise ValueError("sync.compression topk2 averages by all-gather with the mean only; set sync.aggregation=mean")
+        if CODECS[self.compression].sparse and self.aggregation != "mean":  # each member reduces (`allgather`)
+            raise ValueError(f"sync.compression {self.compression} averages by all-gather with the mean only; set "
+                             "sync.aggregation=mean")
         if self.feedback_carry and not self.feedback_on:
             raise ValueError("sync.feedback_carry carries the error feedback's residual: it needs sync.compression "
                              "topk2 (or int8/int4 with sync.error_feedback=true); set sync.feedback_carry=0")

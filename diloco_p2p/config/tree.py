@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
+from diloco_p2p.config.compression import CODECS
 from diloco_p2p.config.data import DataConfig
 from diloco_p2p.config.model import ModelConfig
 from diloco_p2p.config.node import LogConfig, MetricsConfig, P2PConfig
@@ -39,7 +40,7 @@ class Config(Section):
     # corpus may differ between volunteers, and older checkpoints stay resumable).
     SWARM_FIELDS: ClassVar[tuple[str, ...]] = (
         "run_id", "seed", "model", "outer", "sync.compression", "inner.seq_len", "data.dataset_id",
-        "sync.topk_density",  # only under compression topk2: other runs keep their hash
+        "sync.topk_density",  # only under a sparse compression (topk2): other runs keep their hash
         "sync.overlap",  # absent when none: older runs keep their hash
         "sync.fragments",  # fixes each round's part of the parameters; absent at 1
         "sync.target_group_size",  # fixes the all-reduce's grid (`swarm.collective.hierarchy`); absent at 16, the default
@@ -109,7 +110,7 @@ class Config(Section):
                 and not (k == "data.dataset_id" and v is None) and not (k == "sync.overlap" and v == "none")
                 and not (k == "sync.target_group_size" and v == 16) and not (k == "sync.fragments" and v == 1)
                 and not (k in self._VIEW_DEFAULTS and v == self._VIEW_DEFAULTS[k]) and k not in self._VIEW_INPUTS
-                and not (k == "sync.topk_density" and self.sync.compression != "topk2")}
+                and not (k == "sync.topk_density" and not CODECS[self.sync.compression].sparse)}
 
     def swarm_hash(self) -> str:
         """sha256 over `swarm_view()`; peers with a different hash are refused."""

@@ -16,11 +16,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
 
-from diloco_p2p.swarm.collective import codecs, wire
+from diloco_p2p.config.compression import NAMES as CODEC_NAMES
+from diloco_p2p.config.compression import codec
+from diloco_p2p.swarm.collective import wire
 from diloco_p2p.swarm.transport import streams
 
 SCHEMES = ("auto", "butterfly", "grid", "sparse")
-COMPRESSIONS = ("fp32", "fp16", "int8", "int4", "topk2")
+COMPRESSIONS = CODEC_NAMES  # declared once, with their sizes (`diloco_p2p.config.compression`)
 OVERLAPS = ("none", "eager", "inner")
 DEFAULT_NODES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _PREFIX = streams.LENGTH_PREFIX
@@ -101,7 +103,7 @@ class Inputs:
              f"got {self.overlap_steps}"),
             (1 <= self.fragments <= self.params, f"fragments must be in 1..params, got {self.fragments}"),
             (0 < self.chunk <= wire.MAX_CHUNK_ELEMENTS, f"chunk must be in 1..{wire.MAX_CHUNK_ELEMENTS}"),
-            (self.scheme != "sparse" or self.compression == "topk2", "the sparse all-gather needs compression topk2"),
+            (self.scheme != "sparse" or codec(self.compression).sparse, "the sparse all-gather needs a sparse compression (topk2)"),
         ]
         for links in (self.uplink, self.downlink):
             problems.append((0 < links.lo <= links.hi, f"link rates must be > 0 Mbit/s and lo <= hi, got {links}"))
@@ -114,14 +116,9 @@ class Inputs:
 
 
 def payload_size(numel: int, compression: str, density: float = 1.0) -> int:
-    """Bytes of `numel` values in one frame of the given compression (exact where `wire` encodes it)."""
-    if compression in wire.COMPRESSIONS:
-        return wire.encoded_size(numel, compression)
-    if compression == "int4":
-        return codecs.int4_size(numel)
-    if compression == "topk2":
-        return codecs.topk_size(numel, density)
-    raise ValueError(f"unknown compression {compression!r}")
+    """Bytes of `numel` values in one frame of the given compression: its declared size, which is
+    what the wire writes (`diloco_p2p.config.compression`)."""
+    return codec(compression).size(numel, density)
 
 
 def _frames(numel: int, compression: str, chunk: int, density: float = 1.0) -> int:
@@ -160,7 +157,7 @@ def butterfly_bytes(n: int, k: int, compression: str, chunk: int = wire.DEFAULT_
 
     def gather_frames(numel: int) -> int:
         frames = _frames(numel, compression, chunk, gathered)
-        return min(frames, _frames(numel, "fp16", chunk)) if compression == "topk2" else frames
+        return min(frames, _frames(numel, "fp16", chunk)) if codec(compression).sparse else frames
 
     headers = (k - 1) * sum(header_size(kind, k, n, chunk) for kind in ("scatter", "gather", "mask"))
     scatter = {m: _frames(m, compression, chunk, density) for m in set(parts)}
@@ -212,7 +209,7 @@ def levels(inp: Inputs, scheme: str, nodes: int) -> list[Level]:
         return [Level("all-gather", nodes, sparse_bytes(n, nodes, chunk, d), 2 * (nodes - 1))]
     rows, size = grid_shape(nodes, inp.group)
     sizes = [hi - lo for lo, hi in wire.partition(nodes, rows)]  # rows differ by at most one member
-    fp32_gather = len(set(sizes)) > 1 and comp not in ("fp32", "fp16")  # unequal rows re-encode exactly only these
+    fp32_gather = len(set(sizes)) > 1 and not codec(comp).exact_reencode  # as `hierarchy` does
 
     def row_bytes(s: int) -> int:
         part = math.ceil(n / s)
@@ -234,7 +231,7 @@ def scheme_for(inp: Inputs, nodes: int) -> str:
     """The scheme a swarm runs: top-k goes by all-gather; dense is one butterfly up to the group size, a grid beyond."""
     if inp.scheme != "auto":
         return inp.scheme
-    if inp.compression == "topk2":
+    if codec(inp.compression).sparse:
         return "sparse"
     return "butterfly" if nodes <= inp.group else "grid"
 

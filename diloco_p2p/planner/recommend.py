@@ -15,11 +15,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from diloco_p2p import config
+from diloco_p2p.config import compression
 from diloco_p2p.errors import UserError
 from diloco_p2p.planner import plan
 
 TARGET = 0.9
-DENSE = ("fp32", "fp16", "int8", "int4")  # fewer bytes left to right, through the same all-reduce
+DENSE = compression.DENSE  # fewer bytes left to right, through the same all-reduce
 H_FACTORS = (1, 2, 4, 8)
 GROUPS = (8, 16, 32)
 FRAGMENTS = (2, 5, 10)
