@@ -9,6 +9,8 @@ from pydantic import Field, model_validator
 
 from diloco_p2p.config.compression import CODECS
 from diloco_p2p.config.compression import NAMES as CODEC_NAMES
+from diloco_p2p.config.overlap_modes import MODES, OverlapMode
+from diloco_p2p.config.overlap_modes import NAMES as OVERLAP_NAMES
 from diloco_p2p.config.section import Section
 
 
@@ -121,7 +123,7 @@ class SyncConfig(Section):
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="Who may take part in the run (open or closed)."
     )
-    overlap: Literal["none", "delayed", "eager", "inner"] = Field(
+    overlap: Literal[OVERLAP_NAMES] = Field(
         "none",
         description="Hide the all-reduce behind compute: `none` blocks on it each round; `delayed` and `eager` "
         "average round t's pseudo-gradient during round t+1's inner steps and apply it at the end of round t+1, "
@@ -158,6 +160,11 @@ class SyncConfig(Section):
     )
 
     @property
+    def overlap_mode(self) -> OverlapMode:
+        """`sync.overlap`'s declaration (`diloco_p2p.config.overlap_modes`)."""
+        return MODES[self.overlap]
+
+    @property
     def feedback_on(self) -> bool:
         """Whether error feedback runs (`diloco_p2p.loop.error_feedback`): a lossy wire, and unset = topk2 only."""
         on = self.compression == "topk2" if self.error_feedback is None else self.error_feedback
@@ -180,7 +187,7 @@ class SyncConfig(Section):
 
     @property
     def _starts_from_theta(self) -> bool:
-        return self.overlap == "none" and self.fragments == 1
+        return self.overlap_mode.blocking and self.fragments == 1
 
     @property
     def carry(self) -> float:

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
+from diloco_p2p.config import overlap_modes
 from diloco_p2p.config.compression import CODECS
 from diloco_p2p.config.data import DataConfig
 from diloco_p2p.config.model import ModelConfig
@@ -61,20 +62,22 @@ class Config(Section):
     def _overlap_fits(self) -> Config:
         # The eager correction runs the outer step on its own input (diloco_p2p.loop.overlap): a plain
         # (Nesterov) momentum step, and H known when the round in flight is averaged.
-        if self.sync.overlap != "none" and self.outer.delayed_nesterov:
+        overlap = self.sync.overlap_mode
+        if not overlap.blocking and self.outer.delayed_nesterov:
             raise ValueError("sync.overlap needs outer.delayed_nesterov unset (the overlapped step is plain Nesterov)")
-        if self.sync.overlap != "none" and self.outer.dynamic_local_updates:
+        if not overlap.blocking and self.outer.dynamic_local_updates:
             raise ValueError("sync.overlap and outer.dynamic_local_updates cannot be combined")
-        if self.sync.overlap == "inner" and max(self.sync.overlap_steps, 1) >= self.outer.inner_steps:
-            raise ValueError(f"sync.overlap=inner needs sync.overlap_steps ({self.sync.overlap_steps}) below "
+        if overlap.hides == "steps" and max(self.sync.overlap_steps, 1) >= self.outer.inner_steps:
+            raise ValueError(f"sync.overlap={overlap.name} needs sync.overlap_steps ({self.sync.overlap_steps}) below "
                              f"outer.inner_steps ({self.outer.inner_steps}) and H >= 2: the average lands inside "
                              "the next round")
-        if self.sync.fragments > 1 and self.sync.overlap not in ("none", "inner"):
-            raise ValueError(f"sync.fragments={self.sync.fragments} runs with sync.overlap none or inner, not "
-                             f"{self.sync.overlap}")
+        if self.sync.fragments > 1 and not overlap.fragments:
+            with_fragments = " or ".join(m.name for m in overlap_modes.MODES.values() if m.fragments)
+            raise ValueError(f"sync.fragments={self.sync.fragments} runs with sync.overlap {with_fragments}, not "
+                             f"{overlap.name}")
         if self.sync.fragments > 1 and self.outer.delayed_nesterov:
             raise ValueError("sync.fragments > 1 needs outer.delayed_nesterov unset (each part takes its own step)")
-        if self.outer.scheduled and (self.sync.overlap != "none" or self.sync.fragments > 1 or self.outer.delayed_nesterov
+        if self.outer.scheduled and (not overlap.blocking or self.sync.fragments > 1 or self.outer.delayed_nesterov
                                      or self.outer.dynamic_local_updates):
             raise ValueError("outer.h_schedule and outer.warmup_rounds run with sync.overlap=none, sync.fragments=1, "
                              "outer.delayed_nesterov unset and outer.dynamic_local_updates=false; set "
@@ -93,7 +96,8 @@ class Config(Section):
             sync = data.get("sync") if isinstance(data.get("sync"), dict) else {}
             fields = OuterConfig.model_fields
             try:
-                schedules = (sync.get("overlap", "none") == "none" and int(sync.get("fragments", 1)) == 1
+                overlap = overlap_modes.MODES.get(sync.get("overlap", SyncConfig.model_fields["overlap"].default))
+                schedules = (overlap is not None and overlap.blocking and int(sync.get("fragments", 1)) == 1
                              and not outer.get("delayed_nesterov") and not outer.get("dynamic_local_updates"))
                 chosen = recipe(int(outer.get("nodes", fields["nodes"].default)),
                                 int(train.get("max_rounds", TrainConfig.model_fields["max_rounds"].default)),

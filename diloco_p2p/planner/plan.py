@@ -16,6 +16,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
 
+from diloco_p2p.config import overlap_modes
 from diloco_p2p.config.compression import NAMES as CODEC_NAMES
 from diloco_p2p.config.compression import codec
 from diloco_p2p.swarm.collective import wire
@@ -23,7 +24,7 @@ from diloco_p2p.swarm.transport import streams
 
 SCHEMES = ("auto", "butterfly", "grid", "sparse")
 COMPRESSIONS = CODEC_NAMES  # declared once, with their sizes (`diloco_p2p.config.compression`)
-OVERLAPS = ("none", "eager", "inner")
+OVERLAPS = overlap_modes.NAMES  # declared once, with the compute each hides behind
 DEFAULT_NODES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _PREFIX = streams.LENGTH_PREFIX
 _GROUP_ID = "0" * 64  # a group id is a sha256 hex digest (matchmaking)
@@ -329,12 +330,12 @@ def predict_scheme(inp: Inputs, nodes: int, scheme: str, cal: Calibration) -> Pr
     parts["latency/messages"] = parts.get("latency/messages", 0.0) + comm - allreduce  # matchmaking
     parts["failures"] = p_any * cal.detect_s
     parts["stragglers"] = slowest - compute
-    tau = 0
-    if inp.overlap == "inner":  # τ = 0: the first step after the average is known, at the latest H-1
+    tau, hides = 0, overlap_modes.mode(inp.overlap).hides
+    if hides == "steps":  # τ = 0: the first step after the average is known, at the latest H-1
         step = slowest / inp.inner_steps
         tau = inp.overlap_steps or min(inp.inner_steps - 1, max(1, math.ceil(comm / step - 1e-9)))
-    if inp.overlap in ("eager", "inner"):  # behind the next round's H (eager) or τ (inner) inner steps
-        hidden = slowest if inp.overlap == "eager" else slowest * tau / inp.inner_steps
+    if hides != "nothing":  # behind the next round's H (delayed, eager) or τ (inner) inner steps
+        hidden = slowest if hides == "round" else slowest * tau / inp.inner_steps
         exposed = max(comm - hidden, 0.0)
         scale = exposed / comm if comm > 0 else 0.0
         parts = {c: (s * scale if c not in ("stragglers",) else s) for c, s in parts.items()}

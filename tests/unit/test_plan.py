@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from diloco_p2p import cli
+from diloco_p2p.config import overlap_modes
 from diloco_p2p.planner import plan
 from diloco_p2p.swarm.collective import wire
 from diloco_p2p.swarm.transport import streams
@@ -73,7 +74,7 @@ def test_utilization_does_not_fall_as_bandwidth_grows(scheme, compression, overl
             utils.append(p.utilization)
             rounds.append(p.round_seconds)
         assert utils == sorted(utils) and rounds == sorted(rounds, reverse=True)
-        assert utils[0] < utils[-1] or overlap == "eager"  # eager may hide even the slowest link
+        assert utils[0] < utils[-1] or overlap in ("eager", "delayed")  # they may hide even the slowest link
 
 
 def test_bottleneck_names_the_cause():
@@ -403,3 +404,31 @@ def test_topk2_is_offered_at_two_and_four_nodes_with_its_measured_recipe():
     assert advice.best.inputs.compression == "topk2" and advice.best.inputs.inner_steps == 500
     assert {"sync.compression=topk2", "outer.lr=2.0", "outer.momentum=0.0", "sync.feedback_decay=0.9",
             "sync.topk_density=0.034"} == set(advice.best.sets)
+
+
+@pytest.mark.parametrize("name", overlap_modes.NAMES)
+def test_each_declared_overlap_mode_is_offered_checked_and_priced(name):
+    """`config.overlap_modes.MODES` is the one declaration: the config and the loop offer every mode,
+    the config lets fragments run with those declared to, and the planner hides the all-reduce
+    behind what each declares (nothing, the next round, or τ of its steps)."""
+    from typing import get_args
+
+    from diloco_p2p.config import SyncConfig, load_config
+    from diloco_p2p.errors import UserError
+    from diloco_p2p.loop import overlap
+
+    declared = overlap_modes.MODES[name]
+    assert get_args(SyncConfig.model_fields["overlap"].annotation) == overlap_modes.NAMES == overlap.OVERLAPS
+    sets = [f"sync.overlap={name}", "sync.fragments=2", "outer.inner_steps=10"]
+    if declared.fragments:
+        assert load_config(None, sets).sync.overlap_mode is declared
+    else:
+        with pytest.raises(UserError, match="sync.fragments=2 runs with sync.overlap none or inner"):
+            load_config(None, sets)
+    base = dict(params=20_000_000, step_seconds=0.5, inner_steps=100, uplink=plan.Links(20, 20),
+                downlink=plan.Links(20, 20), overlap_steps=10)
+    blocking = plan.predict(plan.Inputs(**base), 8)
+    got = plan.predict(plan.Inputs(**base, overlap=name), 8)
+    hidden = {"nothing": 0.0, "round": 100 * 0.5, "steps": 10 * 0.5}[declared.hides]
+    assert got.exposed_seconds == pytest.approx(max(blocking.exposed_seconds - hidden, 0.0), rel=1e-9)
+    assert blocking.exposed_seconds > 10 * 0.5  # so each mode's hiding shows
