@@ -14,6 +14,7 @@ from diloco_p2p.config.data import SWARM_PREFIX, DataConfig
 from diloco_p2p.config.load import (
     apply_override,
     config_reference,
+    config_tree,
     load_config,
     parse_override,
     save_config,
@@ -28,5 +29,5 @@ from diloco_p2p.config.tree import Config, diff_swarm_fields
 __all__ = [
     "SWARM_PREFIX", "AdmissionConfig", "Config", "DataConfig", "InnerConfig", "LogConfig", "MetricsConfig",
     "ModelConfig", "OuterConfig", "P2PConfig", "SyncConfig", "TrainConfig", "apply_override", "config_reference",
-    "diff_swarm_fields", "load_config", "parse_override", "save_config", "validate_config",
+    "config_tree", "diff_swarm_fields", "load_config", "parse_override", "save_config", "validate_config",
 ]

@@ -62,13 +62,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Build the config from defaults, then the file (if any), then ``--set`` overrides.
 
     An invalid value is attributed to the ``--set`` argument that gave it, else to the file."""
+    tree, sources = config_tree(path, overrides)
+    return validate_config(tree, source=str(path) if path else "config", sources=sources)
+
+
+def config_tree(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+                ) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
+    """The tree of the file (if any) with ``--set`` overrides applied, not yet validated, and the
+    argument that set each overridden field (`validate_config`'s `sources`)."""
     tree: dict[str, Any] = _read_file(Path(path)) if path else {}
     sources: dict[tuple[str, ...], str] = {}
     for item in overrides:
         keys, value = parse_override(item)
         apply_override(tree, keys, value)
         sources[tuple(keys)] = f"--set {item}"
-    return validate_config(tree, source=str(path) if path else "config", sources=sources)
+    return tree, sources
 
 
 def validate_config(tree: dict[str, Any], source: str = "config",

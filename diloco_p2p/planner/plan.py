@@ -15,8 +15,11 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
+from typing import Any, ClassVar
 
-from diloco_p2p.config import overlap_modes
+from pydantic import BaseModel
+
+from diloco_p2p.config import Config, OuterConfig, SyncConfig, overlap_modes
 from diloco_p2p.config.compression import NAMES as CODEC_NAMES
 from diloco_p2p.config.compression import codec
 from diloco_p2p.swarm.collective import wire
@@ -64,47 +67,65 @@ class Links:
         return math.exp(math.log(self.lo) + q * (math.log(self.hi) - math.log(self.lo)))
 
 
+def _default(section: type[BaseModel], name: str) -> Any:
+    """A config field's default: the planner's settings default to what a node would run."""
+    return section.model_fields[name].default
+
+
 @dataclass(frozen=True)
 class Inputs:
+    """What a round costs depends on: the model and the machines (params, step seconds, links,
+    ...), which no config holds and which are checked here, and the swarm's settings, which the
+    config holds, defaults and checks (`from_config`; `diloco-p2p plan` builds one from a config
+    and its flags). Settings given here directly are taken as the config would have them."""
+
     params: int
     step_seconds: float
-    inner_steps: int = 500
+    inner_steps: int = _default(OuterConfig, "inner_steps")
     uplink: Links = Links(100.0, 100.0)
     downlink: Links = Links(100.0, 100.0)
     rtt_ms: float = 50.0
     fail_rate: float = 0.0
     step_spread: float = 0.0  # coefficient of variation of per-node compute speed
-    dylu: bool = False  # dynamic local updates: slow nodes do fewer steps, nobody waits
+    dylu: bool = _default(OuterConfig, "dynamic_local_updates")  # slow nodes do fewer steps, nobody waits
     scheme: str = "auto"
-    group: int = 16  # butterfly size; a grid's row size
-    compression: str = "fp16"
-    density: float = 0.02  # top-k
-    overlap: str = "none"
-    overlap_steps: int = 1  # overlap=inner: τ, the inner steps the all-reduce runs behind; 0: as soon as known
-    fragments: int = 1  # sync.fragments: a round averages 1/P of the parameters
+    group: int = _default(SyncConfig, "target_group_size")  # butterfly size; a grid's row size
+    compression: str = _default(SyncConfig, "compression")
+    density: float = _default(SyncConfig, "topk_density")  # top-k
+    overlap: str = _default(SyncConfig, "overlap")
+    overlap_steps: int = _default(SyncConfig, "overlap_steps")  # overlap=inner: τ; 0: as soon as known
+    fragments: int = _default(SyncConfig, "fragments")  # a round averages 1/P of the parameters
     chunk: int = wire.DEFAULT_CHUNK_ELEMENTS
     oversubscribe: float = 1.0  # CPU contention: how many times longer CPU work takes than on a dedicated box (1)
+
+    MACHINE: ClassVar[tuple[str, ...]] = ("params", "step_seconds", "uplink", "downlink", "rtt_ms", "fail_rate",
+                                          "step_spread", "chunk", "oversubscribe")
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, scheme: str = "auto", **machine: Any) -> Inputs:
+        """The round of a swarm running `cfg` on the model and machines `machine` describes
+        (`MACHINE`'s fields; params and step_seconds at least)."""
+        s = cfg.sync
+        return cls(inner_steps=cfg.outer.inner_steps, dylu=cfg.outer.dynamic_local_updates, scheme=scheme,
+                   group=s.target_group_size, compression=s.compression, density=s.topk_density,
+                   overlap=s.overlap, overlap_steps=s.overlap_steps, fragments=s.fragments, **machine)
+
+    def machine(self) -> dict[str, Any]:
+        """The fields no config holds, for `from_config`."""
+        return {name: getattr(self, name) for name in self.MACHINE}
 
     def __post_init__(self):
         problems = [
             (self.params >= 1, f"params must be at least 1, got {self.params}"),
             (self.step_seconds > 0, f"step seconds must be > 0, got {self.step_seconds}"),
-            (self.inner_steps >= 1, f"inner steps must be at least 1, got {self.inner_steps}"),
             (self.rtt_ms >= 0, f"rtt must be >= 0 ms, got {self.rtt_ms}"),
             (0 <= self.fail_rate < 1, f"failure rate must be in [0, 1), got {self.fail_rate}"),
             (self.step_spread >= 0, f"step spread must be >= 0, got {self.step_spread}"),
             (self.scheme in SCHEMES, f"scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}"),
-            (self.group >= 2, f"group size must be at least 2, got {self.group}"),
-            (self.compression in COMPRESSIONS,
-             f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"),
-            (0 < self.density <= 1, f"top-k density must be in (0, 1], got {self.density}"),
-            (self.overlap in OVERLAPS, f"overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}"),
-            (self.overlap != "inner" or (0 <= self.overlap_steps < self.inner_steps and self.inner_steps >= 2),
-             f"overlap steps must be in 0..{self.inner_steps - 1} (below H; 0: as soon as known), "
-             f"got {self.overlap_steps}"),
-            (1 <= self.fragments <= self.params, f"fragments must be in 1..params, got {self.fragments}"),
+            (self.fragments <= self.params, f"sync.fragments ({self.fragments}) must be at most the parameters"),
             (0 < self.chunk <= wire.MAX_CHUNK_ELEMENTS, f"chunk must be in 1..{wire.MAX_CHUNK_ELEMENTS}"),
-            (self.scheme != "sparse" or codec(self.compression).sparse, "the sparse all-gather needs a sparse compression (topk2)"),
+            (self.scheme != "sparse" or codec(self.compression).sparse,
+             "the sparse all-gather needs a sparse compression (topk2)"),
         ]
         for links in (self.uplink, self.downlink):
             problems.append((0 < links.lo <= links.hi, f"link rates must be > 0 Mbit/s and lo <= hi, got {links}"))
