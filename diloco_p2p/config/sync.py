@@ -38,7 +38,9 @@ class AdmissionConfig(Section):
         return self
 
 
-class SyncConfig(Section):
+class WireSettings(Section):
+    """The wire: the pseudo-gradients' format and how fast the all-reduce writes them."""
+
     compression: Literal[CODEC_NAMES] = Field(
         "fp16", description="Wire format of pseudo-gradients in the all-reduce (accumulation is fp32): fp32, fp16, "
         "int8 or int4 (blockwise absmax) through the butterfly, or topk2 (top-k values per 65,536-value block, 2 bits each) "
@@ -48,6 +50,17 @@ class SyncConfig(Section):
         0.03, gt=0, le=1, description="Fraction of the values each block keeps under compression topk2 (0.03: 59x "
         "fewer bytes than fp16 in a pair, 39x in a group of 3)."
     )
+    link_mbit: float | None = Field(
+        None, gt=0, description="This node's uplink in Mbit/s, if known: the all-reduce then writes at `sync.pace` of it, and each round record carries `wire_ratio`, the all-reduce's seconds over the time its bytes take at this rate (1.0 = line rate). Unset: no ratio."
+    )
+    pace: float = Field(
+        0.97, ge=0, le=1, description="With `sync.link_mbit` set, the all-reduce writes at most this fraction of it (all streams together), so the uplink's queue stays short and the ACKs of what the node receives are not held behind its own data (docs/benchmarks.md, 'All-reduce on shaped links'). 0: no cap. A link_mbit above the real uplink only makes the cap loose; one below it slows the node."
+    )
+
+
+class FeedbackSettings(Section):
+    """Error feedback: what a lossy wire did not send, owed in later rounds (`diloco_p2p.loop.error_feedback`)."""
+
     error_feedback: bool | None = Field(
         None, description="Keep what the lossy wire did not send (int8, int4, topk2) and add it to the next "
         "round's pseudo-gradient (checkpointed); unset = on for topk2 only."
@@ -64,6 +77,11 @@ class SyncConfig(Section):
         "none and sync.fragments 1; unset = 0.5 where those hold under topk2, else 0. Only what a node offers "
         "changes, so nodes of a run may differ."
     )
+
+
+class GroupSettings(Section):
+    """A round's group: how many, how long matchmaking and the all-reduce may take, a round with no group."""
+
     min_group_size: int = Field(2, ge=1, description="Fewest peers that make a group; fewer = the round ends alone.")
     target_group_size: int = Field(
         16, ge=1,
@@ -80,24 +98,21 @@ class SyncConfig(Section):
         "all-reduces are measured the deadline is the usual time plus a wide margin (median + 6 deviations + 2 s, at "
         "least 5 s)."
     )
-    link_mbit: float | None = Field(
-        None, gt=0, description="This node's uplink in Mbit/s, if known: the all-reduce then writes at `sync.pace` of it, and each round record carries `wire_ratio`, the all-reduce's seconds over the time its bytes take at this rate (1.0 = line rate). Unset: no ratio."
+    alone_policy: Literal["apply", "skip"] = Field(
+        "apply",
+        description="A round with no group: `apply` our own pseudo-gradient (M=1 DiLoCo), `skip` drops it.",
     )
-    pace: float = Field(
-        0.97, ge=0, le=1, description="With `sync.link_mbit` set, the all-reduce writes at most this fraction of it (all streams together), so the uplink's queue stays short and the ACKs of what the node receives are not held behind its own data (docs/benchmarks.md, 'All-reduce on shaped links'). 0: no cap. A link_mbit above the real uplink only makes the cap loose; one below it slows the node."
-    )
-    state_timeout: float = Field(
-        3600.0, gt=0, description="Seconds a resync or join may spend downloading the swarm's state (θ and momentum: 8 bytes per parameter); a donor silent for 10 s is left for the next one well before this."
-    )
-    state_donors: int = Field(
-        4, ge=1, description="Donors a resync or join streams the state from at once, in verified stripes (docs/architecture.md, 'Joining'); 1: one donor at a time."
-    )
-    max_weight_ratio: float = Field(
-        16.0, gt=1, description="Reject a weight above this multiple of the lower median of the weights offered for the same part (a peer claiming to have trained far more than the others)."
-    )
-    weight_cap: float | None = Field(
-        4.0, ge=1, description="Cap each accepted weight at this multiple of the lower median of the weights offered for the same part before averaging (one peer carries at most this many members' say); null: weights as claimed."
-    )
+
+    @model_validator(mode="after")
+    def _group_bounds(self) -> GroupSettings:
+        if self.target_group_size < self.min_group_size:
+            raise ValueError("sync.target_group_size must be >= sync.min_group_size")
+        return self
+
+
+class RobustSettings(Section):
+    """How reducers bound and combine the contributions to a part (`diloco_p2p.swarm.collective.aggregate`)."""
+
     aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = Field(
         "mean", description="How a reducer combines the contributions to its part: `mean` (token-weighted), `trimmed_mean` (per coordinate, drop the `trim_fraction` of values farthest from the median: Xie et al. 2018's mean around the median) or `centered_clip` (Karimireddy et al. 2021, around the coordinatewise median); the robust rules count members, not tokens."
     )
@@ -110,19 +125,37 @@ class SyncConfig(Section):
     max_norm_ratio: float | None = Field(
         8.0, ge=1, description="Reject a contribution whose norm (stated by its sender, checked against its data) exceeds this multiple of the lower median of the norms offered for the same part; null: no bound."
     )
-    alone_policy: Literal["apply", "skip"] = Field(
-        "apply",
-        description="A round with no group: `apply` our own pseudo-gradient (M=1 DiLoCo), `skip` drops it.",
+    max_weight_ratio: float = Field(
+        16.0, gt=1, description="Reject a weight above this multiple of the lower median of the weights offered for the same part (a peer claiming to have trained far more than the others)."
     )
+    weight_cap: float | None = Field(
+        4.0, ge=1, description="Cap each accepted weight at this multiple of the lower median of the weights offered for the same part before averaging (one peer carries at most this many members' say); null: weights as claimed."
+    )
+
+
+class StateSettings(Section):
+    """Joining and resyncing: whose state to adopt, how it is fetched, who may take part at all."""
+
     resync_quorum: int = Field(
         2, ge=1,
         description="Distinct peers that must report a (round, θ hash) before a node adopts it by resync or join; "
         "while some state has this many, records of states with fewer move nobody (a lone record claiming a later "
         "round is ignored while two honest nodes agree); with none, every record counts (a swarm of one).",
     )
+    state_timeout: float = Field(
+        3600.0, gt=0, description="Seconds a resync or join may spend downloading the swarm's state (θ and momentum: 8 bytes per parameter); a donor silent for 10 s is left for the next one well before this."
+    )
+    state_donors: int = Field(
+        4, ge=1, description="Donors a resync or join streams the state from at once, in verified stripes (docs/architecture.md, 'Joining'); 1: one donor at a time."
+    )
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="Who may take part in the run (open or closed)."
     )
+
+
+class OverlapSettings(Section):
+    """Hiding the all-reduce behind compute, and averaging a part of θ a round (`diloco_p2p.loop.overlap`)."""
+
     overlap: Literal[OVERLAP_NAMES] = Field(
         "none",
         description="Hide the all-reduce behind compute: `none` blocks on it each round; `delayed` and `eager` "
@@ -164,6 +197,13 @@ class SyncConfig(Section):
         """`sync.overlap`'s declaration (`diloco_p2p.config.overlap_modes`)."""
         return MODES[self.overlap]
 
+
+# pydantic lists the fields of the last base first: the reference (docs/config.md) reads wire ... overlap.
+class SyncConfig(OverlapSettings, StateSettings, RobustSettings, GroupSettings, FeedbackSettings, WireSettings):
+    """`sync`: one flat section (the keys users write), its fields declared by concern in the bases
+    above, so a component may take the one concern it reads (e.g. `RobustSettings`); the checks and
+    properties that span concerns are here."""
+
     @property
     def feedback_on(self) -> bool:
         """Whether error feedback runs (`diloco_p2p.loop.error_feedback`): a lossy wire, and unset = topk2 only."""
@@ -171,9 +211,7 @@ class SyncConfig(Section):
         return on and CODECS[self.compression].feedback
 
     @model_validator(mode="after")
-    def _group_bounds(self) -> SyncConfig:
-        if self.target_group_size < self.min_group_size:
-            raise ValueError("sync.target_group_size must be >= sync.min_group_size")
+    def _concerns_fit(self) -> SyncConfig:
         if CODECS[self.compression].sparse and self.aggregation != "mean":  # each member reduces (`allgather`)
             raise ValueError(f"sync.compression {self.compression} averages by all-gather with the mean only; set "
                              "sync.aggregation=mean")

@@ -174,3 +174,21 @@ def test_the_swarm_view_of_the_same_settings_is_unchanged():
     assert load_config(root / "configs/tiny-cpu.yaml").swarm_view() == TINY_CPU_VIEW
     for (path, *sets), expected in SWARM_HASHES_BEFORE.items():
         assert load_config(root / path if path else None, sets).swarm_hash() == expected, (path, sets)
+
+
+def test_every_sync_key_the_docs_tests_and_benchmarks_set_is_a_field():
+    """`sync` is grouped by concern in the code only: the flat keys users write (`--set sync.<field>=...`
+    in docs, tests and benchmarks, and the YAML of configs/) stay fields of the section."""
+    import re
+
+    from diloco_p2p.config import AdmissionConfig, SyncConfig
+
+    root = Path(__file__).resolve().parents[2]
+    found = set()
+    for path in [*root.glob("docs/**/*.md"), root / "README.md", *root.glob("tests/**/*.py"), *root.glob("benchmarks/**/*.py")]:
+        found |= set(re.findall(r"\bsync\.([a-z_]+(?:\.[a-z_]+)?)=", path.read_text()))
+    assert {"compression", "overlap", "fragments", "topk_density"} <= found
+    fields = set(SyncConfig.model_fields) | {f"admission.{f}" for f in AdmissionConfig.model_fields}
+    assert found <= fields, found - fields
+    for path in root.glob("configs/*.yaml"):
+        assert load_config(path).sync.model_dump() != {}  # loads: every key of its sync section is a field
