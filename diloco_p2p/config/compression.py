@@ -1,13 +1,14 @@
-"""The pseudo-gradient codecs, declared once (`CODECS`): the config's choices (`sync.compression`),
-the planner's byte counts (`diloco_p2p.planner.plan`) and the wire (`diloco_p2p.swarm.collective.wire`
-and `codecs`, which encode and decode) all read these declarations, so a codec added or changed here
-reaches all three. Each says what the others need without encoding anything: whether it is sparse
-(an all-gather of contributions, not a reduce-scatter), open to error feedback, exact on
-re-encoding (the grid re-encodes a column's result in it), and its exact size for a frame of n
-values: pure arithmetic, so the config and the planner import no torch, and a receiver knows each
-frame's length from its header. The top-k layout's block and Elias-Fano split are here because
-the size is a function of them; `tests/unit/test_codecs.py` checks every size against what the
-encoders write.
+"""The pseudo-gradient codecs, declared once: name, sparse or not, exact frame size.
+
+The config's choices (`sync.compression`), the planner's byte counts (`diloco_p2p.planner.plan`)
+and the wire (`diloco_p2p.swarm.collective.wire` and `codecs`, which encode and decode) all read
+`CODECS`, so a codec added or changed here reaches all three. Each declares what the others need
+without encoding anything: whether it is sparse (an all-gather of contributions, not a
+reduce-scatter), open to error feedback, exact on re-encoding (the grid re-encodes a column's
+result in it), and its exact size for a frame of n values: pure arithmetic, so the config and the
+planner import no torch, and a receiver knows each frame's length from its header. The top-k
+layout's block and Elias-Fano split are here because the size is a function of them;
+`tests/unit/test_codecs.py` checks every size against what the encoders write.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
-"""Building a `Config`: defaults < file (YAML or TOML) < ``--set a.b=value``; an invalid value is one
-line naming the field and the argument that gave it. Also the config reference of docs/config.md."""
+"""Building a `Config` from defaults, a YAML or TOML file and ``--set a.b=value`` overrides.
+
+An invalid value is one line naming the field and the argument that gave it. Also the config
+reference of docs/config.md, generated from the models.
+"""
 
 from __future__ import annotations
 

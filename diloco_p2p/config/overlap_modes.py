@@ -1,7 +1,8 @@
-"""The overlap modes (`sync.overlap`), declared once (`MODES`): the config's choices and checks, the
-planner's pricing (`diloco_p2p.planner.plan`: what compute a round's all-reduce hides behind) and
-the loop (`diloco_p2p.loop.overlap`) read these declarations, so a mode added here is offered,
-checked and priced alike. What each mode does to θ is `diloco_p2p.loop.overlap`'s docstring.
+"""The overlap modes of `sync.overlap`, declared once with what each hides the all-reduce behind.
+
+The config's choices and checks, the planner's pricing (`diloco_p2p.planner.plan`) and the loop
+(`diloco_p2p.loop.overlap`) read `MODES`, so a mode added here is offered, checked and priced
+alike. What each mode does to θ is `diloco_p2p.loop.overlap`'s docstring.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
-"""`sync`: averaging with the swarm (the wire, groups, robust aggregation, overlap, fragments, who
-may join)."""
+"""`sync`: averaging with the swarm, its fields declared by concern.
+
+The wire, error feedback, the round's group, robust aggregation, joining and admission, then
+overlap and fragments: one base class each, one flat section for the user (`SyncConfig`).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""`inner`, `outer` and `train`: one node's inner steps, the DiLoCo outer step, and the loop's length,
-device and checkpoints."""
+"""`inner`, `outer` and `train`: the inner steps, the DiLoCo outer step, and the loop around them.
+
+The loop's settings are its length, device, precision, evaluation and checkpoints.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""`Config`: the whole tree, the checks that span its sections, and the fields the swarm agrees on
-(`swarm_view`, hashed into every record a peer checks)."""
+"""`Config`: the whole tree, the checks that span its sections, and the fields the swarm agrees on.
+
+`swarm_view` is hashed into every record a peer checks: nodes with another hash are refused.
+"""
 
 from __future__ import annotations
 
