@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from diloco_p2p.config import OuterConfig
+from diloco_p2p.config import OuterConfig, overlap_modes
 from diloco_p2p.contract import InFlight, RoundOutcome, begin_average, resolved
 
-OVERLAPS = ("none", "delayed", "eager", "inner")
+OVERLAPS = overlap_modes.NAMES  # declared once, with what each hides (`diloco_p2p.config.overlap_modes`)
 
 
 def outer_update(theta: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, cfg: OuterConfig) -> None:

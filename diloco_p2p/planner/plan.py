@@ -15,13 +15,19 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
+from typing import Any, ClassVar
 
-from diloco_p2p.swarm.collective import codecs, wire
+from pydantic import BaseModel
+
+from diloco_p2p.config import Config, OuterConfig, SyncConfig, overlap_modes
+from diloco_p2p.config.compression import NAMES as CODEC_NAMES
+from diloco_p2p.config.compression import codec
+from diloco_p2p.swarm.collective import wire
 from diloco_p2p.swarm.transport import streams
 
 SCHEMES = ("auto", "butterfly", "grid", "sparse")
-COMPRESSIONS = ("fp32", "fp16", "int8", "int4", "topk2")
-OVERLAPS = ("none", "eager", "inner")
+COMPRESSIONS = CODEC_NAMES  # declared once, with their sizes (`diloco_p2p.config.compression`)
+OVERLAPS = overlap_modes.NAMES  # declared once, with the compute each hides behind
 DEFAULT_NODES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _PREFIX = streams.LENGTH_PREFIX
 _GROUP_ID = "0" * 64  # a group id is a sha256 hex digest (matchmaking)
@@ -61,47 +67,65 @@ class Links:
         return math.exp(math.log(self.lo) + q * (math.log(self.hi) - math.log(self.lo)))
 
 
+def _default(section: type[BaseModel], name: str) -> Any:
+    """A config field's default: the planner's settings default to what a node would run."""
+    return section.model_fields[name].default
+
+
 @dataclass(frozen=True)
 class Inputs:
+    """What a round costs depends on: the model and the machines (params, step seconds, links,
+    ...), which no config holds and which are checked here, and the swarm's settings, which the
+    config holds, defaults and checks (`from_config`; `diloco-p2p plan` builds one from a config
+    and its flags). Settings given here directly are taken as the config would have them."""
+
     params: int
     step_seconds: float
-    inner_steps: int = 500
+    inner_steps: int = _default(OuterConfig, "inner_steps")
     uplink: Links = Links(100.0, 100.0)
     downlink: Links = Links(100.0, 100.0)
     rtt_ms: float = 50.0
     fail_rate: float = 0.0
     step_spread: float = 0.0  # coefficient of variation of per-node compute speed
-    dylu: bool = False  # dynamic local updates: slow nodes do fewer steps, nobody waits
+    dylu: bool = _default(OuterConfig, "dynamic_local_updates")  # slow nodes do fewer steps, nobody waits
     scheme: str = "auto"
-    group: int = 16  # butterfly size; a grid's row size
-    compression: str = "fp16"
-    density: float = 0.02  # top-k
-    overlap: str = "none"
-    overlap_steps: int = 1  # overlap=inner: τ, the inner steps the all-reduce runs behind; 0: as soon as known
-    fragments: int = 1  # sync.fragments: a round averages 1/P of the parameters
+    group: int = _default(SyncConfig, "target_group_size")  # butterfly size; a grid's row size
+    compression: str = _default(SyncConfig, "compression")
+    density: float = _default(SyncConfig, "topk_density")  # top-k
+    overlap: str = _default(SyncConfig, "overlap")
+    overlap_steps: int = _default(SyncConfig, "overlap_steps")  # overlap=inner: τ; 0: as soon as known
+    fragments: int = _default(SyncConfig, "fragments")  # a round averages 1/P of the parameters
     chunk: int = wire.DEFAULT_CHUNK_ELEMENTS
     oversubscribe: float = 1.0  # CPU contention: how many times longer CPU work takes than on a dedicated box (1)
+
+    MACHINE: ClassVar[tuple[str, ...]] = ("params", "step_seconds", "uplink", "downlink", "rtt_ms", "fail_rate",
+                                          "step_spread", "chunk", "oversubscribe")
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, scheme: str = "auto", **machine: Any) -> Inputs:
+        """The round of a swarm running `cfg` on the model and machines `machine` describes
+        (`MACHINE`'s fields; params and step_seconds at least)."""
+        s = cfg.sync
+        return cls(inner_steps=cfg.outer.inner_steps, dylu=cfg.outer.dynamic_local_updates, scheme=scheme,
+                   group=s.target_group_size, compression=s.compression, density=s.topk_density,
+                   overlap=s.overlap, overlap_steps=s.overlap_steps, fragments=s.fragments, **machine)
+
+    def machine(self) -> dict[str, Any]:
+        """The fields no config holds, for `from_config`."""
+        return {name: getattr(self, name) for name in self.MACHINE}
 
     def __post_init__(self):
         problems = [
             (self.params >= 1, f"params must be at least 1, got {self.params}"),
             (self.step_seconds > 0, f"step seconds must be > 0, got {self.step_seconds}"),
-            (self.inner_steps >= 1, f"inner steps must be at least 1, got {self.inner_steps}"),
             (self.rtt_ms >= 0, f"rtt must be >= 0 ms, got {self.rtt_ms}"),
             (0 <= self.fail_rate < 1, f"failure rate must be in [0, 1), got {self.fail_rate}"),
             (self.step_spread >= 0, f"step spread must be >= 0, got {self.step_spread}"),
             (self.scheme in SCHEMES, f"scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}"),
-            (self.group >= 2, f"group size must be at least 2, got {self.group}"),
-            (self.compression in COMPRESSIONS,
-             f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"),
-            (0 < self.density <= 1, f"top-k density must be in (0, 1], got {self.density}"),
-            (self.overlap in OVERLAPS, f"overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}"),
-            (self.overlap != "inner" or (0 <= self.overlap_steps < self.inner_steps and self.inner_steps >= 2),
-             f"overlap steps must be in 0..{self.inner_steps - 1} (below H; 0: as soon as known), "
-             f"got {self.overlap_steps}"),
-            (1 <= self.fragments <= self.params, f"fragments must be in 1..params, got {self.fragments}"),
+            (self.fragments <= self.params, f"sync.fragments ({self.fragments}) must be at most the parameters"),
             (0 < self.chunk <= wire.MAX_CHUNK_ELEMENTS, f"chunk must be in 1..{wire.MAX_CHUNK_ELEMENTS}"),
-            (self.scheme != "sparse" or self.compression == "topk2", "the sparse all-gather needs compression topk2"),
+            (self.scheme != "sparse" or codec(self.compression).sparse,
+             "the sparse all-gather needs a sparse compression (topk2)"),
         ]
         for links in (self.uplink, self.downlink):
             problems.append((0 < links.lo <= links.hi, f"link rates must be > 0 Mbit/s and lo <= hi, got {links}"))
@@ -114,14 +138,9 @@ class Inputs:
 
 
 def payload_size(numel: int, compression: str, density: float = 1.0) -> int:
-    """Bytes of `numel` values in one frame of the given compression (exact where `wire` encodes it)."""
-    if compression in wire.COMPRESSIONS:
-        return wire.encoded_size(numel, compression)
-    if compression == "int4":
-        return codecs.int4_size(numel)
-    if compression == "topk2":
-        return codecs.topk_size(numel, density)
-    raise ValueError(f"unknown compression {compression!r}")
+    """Bytes of `numel` values in one frame of the given compression: its declared size, which is
+    what the wire writes (`diloco_p2p.config.compression`)."""
+    return codec(compression).size(numel, density)
 
 
 def _frames(numel: int, compression: str, chunk: int, density: float = 1.0) -> int:
@@ -160,7 +179,7 @@ def butterfly_bytes(n: int, k: int, compression: str, chunk: int = wire.DEFAULT_
 
     def gather_frames(numel: int) -> int:
         frames = _frames(numel, compression, chunk, gathered)
-        return min(frames, _frames(numel, "fp16", chunk)) if compression == "topk2" else frames
+        return min(frames, _frames(numel, "fp16", chunk)) if codec(compression).sparse else frames
 
     headers = (k - 1) * sum(header_size(kind, k, n, chunk) for kind in ("scatter", "gather", "mask"))
     scatter = {m: _frames(m, compression, chunk, density) for m in set(parts)}
@@ -212,7 +231,7 @@ def levels(inp: Inputs, scheme: str, nodes: int) -> list[Level]:
         return [Level("all-gather", nodes, sparse_bytes(n, nodes, chunk, d), 2 * (nodes - 1))]
     rows, size = grid_shape(nodes, inp.group)
     sizes = [hi - lo for lo, hi in wire.partition(nodes, rows)]  # rows differ by at most one member
-    fp32_gather = len(set(sizes)) > 1 and comp not in ("fp32", "fp16")  # unequal rows re-encode exactly only these
+    fp32_gather = len(set(sizes)) > 1 and not codec(comp).exact_reencode  # as `hierarchy` does
 
     def row_bytes(s: int) -> int:
         part = math.ceil(n / s)
@@ -234,7 +253,7 @@ def scheme_for(inp: Inputs, nodes: int) -> str:
     """The scheme a swarm runs: top-k goes by all-gather; dense is one butterfly up to the group size, a grid beyond."""
     if inp.scheme != "auto":
         return inp.scheme
-    if inp.compression == "topk2":
+    if codec(inp.compression).sparse:
         return "sparse"
     return "butterfly" if nodes <= inp.group else "grid"
 
@@ -332,12 +351,12 @@ def predict_scheme(inp: Inputs, nodes: int, scheme: str, cal: Calibration) -> Pr
     parts["latency/messages"] = parts.get("latency/messages", 0.0) + comm - allreduce  # matchmaking
     parts["failures"] = p_any * cal.detect_s
     parts["stragglers"] = slowest - compute
-    tau = 0
-    if inp.overlap == "inner":  # τ = 0: the first step after the average is known, at the latest H-1
+    tau, hides = 0, overlap_modes.mode(inp.overlap).hides
+    if hides == "steps":  # τ = 0: the first step after the average is known, at the latest H-1
         step = slowest / inp.inner_steps
         tau = inp.overlap_steps or min(inp.inner_steps - 1, max(1, math.ceil(comm / step - 1e-9)))
-    if inp.overlap in ("eager", "inner"):  # behind the next round's H (eager) or τ (inner) inner steps
-        hidden = slowest if inp.overlap == "eager" else slowest * tau / inp.inner_steps
+    if hides != "nothing":  # behind the next round's H (delayed, eager) or τ (inner) inner steps
+        hidden = slowest if hides == "round" else slowest * tau / inp.inner_steps
         exposed = max(comm - hidden, 0.0)
         scale = exposed / comm if comm > 0 else 0.0
         parts = {c: (s * scale if c not in ("stragglers",) else s) for c, s in parts.items()}

@@ -2,7 +2,7 @@
 
 The search tries every combination of the settings that change a round's cost in `plan`'s
 model (the wire, the overlap, H, fragments, the grid's row size), keeps those the config
-accepts, and picks, among those reaching `TARGET` utilization at every N, the lowest estimated
+accepts (each candidate is planned as `plan.Inputs.from_config` of that config), and picks, among those reaching `TARGET` utilization at every N, the lowest estimated
 quality cost (`QUALITY`: the project's measurements on the tiny preset, each naming its results
 file), then the fewest changes. They come out as ``--set`` overrides. The costs rank candidates;
 they do not predict a large model's loss. The search: docs/architecture.md, "The planner's model".
@@ -11,15 +11,16 @@ they do not predict a large model's loss. The search: docs/architecture.md, "The
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from diloco_p2p import config
+from diloco_p2p.config import compression
 from diloco_p2p.errors import UserError
 from diloco_p2p.planner import plan
 
 TARGET = 0.9
-DENSE = ("fp32", "fp16", "int8", "int4")  # fewer bytes left to right, through the same all-reduce
+DENSE = compression.DENSE  # fewer bytes left to right, through the same all-reduce
 H_FACTORS = (1, 2, 4, 8)
 GROUPS = (8, 16, 32)
 FRAGMENTS = (2, 5, 10)
@@ -92,12 +93,12 @@ def tree_of(fields: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def is_valid(fields: dict[str, Any]) -> bool:
+def validated(fields: dict[str, Any]) -> config.Config | None:
+    """The config `fields` (dotted) give, or None where the config refuses them."""
     try:
-        config.validate_config(tree_of(fields))
+        return config.validate_config(tree_of(fields))
     except UserError:
-        return False
-    return True
+        return None
 
 
 def _value(v: Any) -> str:
@@ -105,7 +106,7 @@ def _value(v: Any) -> str:
 
 
 def _options(base: plan.Inputs, nodes: tuple[int, ...]):
-    """(Inputs, the config fields it needs besides `fields_of`, H over the baseline's) for every combination tried."""
+    """(the config fields a candidate sets, H over the baseline's) for every combination tried."""
     h0 = base.inner_steps * base.fragments  # inner steps between two syncs of the same values
     wires = [c for c in DENSE if DENSE.index(c) >= DENSE.index(base.compression)] if base.compression in DENSE \
         else list(DENSE)
@@ -114,18 +115,16 @@ def _options(base: plan.Inputs, nodes: tuple[int, ...]):
         extra = dict(TOPK_RECIPE) if comp == "topk2" else {"sync.error_feedback": True} if comp == "int4" else {}
         for factor in H_FACTORS:
             h = h0 * factor
-            shared = dict(compression=comp, inner_steps=h, fragments=1, overlap="none", scheme="auto",
-                          density=TOPK_RECIPE["sync.topk_density"] if comp == "topk2" else base.density)
-            schedules = [dict()]  # blocking
+            shared = {"sync.compression": comp, "outer.inner_steps": h, "sync.fragments": 1, "sync.overlap": "none"}
+            schedules: list[dict[str, Any]] = [{}]  # blocking
             if comp != "topk2" and not base.dylu:
-                schedules += [dict(overlap="inner", overlap_steps=0), dict(overlap="eager")]
-                schedules += [dict(overlap="inner", overlap_steps=tau, fragments=p, inner_steps=h // p)
+                schedules += [{"sync.overlap": "inner", "sync.overlap_steps": 0}, {"sync.overlap": "eager"}]
+                schedules += [{"sync.overlap": "inner", "sync.overlap_steps": tau, "sync.fragments": p,
+                               "outer.inner_steps": h // p, "sync.overlap_merge": "rebase"}
                               for p in FRAGMENTS for tau in (1, 2) if h % p == 0 and h // p > tau]
             for schedule in schedules:
                 for group in (groups if comp != "topk2" else [base.group]):
-                    inp = replace(base, **{**shared, **schedule, "group": group})
-                    more = dict(extra, **({"sync.overlap_merge": "rebase"} if inp.fragments > 1 else {}))
-                    yield inp, more, h / h0
+                    yield {**shared, **extra, **schedule, "sync.target_group_size": group}, h / h0
 
 
 def _cost(c: Candidate, base: Candidate, h_factor: float) -> tuple[float, tuple[str, ...]]:
@@ -166,10 +165,11 @@ def recommend(base: plan.Inputs, nodes: tuple[int, ...] = plan.DEFAULT_NODES,
     if baseline.lowest >= TARGET:
         return Advice(baseline, None, [], "")
     found: list[Candidate] = []
-    for inp, extra, h_factor in _options(base, nodes):
-        fields = {**fields_of(inp), **extra}
-        if not is_valid({**baseline.fields, **fields}):  # what the user's config becomes with the lines pasted
+    for fields, h_factor in _options(base, nodes):
+        cfg = validated({**baseline.fields, **fields})  # what the user's config becomes with the lines pasted
+        if cfg is None:
             continue
+        inp = plan.Inputs.from_config(cfg, **base.machine())
         c = Candidate(inp, fields, plan.sweep(inp, nodes, cal))
         c.sets = tuple(f"{k}={_value(v)}" for k, v in sorted(fields.items()) if baseline.fields.get(k) != v
                        and not (k == "sync.overlap_steps" and v == 0 and "sync.overlap_steps" not in baseline.fields))

@@ -16,10 +16,11 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from diloco_p2p.config.sync import RobustSettings
 from diloco_p2p.swarm.collective import wire
 
 AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
@@ -60,8 +61,8 @@ class Robust:
 MEAN = Robust()
 
 
-def robust_of(sync: Any) -> Robust:
-    """The rule and bounds of a `SyncConfig` (``sync.aggregation``, ``trim_fraction``, ...)."""
+def robust_of(sync: RobustSettings) -> Robust:
+    """The rule and bounds of the config's robust aggregation (``sync.aggregation``, ``trim_fraction``, ...)."""
     return Robust(sync.aggregation, sync.trim_fraction, sync.clip_radius, sync.max_norm_ratio, sync.weight_cap)
 
 

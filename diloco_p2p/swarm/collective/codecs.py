@@ -4,9 +4,10 @@ Pure functions of tensors and bytes, like `wire` (which dispatches ``int4`` here
 per-block absmax scaling with 4-bit codes (0.5625 bytes per value); ``topk2`` is SparseLoCo's
 chunked top-k (Sarfi et al. 2025): per frame, the largest values by magnitude as a sign and one
 of two Lloyd-Max levels, their offsets Elias-Fano coded. A frame's size is a function of
-(numel, density) alone, and `decode_topk` refuses a frame that breaks the layout. The protocol
-that moves them is `allreduce` (``int4``) and `allgather` (``topk2``); what a node did not send
-is carried to its next round by `diloco_p2p.loop.error_feedback`.
+(numel, density) alone (declared with every codec: `diloco_p2p.config.compression`), and
+`decode_topk` refuses a frame that breaks the layout. The protocol that moves them is `allreduce`
+(``int4``) and `allgather` (``topk2``); what a node did not send is carried to its next round by
+`diloco_p2p.loop.error_feedback`.
 The formats, their measurements and layouts: docs/protocol/wire.md
 """
 
@@ -17,11 +18,15 @@ import math
 import numpy as np
 import torch
 
+# The sizes and the top-k layout are declared with the codecs (`diloco_p2p.config.compression`).
+from diloco_p2p.config.compression import INT4_BLOCK as INT4_BLOCK
+from diloco_p2p.config.compression import TOPK_BLOCK as TOPK_BLOCK
+from diloco_p2p.config.compression import int4_size as int4_size
+from diloco_p2p.config.compression import topk_bits, topk_groups, topk_low_bits
+from diloco_p2p.config.compression import topk_size as topk_size
 from diloco_p2p.swarm.transport.streams import WireError
 
-INT4_BLOCK = 64
 LLOYD_STEPS = 4  # of the 2-level quantizer of kept magnitudes (`_levels`)
-TOPK_BLOCK = 65536  # one frame of `wire.DEFAULT_CHUNK_ELEMENTS`: the top-k is chosen per frame (see above)
 
 
 def _ranges(numel: int, chunk: int) -> list[tuple[int, int]]:
@@ -30,11 +35,6 @@ def _ranges(numel: int, chunk: int) -> list[tuple[int, int]]:
 
 
 # ----------------------------------------------------------------------------- int4
-
-
-def int4_size(numel: int) -> int:
-    """Exact bytes of `encode_int4` for `numel` elements."""
-    return 4 * math.ceil(numel / INT4_BLOCK) + (numel + 1) // 2
 
 
 def encode_int4(x: torch.Tensor) -> bytes:
@@ -81,37 +81,6 @@ def check_density(density: float) -> None:
         raise ValueError(f"top-k density must be in (0, 1], got {density!r}")
 
 
-def _kept(m: int, density: float) -> int:
-    """Values kept of a block of m elements."""
-    return min(m, max(1, math.ceil(density * m)))
-
-
-def _low_bits(m: int, k: int) -> int:
-    """Elias-Fano's split of an offset in a block of m elements with k kept: the low
-    floor(log2(m/k)) bits go as they are (none when at least every other value is kept)."""
-    return max(0, (m // k).bit_length() - 1)
-
-
-def _groups(numel: int, density: float) -> list[tuple[int, int, int]]:
-    """(count, size m, kept k) of the blocks of a chunk of `numel` elements: the full ones, then the tail."""
-    full, tail = divmod(numel, TOPK_BLOCK)
-    groups = [(full, TOPK_BLOCK, _kept(TOPK_BLOCK, density))] if full else []
-    return groups + ([(1, tail, _kept(tail, density))] if tail else [])
-
-
-def _bits(m: int, k: int) -> tuple[int, int]:
-    """Bits of one block's high-part bit vector, and of its kept values' low bits and codes."""
-    low = _low_bits(m, k)
-    return k + ((m - 1) >> low) + 1, k * (low + 2)
-
-
-def topk_size(numel: int, density: float) -> int:
-    """Exact bytes of `encode_topk` for `numel` elements at `density`: a function of the two alone."""
-    groups = _groups(numel, density)
-    bits = sum(c * sum(_bits(m, k)) for c, m, k in groups)
-    return 8 * sum(c for c, _, _ in groups) + (bits + 7) // 8
-
-
 def _levels(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of magnitudes: two levels and which values take the upper one, by `LLOYD_STEPS` of
     Lloyd's algorithm from the (lower) median split; a row all in one group gets its mean twice."""
@@ -149,11 +118,11 @@ def encode_topk(x: torch.Tensor, density: float) -> bytes:
     """Chunked top-k with 2-bit values of a flat float32 tensor (docs/protocol/wire.md)."""
     x = x.detach().reshape(-1).to(torch.float32)
     block_levels, vectors, values, start = [], [], [], 0
-    for count, m, k in _groups(x.numel(), density):
+    for count, m, k in topk_groups(x.numel(), density):
         idx, lo, hi, codes = _select(x[start : start + count * m].view(count, m), k)
         start += count * m
-        idx, low = idx.numpy().astype(np.int64), _low_bits(m, k)
-        vector = np.zeros((count, _bits(m, k)[0]), dtype=np.uint8)
+        idx, low = idx.numpy().astype(np.int64), topk_low_bits(m, k)
+        vector = np.zeros((count, topk_bits(m, k)[0]), dtype=np.uint8)
         np.put_along_axis(vector, (idx >> low) + np.arange(k), 1, axis=1)  # the i-th one at high(i) + i
         block_levels.append(torch.stack([lo, hi], dim=1).view(-1))
         vectors.append(vector.reshape(-1))
@@ -172,23 +141,23 @@ def decode_topk(data: bytes | bytearray | memoryview, numel: int, density: float
     size = topk_size(numel, density)
     if len(data) != size:
         raise WireError(f"topk2 chunk of {numel} elements at density {density}: expected {size} bytes")
-    groups = _groups(numel, density)
+    groups = topk_groups(numel, density)
     out = torch.zeros(numel, dtype=torch.float32)
     if not groups:
         return out
     blocks = sum(c for c, _, _ in groups)
     block_levels = np.frombuffer(data, dtype="<f4", count=2 * blocks).astype(np.float32).reshape(blocks, 2)
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8, offset=8 * blocks), bitorder="little")
-    at_vector, at_value = 0, sum(c * _bits(m, k)[0] for c, m, k in groups)  # the values follow every bit vector
+    at_vector, at_value = 0, sum(c * topk_bits(m, k)[0] for c, m, k in groups)  # the values follow every bit vector
     block = start = 0
     for count, m, k in groups:
-        width, rest = _bits(m, k)
+        width, rest = topk_bits(m, k)
         vectors = bits[at_vector : at_vector + count * width].reshape(count, width)
         pairs = bits[at_value : at_value + count * rest].reshape(count * k, rest // k)
         at_vector, at_value = at_vector + count * width, at_value + count * rest
         if (vectors.sum(axis=1) != k).any():
             raise WireError(f"topk2 offsets: a block's bit vector does not hold exactly its {k} offsets")
-        low = _low_bits(m, k)
+        low = topk_low_bits(m, k)
         high = np.nonzero(vectors)[1].reshape(count, k) - np.arange(k)
         idx = (high << low) | _from_bits(pairs[:, :low]).reshape(count, k)
         if (idx >= m).any() or (np.diff(idx, axis=1) <= 0).any():

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
+from diloco_p2p.config.compression import codec
 from diloco_p2p.swarm.collective import wire
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import GATHER_FRACTION, AllreduceResult
 
 MAX_MEMBERS = 4096  # one round's membership: matchmaking closes a group at this many (`sync`)
 ROW_FRACTION, AGREE_FRACTION, COLUMN_SHARE = 0.7, 0.15, 0.6
-_EXACT_REENCODE = ("fp32", "fp16")  # decode(encode(x)) == x for every x decoded from this format
 
 
 def rows_for(k: int, butterfly_max: int) -> int:
@@ -83,16 +83,17 @@ class Grid:
 
 async def average(
     service: AllreduceService, group_id: str, peers: list[PeerID], tensor: torch.Tensor, weight: float, *,
-    butterfly_max: int, timeout: float = 60.0, **kwargs: Any,
+    butterfly_max: int, compression: str = "fp16", public: list[bool] | None = None, timeout: float = 60.0,
+    **kwargs: Any,
 ) -> AllreduceResult:
     """The round's all-reduce: one butterfly up to `butterfly_max` members, else the grid. Sparse
     wires and memberships with private members always run one butterfly (the grid lacks NAT support)."""
-    sparse = kwargs.get("compression") in getattr(wire, "SPARSE", ())
-    nat = kwargs.get("public") is not None and not all(kwargs["public"])
-    if sparse or nat or rows_for(len(peers), butterfly_max) == 1:
-        return await service.allreduce(group_id, peers, tensor, weight, timeout=timeout, **kwargs)
+    nat = public is not None and not all(public)
+    if codec(compression).sparse or nat or rows_for(len(peers), butterfly_max) == 1:
+        return await service.allreduce(group_id, peers, tensor, weight, compression=compression, public=public,
+                                       timeout=timeout, **kwargs)
     return await hierarchical_allreduce(service, group_id, peers, tensor, weight, butterfly_max=butterfly_max,
-                                        timeout=timeout, **kwargs)
+                                        compression=compression, timeout=timeout, **kwargs)
 
 
 async def hierarchical_allreduce(
@@ -125,7 +126,7 @@ async def hierarchical_allreduce(
         if any(res.status == "failed" for res in results):
             return None
         out = torch.cat([res.average for res in results]) if results else values
-        exact = compression in _EXACT_REENCODE or grid.aligned
+        exact = codec(compression).exact_reencode or grid.aligned
         return out, compression if exact else "fp32"
 
     row = await service.allreduce(f"{group_id}.row{r}", [peers[m] for m in grid.rows[r]], tensor, weight,

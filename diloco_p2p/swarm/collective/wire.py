@@ -19,12 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from diloco_p2p.config import compression as compression_codecs
 from diloco_p2p.swarm.collective import codecs
 from diloco_p2p.swarm.transport.streams import WireError, dump_json, load_json
 
-COMPRESSIONS = ("fp32", "fp16", "int8", "int4")  # dense: reduce-scatter + all-gather
-SPARSE = ("topk2",)  # sparse: an all-gather of every member's contribution (`allgather`)
-INT8_BLOCK = 1024
+# The codecs are declared in `diloco_p2p.config.compression` (names, sizes, which are sparse).
+COMPRESSIONS = compression_codecs.DENSE  # dense: reduce-scatter + all-gather
+SPARSE = compression_codecs.SPARSE  # sparse: an all-gather of every member's contribution (`allgather`)
+INT8_BLOCK = compression_codecs.INT8_BLOCK
 DEFAULT_CHUNK_ELEMENTS = 1 << 16  # 256 KiB of fp32, 128 KiB of fp16, ~64 KiB of int8 per frame: the pipeline's step
 MAX_CHUNK_ELEMENTS = 1 << 24
 MAX_HEADER_BYTES = 1 << 16
@@ -81,19 +83,13 @@ def _check_compression(compression: str) -> None:
 def encoded_size(numel: int, compression: str) -> int:
     """Exact number of bytes `encode` produces for `numel` elements."""
     _check_compression(compression)
-    if compression == "fp32":
-        return 4 * numel
-    if compression == "fp16":
-        return 2 * numel
-    if compression == "int4":
-        return codecs.int4_size(numel)
-    return 4 * math.ceil(numel / INT8_BLOCK) + numel
+    return compression_codecs.CODECS[compression].size(numel, 1.0)
 
 
 def bytes_per_element(compression: str) -> float:
     """Wire bytes per element for large vectors (what the 2(k-1)/k lower bound is measured in)."""
     _check_compression(compression)
-    return {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / codecs.INT4_BLOCK}[compression]
+    return compression_codecs.CODECS[compression].bytes_per_value()
 
 
 def encode(x: torch.Tensor, compression: str) -> bytes:
