@@ -215,10 +215,7 @@ class SwarmSync:
 
     def _records_at(self, round: int) -> dict[str, ProgressRecord]:
         """The others' records once a quorum vouches for a state at `round` or later, waiting at
-        most the all-reduce's deadline (a group that formed without us publishes once its
-        all-reduce ends). Read before them, the rule sees us ahead and alone, and we would train a
-        whole lone round before it sent us to the swarm's state (a restart often joins the round
-        in flight after its group closed: its download ended after the others' inner steps)."""
+        most the all-reduce's deadline: read before them, a late node would train a lone round."""
         wait = self.allreduce_deadline.current() + VOUCH_WAIT
         start = time.perf_counter()
         try:
@@ -241,11 +238,9 @@ class SwarmSync:
 
     def fetch(self, min_round: int, exclude: frozenset[str] | None = None,
               params_hash: str | None = None) -> SwarmState | None:
-        """Download and verify the swarm's state at `min_round` or later, never past
-        `max_round`; with `params_hash`, that θ at `min_round` or a later (round, θ) that the
-        records vouch for once downloaded (the swarm may move on meanwhile). None if no donor
-        could serve it in time, or a stop was requested. A donor whose blob holds another θ or
-        round than it announced is refused (``bad-state``) and not asked again."""
+        """Download and check the swarm's state at `min_round` or later (with `params_hash`, that θ
+        or a later state the records vouch for); None if no donor served one in time. A donor that
+        fails a check is refused (``bad-state``) and not asked again."""
         start = time.perf_counter()
         exclude = (self.resync_exclude if exclude is None else exclude) | self.guard.no_state_from()
         accepted: dict[tuple[int, str | None], str | None] = {}  # vouched state -> its whole-state hash

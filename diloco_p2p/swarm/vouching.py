@@ -1,10 +1,9 @@
 """What the swarm vouches for, as one node reads it: the DHT reads behind a resync.
 
-`Vouching` reads the run's progress records (and, for a node with no standing yet, the witness of
-the seeds it bootstrapped from) and answers with the pure rules of `membership.resync` and
-`membership.standing`: which peers have standing now, whether a (round, θ hash) is vouched for and
-with which whole-state hash, and the records once a state at our round is vouched for (a group that
-formed without us). `layout_of` is what a peer's state may hold for our model (`codec.Layout`).
+`Vouching` reads the run's records (and, for a node with no standing yet, the seeds' witness)
+and answers with the rules of `membership.resync` and `membership.standing`: who has standing,
+whether a (round, θ hash) is vouched for and its whole-state hash. `layout_of`: what a peer's
+state may hold for our model (`codec.Layout`).
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ VOUCH_WAIT = 2.0  # how long a state at the swarm's front may wait for its quoru
 
 
 class Vouching:
-    """The reads of one swarm endpoint that decide what it may adopt. `read_records` returns the
-    run's records that count (signed, admitted), ours included; `dht` reads the witness."""
+    """The reads that decide what a swarm endpoint may adopt (`read_records`: signed, admitted)."""
 
     def __init__(self, read_records: Callable[[], Awaitable[dict[str, ProgressRecord]]], me: str, dht: Any,
                  run_id: str, quorum: int, max_round: int | None, witnesses: set[str]):

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from diloco_p2p.swarm.collective import aggregate, wire
-from diloco_p2p.swarm.collective.allreduce import GO, NO_GO, AllreduceResult, AllreduceService
+from diloco_p2p.swarm.collective.allreduce import AllreduceResult, AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import Session
+from diloco_p2p.swarm.collective.allreduce_streams import GO, NO_GO
 from diloco_p2p.swarm.transport import streams
 from tests.harness.loopback import AllreducePeers
 

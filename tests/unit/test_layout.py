@@ -233,3 +233,29 @@ def test_a_node_of_one_rank_imports_no_fsdp():
             "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.fsdp', 'torch.distributed.tensor'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def docstring_share(sources: dict[str, str]) -> float:
+    """The share of the lines of `sources` (name -> text) inside module, class and function docstrings."""
+    total = doc = 0
+    for source in sources.values():
+        total += len(source.splitlines())
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body \
+                    and isinstance(first := node.body[0], ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                doc += first.end_lineno - first.lineno + 1
+    return doc / max(total, 1)
+
+
+def test_the_share_counter_counts_docstrings_only():
+    source = '"""One\ntwo."""\n\nx = 1\n\n\ndef f():\n    """Three."""\n    return "not a docstring"\n'
+    assert docstring_share({"m": source}) == 3 / 9  # 9 lines, 2 + 1 of them docstrings
+
+
+def test_docstrings_stay_a_screen_long():
+    """Module docstrings say what and why in about ten lines; protocols live in docs/protocol/."""
+    share = docstring_share({name: path.read_text() for name, path in _modules().items()})
+    assert share <= 0.12, f"docstrings are {share:.1%} of the package's lines"
+    long = {name for name, path in _modules().items() if len(path.read_text().splitlines()) > 500}
+    assert not long, f"no module over 500 lines: {sorted(long)}"

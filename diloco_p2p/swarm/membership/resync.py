@@ -103,20 +103,11 @@ def vouched_records(
     ours: tuple[int, str] | None = None,
     standing: frozenset[str] | None = None,
 ) -> dict[str, ProgressRecord]:
-    """The records whose (round, θ hash) the swarm vouches for (see the module docstring).
-
-    Records past `max_round` are refused (``past-max-rounds``). If some state has `quorum`
-    distinct backers, only records of such states count; a record left out that claims a
-    round later than every vouched state's is refused (``unvouched-state``): it would have made
-    the others resync to it. Stragglers behind the vouched states are left out silently.
-    `ours`, the reader's own (round, θ hash), backs that state too: the first member of our group
-    to publish the round we just committed with it holds our θ, and is not refused for being
-    ahead of the others' records (it was, a few times a minute, in a swarm with no fault at all).
-
-    `standing` (`membership.standing`): the peers whose records may back a state. Given, only
-    they (and `ours`) count as backers, however many others agree, and where no state has a
-    quorum of them only their records count; a record of a peer without standing is kept only
-    when it holds a state they back. None: every signed record counts (headcount)."""
+    """The records whose (round, θ hash) `quorum` distinct backers vouch for, never past
+    `max_round` (``past-max-rounds``); a record claiming a round later than every vouched state's
+    is refused (``unvouched-state``). `ours` (the reader's own round and θ hash) backs its state
+    too. Given `standing`, only those peers (and `ours`) back a state, however many others agree;
+    None counts every signed record (headcount). docs/protocol/records.md, "Resync" and "Standing"."""
     kept: dict[str, ProgressRecord] = {}
     for peer, r in others.items():
         if max_round is not None and r.round > max_round:
@@ -150,9 +141,8 @@ def vouched_records(
 
 def vouched_state_hash(vouched: Mapping[str, ProgressRecord], round: int, params_hash: str | None,
                        standing: frozenset[str] | None = None) -> str | None:
-    """The whole-state hash (`codec.state_sha256`) that the vouched records of (`round`,
-    `params_hash`) publish, counting only peers with standing when given; the most published
-    (None: none publishes one, e.g. records of an older release: then θ alone is checked)."""
+    """The whole-state hash (`codec.state_sha256`) most published by the vouched records of
+    (`round`, `params_hash`) of peers with standing (None: none publishes one; θ alone is checked)."""
     return majority(r.state_sha256 for p, r in vouched.items()
                     if r.round == round and r.params_sha256 == params_hash and r.state_sha256
                     and (standing is None or p in standing))
@@ -171,28 +161,12 @@ def resync_target(
     """Whether a node at (`our_round`, `our_hash`), whose θ was last averaged at round
     `averaged_round` (None: not since it started), must adopt the swarm's state, and which.
 
-    Only `vouched_records(others, quorum, max_round)` count. The swarm's state is that of their
-    `reference_records` (none, when all of them were last averaged before our θ: we keep ours);
-    with `top` their newest round:
-
-    - behind (`top` > ours): download the state of round `top` with its most reported θ hash
-      (any of them if several tie: each has `quorum` backers);
-    - same round, another hash reported strictly more than any other, ours included: download
-      it; a tie moves nobody, unless one of the two rules of the module docstring breaks it:
-    - `donor`: the peer whose state we adopted, while we have not averaged since. If the tie is
-      between exactly our hash and the one it holds at our round, we take its: our θ is its θ plus
-      rounds we ended alone. Without this, a node that adopted a state just as its donor ended a
-      round alone (the two then end a round alone each) is in a 1-1 tie with it for good. The donor
-      keeps its θ: the record names its donor, and the group rule never moves a node to a
-      follower's hash; a third tied hash moves nobody;
-    - `group`: the group we last committed with, kept over the rounds we ended alone since
-      (`tie_winner` among its members that follow nobody and last averaged in that round);
-    - cut off: the reference nodes averaged after our θ last did, we ended
-      `MAX_UNBACKED_ROUNDS` or more rounds since without a group, and we are ahead of them in
-      round number: our rounds since hold our own data only, so go back to their state.
-
-    Nodes whose records do not count are never asked for the state (`exclude`). The rule reads
-    the same records the same way on every node, so a fork heals deterministically.
+    Among the `vouched_records`, the swarm's state is that of their `reference_records`, newest
+    round `top`: behind (`top` > ours), download it; at our round, another hash reported strictly
+    more than any other, ours included, or a tie broken by the `donor` or `group` rule; cut off
+    (`MAX_UNBACKED_ROUNDS` lone rounds while they averaged), go back to their state. Nodes whose
+    records do not count are never asked for it (`exclude`). Every node reads the same records
+    the same way, so a fork heals deterministically. docs/protocol/records.md, "Resync".
     """
     vouched = vouched_records(others, quorum=quorum, max_round=max_round, on_reject=on_reject,
                               ours=(our_round, our_hash), standing=standing)

@@ -26,8 +26,7 @@ WITNESS_TTL = 60.0
 
 class Standing:
     """The peers this node trusts to back a state: those it committed rounds with, one hop of
-    theirs, and what the run's witness lists. Thread-safe enough: sets replaced, never mutated
-    while read elsewhere."""
+    theirs, and what the run's witness lists (sets replaced, never mutated: safe across threads)."""
 
     def __init__(self, me: str):
         self.me = me

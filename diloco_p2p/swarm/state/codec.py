@@ -161,14 +161,11 @@ def state_sha256(tensors: Mapping[str, torch.Tensor], round: int, averaged_round
 
 
 class StateCheck:
-    """A joiner's check of a downloaded blob, beyond its sha256 (which only proves that the donor
-    sent the bytes it announced). The state must be what the donor announced (its round, and θ
-    hashing to the announced `params_hash`): otherwise the donor lied (``lied``). And it must be
-    one the swarm vouches for, not merely what the donor claims: exactly (`round`,
-    `params_hash`) when given, or a later round whose (round, θ hash) `vouched` accepts (the
-    swarm moved on during the download), never past `max_round`. Called with each blob
-    (`fetch_state(verify=...)`): returns (why it is refused, whether the donor lied), or None
-    and keeps the unpacked state in `unpacked`."""
+    """A joiner's check of a downloaded blob, beyond its sha256: of this model (`layout`), finite,
+    what the donor announced (else it ``lied``), and the state the swarm vouches for: (`round`,
+    `params_hash`) or a later one `vouched` accepts, never past `max_round`, hashing as a whole to
+    `state_hash(round, θ)` when the records publish one. Returns (why refused, lied) or None,
+    keeping the state in `unpacked`."""
 
     def __init__(self, round: int | None, params_hash: str | None, max_round: int | None,
                  vouched: Callable[[int, str], bool] | None = None, layout: Layout | None = None,
