@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from diloco_p2p.swarm.collective import wire
-from diloco_p2p.swarm.collective.allreduce import AllreduceService, _frames
+from diloco_p2p.swarm.collective.allreduce import AllreduceService
+from diloco_p2p.swarm.collective.allreduce_streams import _frames
 
 SCALE = 1000.0  # scale-output's factor
 NUDGE = 0.01  # split-output: member j gets NUDGE × (1 + j) added to every value
