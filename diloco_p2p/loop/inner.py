@@ -21,9 +21,8 @@ lr·λ)), λ = ``inner.weight_decay``. Both lrs follow the same warmup + cosine 
 each). On the tiny preset the transfer does not hold: Muon's best lr was 4-16x ``inner.lr``
 (`benchmarks/results/muon_tiny.txt`). The choice is per node: θ moves only by the swarm's agreed
 average, so nodes of one swarm may differ in it (``inner.*`` is outside `Config.SWARM_FIELDS`, but
-for ``seq_len``). A node of several local ranks refuses Muon: its Newton–Schulz step orthogonalizes
-whole matrices, which FSDP shards row-wise across the ranks (torch does not document DTensor
-support; on one rank's FSDP it ran, on N it is untested here).
+for ``seq_len``). On a node of several local ranks Muon orthogonalizes each FSDP-sharded matrix
+whole, on one rank (`diloco_p2p.local.muon`): the same update as on one rank holding the model.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from diloco_p2p.config import InnerConfig
 from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
 from diloco_p2p.local.fsdp import is_dtensor, reshard
+from diloco_p2p.local.muon import ShardedMuon
 from diloco_p2p.local.ranks import Ranks
 
 
@@ -95,10 +95,6 @@ class InnerTrainer:
         self.model, self.cfg, self.device = model, cfg, device
         self.ranks, self.faults = ranks or Ranks(device), faults or Faults()
         dtensors = any(is_dtensor(p) for p in model.parameters())  # FSDP's, on N ranks (or 1 in tests)
-        if cfg.optimizer == "muon" and (self.ranks.sharded or dtensors):
-            raise UserError(f"inner.optimizer=muon needs the model whole on one local rank (this node has "
-                            f"{self.ranks.world_size}, FSDP-sharded): torch.optim.Muon is not supported on FSDP's "
-                            "sharded parameters here; use --nproc-per-node 1 or inner.optimizer=adamw")
         hidden, rest = muon_split(model) if cfg.optimizer == "muon" else ([], list(model.parameters()))
         decay = [p for p in rest if p.ndim >= 2]
         no_decay = [p for p in rest if p.ndim < 2]
@@ -113,8 +109,9 @@ class InnerTrainer:
         self.muon: torch.optim.Muon | None = None
         self.muon_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if cfg.optimizer == "muon":
-            self.muon = torch.optim.Muon(hidden, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay,
-                                         momentum=cfg.muon_momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
+            muon = ShardedMuon if dtensors else torch.optim.Muon  # FSDP's row shards: each matrix whole
+            self.muon = muon(hidden, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay,
+                             momentum=cfg.muon_momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
             self.muon_scheduler = torch.optim.lr_scheduler.LambdaLR(self.muon, factor)
         use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
         self._autocast = (
