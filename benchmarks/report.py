@@ -1,4 +1,4 @@
-"""Regenerate the tables of docs/benchmarks.md from the stored results in benchmarks/results/.
+"""Regenerate the tables of docs/benchmarks.md from the stored results in benchmarks/AREA/results/.
 
 docs/benchmarks.md holds the prose; each table sits between ``<!-- report:NAME -->`` and
 ``<!-- /report:NAME -->``, and NAME is a function in `TABLES` below. Where a benchmark has a report
@@ -29,16 +29,19 @@ from pathlib import Path
 from unittest import mock
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
 DOC = HERE.parent / "docs" / "benchmarks.md"
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))  # plan_check imports tests.netns
+sys.path.insert(0, str(HERE.parent))  # for benchmarks.*; plan_check imports tests.netns
 
 BLOCK = re.compile(r"(<!-- report:(?P<name>[a-z0-9_]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)
 
 
-def load(name: str):
-    return json.loads((RESULTS / name).read_text())
+def result(area: str, name: str) -> Path:
+    """A stored result file: benchmarks/AREA/results/NAME."""
+    return HERE / area / "results" / name
+
+
+def load(area: str, name: str):
+    return json.loads(result(area, name).read_text())
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -67,13 +70,13 @@ def pct(x: float, digits: int = 1) -> str:
 
 def quality_report(name: str) -> str:
     """`quality.py --report`'s table of the stored run `name` (the PNG is left as it is)."""
-    import quality
+    from benchmarks.quality import quality
 
     with mock.patch.object(quality, "plot", lambda *a: None):
-        return code(captured(quality.report, load(name), None).replace("plot: None\n", ""))
+        return code(captured(quality.report, load("quality", name), None).replace("plot: None\n", ""))
 
 
-# The quality tables, one per stored run of benchmarks/quality.py (block name = file stem).
+# The quality tables, one per stored run of benchmarks/quality/quality.py (block name = file stem).
 QUALITY = ("quality_tiny", "quality_tiny_dp_muon", "quality_tiny_muon_outer", "quality_tiny_sweep", "quality_tiny_warm",
            "quality_tiny_32", "quality_small", "quality_small_dp_muon", "quality_35m", "quality_35m_dp_muon")
 
@@ -82,7 +85,7 @@ QUALITY = ("quality_tiny", "quality_tiny_dp_muon", "quality_tiny_muon_outer", "q
 
 
 def compression_wires() -> str:
-    data = load("compression.json")
+    data = load("wire", "compression.json")
     rows = []
     for name, r in data["results"].items():
         fewer = f"{r['fewer_than_fp16']:.1f}×" if r.get("fewer_than_fp16") else "-"
@@ -93,11 +96,10 @@ def compression_wires() -> str:
 
 def _topk(name: str) -> str:
     """`compression_decay.py --report`'s seed means for one results file, and its payload line."""
-    import compression
-    import compression_decay
+    from benchmarks.wire import compression, compression_decay
 
-    data = load(name)
-    n = load("compression.json")["parameters"]
+    data = load("wire", name)
+    n = load("wire", "compression.json")["parameters"]
     k, density = data["replicas"], data["density"]
     topk = compression.payload_bytes(n, "topk2", k, density)
     lines = compression_decay.seed_means(data["results"])
@@ -123,7 +125,7 @@ def topk_seeds() -> str:
 
 
 def swarm_matches_simulate() -> str:
-    data = load("swarm_matches_simulate_topk2.json")
+    data = load("wire", "swarm_matches_simulate_topk2.json")
     rows = [[r["round"], "/".join(r["status"]), f"{r['eval']:.4f}", f"{r['simulate_eval']:.4f}",
              "yes" if r["same_theta"] else "NO", f"{r['reference_eval']:.4f}", pct(r["eval"] / r["reference_eval"] - 1, 2)]
             for r in data["rows"] if r["eval"] is not None]
@@ -137,7 +139,7 @@ def swarm_matches_simulate() -> str:
 
 
 def _link(section: str) -> str:
-    data = load("overlap.json")[section]
+    data = load("overlap", "overlap.json")[section]
     h = data["args"]["inner_steps"]
     rows = []
     for mode, m in data["modes"].items():
@@ -159,17 +161,17 @@ def overlap_link_fragments() -> str:
 
 def overlap_fragments() -> str:
     """`overlap_sweep.py --means` over the six seeds' files."""
-    import overlap_sweep
+    from benchmarks.overlap import overlap_sweep
 
-    per_seed = [load(f"overlap_fragments_seed{s}.json")["results"] for s in range(6)]
+    per_seed = [load("overlap", f"overlap_fragments_seed{s}.json")["results"] for s in range(6)]
     return code(overlap_sweep.means(per_seed))
 
 
 def overlap_sweep_seed0() -> str:
     """`overlap_sweep.py --report` of the seed-0 grid."""
-    import overlap_sweep
+    from benchmarks.overlap import overlap_sweep
 
-    return code(overlap_sweep.report(load("overlap_sweep.json")["results"]))
+    return code(overlap_sweep.report(load("overlap", "overlap_sweep.json")["results"]))
 
 
 # --- all-reduce on shaped links -------------------------------------------------------------
@@ -189,8 +191,8 @@ def _k_cell(by_k: dict | None) -> str:
 def allreduce_paced() -> str:
     """Paced all-reduce, × the wire time, k = 2 / 3 / 4 in each cell."""
     ratio = lambda r: r["seconds"] / r["wire_seconds"]  # noqa: E731
-    small = _by_k(load("allreduce_wan_payload_at_once.json")["rows"], "rate_mbit", "scheme", ratio)
-    large = _by_k(load("allreduce_wan_payload_at_once_20m.json")["rows"], "rate_mbit", "scheme", ratio)
+    small = _by_k(load("wire", "allreduce_wan_payload_at_once.json")["rows"], "rate_mbit", "scheme", ratio)
+    large = _by_k(load("wire", "allreduce_wan_payload_at_once_20m.json")["rows"], "rate_mbit", "scheme", ratio)
     rates = sorted({rate for rate, _ in small} | {rate for rate, _ in large})
     rows = [[f"{rate:g}", _k_cell(small.get((rate, "fp16"))), _k_cell(small.get((rate, "int8"))),
              _k_cell(large.get((rate, "fp16"))), _k_cell(large.get((rate, "int8")))] for rate in rates]
@@ -201,7 +203,7 @@ def allreduce_ceiling() -> str:
     """Unpaced all-reduce and plain TCP of the same bytes, × the wire time, k = 2 / 3 / 4."""
     rows = []
     for cc in ("bbr", "cubic"):
-        data = load(f"allreduce_wan_ceiling_{cc}.json")["rows"]
+        data = load("wire", f"allreduce_wan_ceiling_{cc}.json")["rows"]
         ours = _by_k(data, "rate_mbit", "scheme", lambda r: r["seconds"] / r["wire_seconds"])
         tcp = _by_k(data, "rate_mbit", "scheme", lambda r: r["tcp_seconds"] / r["wire_seconds"])
         for rate, scheme in sorted(ours):
@@ -210,7 +212,7 @@ def allreduce_ceiling() -> str:
 
 
 def allreduce_paced_cubic() -> str:
-    data = load("allreduce_wan_paced_cubic.json")["rows"]
+    data = load("wire", "allreduce_wan_paced_cubic.json")["rows"]
     cells = _by_k(data, "rate_mbit", "scheme", lambda r: r["seconds"] / r["wire_seconds"])
     rates = sorted({rate for rate, _ in cells})
     return table(["Mbit/s", "fp16", "int8"], [[f"{rate:g}", _k_cell(cells.get((rate, "fp16"))),
@@ -218,7 +220,7 @@ def allreduce_paced_cubic() -> str:
 
 
 def wan_line_rate() -> str:
-    data = load("wan_line_rate.json")
+    data = load("wire", "wan_line_rate.json")
     ratio = _by_k(data["rows"], "mbit", "wire", lambda r: r["ratio"])
     util = _by_k(data["rows"], "mbit", "wire", lambda r: r["utilization"])
     rates = sorted({rate for rate, _ in ratio}, reverse=True)
@@ -228,7 +230,7 @@ def wan_line_rate() -> str:
 
 
 def _wan_rows(name: str) -> str:
-    data = load(name)
+    data = load("wire", name)
     rows = [[f"{r['mbit']:g}", r["k"], f"`{r['wire']}`", r["overlap"], f"{r['bytes_sent'] / 1e6:.3f}",
              f"{r['fewer_than_fp16']:.1f}×", f"{r['allreduce_seconds']:.3f}", f"{r['ratio']:.2f}", f"{r['seconds']:.2f}",
              f"{r['exposed_seconds']:.2f}", f"{r['utilization']:.2f}"] for r in data["rows"]]
@@ -247,7 +249,7 @@ def wan_256x4() -> str:
 def hivemind() -> str:
     """The latest paced run of each (k, congestion control): time × hivemind's fp16 all-reduce."""
     latest: dict = {}
-    for r in load("hivemind_compare.json"):
+    for r in load("wire", "hivemind_compare.json"):
         if r.get("pace") and "hivemind fp16" in r.get("sides", {}):
             latest.setdefault((r["k"], r["congestion"]), {})[r["rate"]] = r  # later runs replace earlier ones
     rows = []
@@ -265,16 +267,16 @@ def hivemind() -> str:
 
 
 def scale() -> str:
-    data = load("scale.json")
+    data = load("wire", "scale.json")
     rows = [[r["compression"], r["members"], r["scheme"], f"{r['bytes_over_bound']:.4f}", r["messages"],
              f"{r['seconds']:.2f}"] for r in data["allreduce"]]
-    shaped = load("scale_wan.json")
+    shaped = load("wire", "scale_wan.json")
     rows_wan = [[f"{r['rate_mbit']:g}", r["k"], "grid" if "/grid" in r["scheme"] else "butterfly",
                  f"{r['sent'] / r['bound']:.4f}", f"{r['seconds']:.2f}", f"{r['seconds'] / r['wire_seconds']:.2f}"]
                 for r in shaped["rows"]]
     members = [[r["members"], r["groups"], r["gets_max"], r["stores_max"], r["entries_read_max"]]
                for r in data["membership"]]
-    return ("Loopback, 1M values (`python benchmarks/scale.py`; seconds are CPU on loopback):\n\n"
+    return ("Loopback, 1M values (`python benchmarks/wire/scale.py`; seconds are CPU on loopback):\n\n"
             + table(["wire", "N", "scheme", "bytes × bound", "messages", "seconds"], rows)
             + f"\n\nShaped links, 2M values, fp16 (`{shaped['command']}`):\n\n"
             + table(["Mbit/s", "N", "scheme", "bytes × bound", "seconds", "× wire time"], rows_wan)
@@ -283,7 +285,7 @@ def scale() -> str:
 
 
 def nat() -> str:
-    data = load("nat.json")
+    data = load("swarm", "nat.json")
     rows = []
     for layout, kinds in data["layouts"].items():
         for kind, r in kinds.items():
@@ -296,18 +298,17 @@ def nat() -> str:
 
 def planner() -> str:
     """`plan_check.py report`'s held-out count and `holdout`'s, for the shipped constants."""
-    import plan_check
-
+    from benchmarks.planner import plan_check
     from diloco_p2p.planner import plan
 
     cal = plan.Calibration()
     lines = []
     for name, what in (("plan_check_quiet.json", "quiet machine, the shipped constants' own file"),
                        ("plan_check.json", "busy machine (load 6-14), the load share fitted on its calibration")):
-        errs = plan_check.held_out(load(name), cal)
+        errs = plan_check.held_out(load("planner", name), cal)
         lines.append(f"{name} ({what}): held out {sum(abs(e) <= 0.15 for e in errs)} of {len(errs)} rows within 15% "
                      f"(worst {max(errs, key=abs):+.1%})")
-    rows = plan_check.holdout(load("plan_check_quiet.json"))["rows"]
+    rows = plan_check.holdout(load("planner", "plan_check_quiet.json"))["rows"]
     for key, what in (("err_rate_out", "leave-one-rate-out"), ("err_k_out", "leave-one-k-out")):
         errs = [r[key] for r in rows if r[key] is not None]
         lines.append(f"{what} refits on plan_check_quiet.json: {sum(abs(e) <= 0.15 for e in errs)} of {len(errs)} "
@@ -316,7 +317,7 @@ def planner() -> str:
 
 
 def robust() -> str:
-    data = load("robust.json")
+    data = load("swarm", "robust.json")
     free = data["summary"]["attacker-free"]["finals"]
     rows = []
     for key, r in data["summary"].items():
@@ -335,7 +336,7 @@ def robust() -> str:
 
 
 def data_fetch() -> str:
-    data = load("data_fetch.json")
+    data = load("data", "data_fetch.json")
     best = {k: min(v, key=lambda r: r["first_round_s"]) for k, v in data["runs"].items()}
     names = {"local": "shards on disk", "swarm": "`swarm:<id>` (empty cache)"}
     rows = [[names.get(k, k), f"{r['first_step_s']:.1f} s", f"{r['first_round_s']:.1f} s", f"{r['joined_s']:.1f} s",
@@ -353,7 +354,7 @@ def data_fetch() -> str:
 
 
 def data_scale() -> str:
-    small, large = load("data_scale.json"), load("data_scale_3g.json")
+    small, large = load("data", "data_scale.json"), load("data", "data_scale_3g.json")
     first = large["first_step_fastest_of_3"]
     prep = {**small["prepare_byte"], "3000": large["prepare_byte_again"]}
     default = first["default"]
@@ -377,7 +378,7 @@ def data_scale() -> str:
 
 def _churn(name: str) -> str:
     """churn.py's table and its restarts, as it wrote them (the fault log stays in the .txt)."""
-    text = (RESULTS / f"{name}.txt").read_text()
+    text = result("swarm", f"{name}.txt").read_text()
     return code(text.split("\nfaults: at s")[0])
 
 
@@ -394,11 +395,11 @@ def churn_8n() -> str:
 
 
 def join_stripes() -> str:
-    return code((RESULTS / "join_stripes.txt").read_text())
+    return code(result("swarm", "join_stripes.txt").read_text())
 
 
 def quality_sync() -> str:
-    import quality_sync as sync
+    from benchmarks.quality import quality_sync as sync
 
     return code(sync.report(sync.collect()))
 
@@ -423,33 +424,30 @@ def render(doc: str) -> str:
 
 def plots() -> None:
     """Redraw the PNGs with the benchmarks' own plotting functions, from the same results."""
-    import allreduce_wan
-    import compression
-    import compression_decay
-    import overlap_sweep
-    import plan_check
-    import quality
-    import quality_sync
-    import robust
+    from benchmarks.overlap import overlap_sweep
+    from benchmarks.planner import plan_check
+    from benchmarks.quality import quality, quality_sync
+    from benchmarks.swarm import robust
+    from benchmarks.wire import allreduce_wan, compression, compression_decay
 
     for name in QUALITY:
-        quality.report(load(f"{name}.json"), RESULTS / f"{name}.png")
-    quality_sync.plot(quality_sync.collect(), RESULTS / "quality_sync.png")
-    compression.plot(load("compression.json")["results"], RESULTS / "compression.png")
+        quality.report(load("quality", f"{name}.json"), result("quality", f"{name}.png"))
+    quality_sync.plot(quality_sync.collect(), result("quality", "quality_sync.png"))
+    compression.plot(load("wire", "compression.json")["results"], result("wire", "compression.png"))
     for name in ("compression_topk_carry", "compression_topk_seeds"):
-        compression_decay.plot(load(f"{name}.json")["results"], RESULTS / f"{name}.png")
-    overlap_sweep.plot_means([load(f"overlap_fragments_seed{s}.json")["results"] for s in range(6)],
-                             RESULTS / "overlap_fragments.png")
-    allreduce_wan.plot([RESULTS / "allreduce_wan_ceiling_bbr.json", RESULTS / "allreduce_wan_ceiling_cubic.json"],
-                       RESULTS / "allreduce_wan_ceiling.png")
-    plan_check.stage_curves(argparse.Namespace(json=RESULTS / "plan_check.json"))
-    robust.plot(argparse.Namespace(seeds=[0], png=RESULTS / "robust.png"), load("robust.json")["results"])
+        compression_decay.plot(load("wire", f"{name}.json")["results"], result("wire", f"{name}.png"))
+    overlap_sweep.plot_means([load("overlap", f"overlap_fragments_seed{s}.json")["results"] for s in range(6)],
+                             result("overlap", "overlap_fragments.png"))
+    allreduce_wan.plot([result("wire", "allreduce_wan_ceiling_bbr.json"), result("wire", "allreduce_wan_ceiling_cubic.json")],
+                       result("wire", "allreduce_wan_ceiling.png"))
+    plan_check.stage_curves(argparse.Namespace(json=result("planner", "plan_check.json")))
+    robust.plot(argparse.Namespace(seeds=[0], png=result("swarm", "robust.png")), load("swarm", "robust.json")["results"])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only compare; exit 1 if docs/benchmarks.md is stale")
-    p.add_argument("--plots", action="store_true", help="also redraw the PNGs in benchmarks/results/")
+    p.add_argument("--plots", action="store_true", help="also redraw the PNGs in benchmarks/AREA/results/")
     args = p.parse_args()
     doc = DOC.read_text()
     new = render(doc)

@@ -1,5 +1,7 @@
-"""The `diloco-p2p` command line: parse, dispatch to `diloco_p2p.commands`; a user's mistake
-exits 2 with one line, no traceback."""
+"""The `diloco-p2p` command line: parse, then dispatch to `diloco_p2p.commands`.
+
+A user's mistake exits 2 with one line, no traceback.
+"""
 
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """The contract between a node and the swarm it trains in.
 
-The training loop (`diloco_p2p.loop.node`) and the network layer (`diloco_p2p.swarm`) meet only here:
-
-- `Sync`: what the loop calls each round (`before_round`, `average`, `after_round`). A solo
-  node uses `SoloSync`; a swarm node `swarm.sync.SwarmSync`; a node of N local ranks
-  `swarm.shards.ShardSync`.
-- `NodeState`: the read-only view of the node that the swarm needs: its round and counters,
-  the hash of θ, and the state it serves to joiners. The swarm never holds the node itself.
-- `RoundOutcome`: what the swarm hands back after a round of averaging (the averaged Δ, or
-  nothing), and `SwarmState`: a verified state downloaded from the swarm for the node to adopt.
-- `RoundRecord`: one shape for every round, from every path; the same object becomes a line
-  of ``metrics.jsonl``, Prometheus gauges and the node's DHT progress record.
-- `StopRequested`: the signal flag the loop checks and the swarm polls to cut a wait short.
-- `InFlight`: one round's average under way in the background (sync.overlap), as a swarm of
-  several ranks or the loop starts it (`begin_average`).
-
-Network faults are data here: a round ends ``committed``, ``alone``, ``failed`` or
-``resynced``, never with an exception out of the loop.
+The training loop (`diloco_p2p.loop.node`) and the network layer (`diloco_p2p.swarm`) meet only
+here: `Sync` (what the loop calls each round; `SoloSync` for a solo node, `SwarmSync` or the
+multi-rank `ShardSync` in a swarm), `NodeState` (the read-only view of the node the swarm
+needs), `RoundOutcome` (the averaged Δ, or nothing), `SwarmState` (a verified state to adopt),
+`RoundRecord` (one shape for every round: a line of ``metrics.jsonl``, gauges and the DHT
+record), `StopRequested` (the signal flag), and `InFlight` (one round's average under way in
+the background). Network faults are data here: a round ends ``committed``, ``alone``,
+``failed`` or ``resynced``, never with an exception out of the loop.
 """
 
 from __future__ import annotations
@@ -39,10 +30,11 @@ log = logging.getLogger("diloco_p2p.loop.node")
 # the one it names, a peer a closed run has not admitted, a state claimed past train.max_rounds
 # or backed by too few peers, a downloaded θ that is not the one the swarm vouched for, a
 # contribution to the all-reduce refused for its weight or norm (`diloco_p2p.swarm.collective.aggregate`),
-# a reducer the members caught (its part dropped). The label set of diloco_rejections_total,
-# and the values of `RoundRecord.rejections`.
+# a reducer the members caught (its part dropped), a contribution that is not a vector of this
+# model (NaN or Inf, another length or wire format: "malformed"). The label set of
+# diloco_rejections_total, and the values of `RoundRecord.rejections`.
 REJECTION_REASONS = ("forged-record", "not-admitted", "past-max-rounds", "unvouched-state", "bad-state",
-                     "weight", "norm", "reducer")
+                     "weight", "norm", "reducer", "malformed")
 
 
 def view_hash(view: Mapping[str, Any]) -> str:
@@ -52,17 +44,9 @@ def view_hash(view: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class NodeState:
-    """What the swarm sees of a node at one moment.
-
-    `params_sha256` is the node's hash of θ; `shard_sha256` the hash of the part of θ this
-    process holds (the same value on a node of one rank). `state` holds references to the
-    process's θ and momentum (flat, fp32): the swarm packs them to serve joiners, never edits them.
-
-    θ is always the *global* θ, the one every member of a round holds bit for bit. Under
-    ``sync.overlap`` (`diloco_p2p.loop.overlap`) the average of round `in_flight_round` is still under
-    way and not in θ yet (`state` then carries it once known, for joiners); an eager node trains
-    from θ plus a local correction that is never hashed, served or averaged.
-    """
+    """What the swarm sees of a node at one moment: `params_sha256` of the global θ, `shard_sha256`
+    of this process's part, and `state` (θ and momentum for joiners, never edited by the swarm). Under
+    ``sync.overlap`` round `in_flight_round`'s average is not in θ yet."""
 
     round: int
     step: int

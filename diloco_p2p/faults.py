@@ -1,15 +1,11 @@
 """The points of a round where a test may inject faults; the product injects none.
 
-The node calls a `Faults` at named points: ``delta`` (the round's pseudo-gradient is computed,
-before matchmaking), ``group`` (a group formed), ``allreduce`` (our parts are sent), and in a
-multi-rank node ``rankR.step`` (local rank R is about to take an inner step), plus the start of
-the first round (`start_gate`), the choice of the all-reduce class (`reducer`, `arm_reducer`) and
-the end of a round (`keep`). Here every method does nothing or returns its input.
-
-The fault tests start a node as ``python -m tests.faults.node train ARGS`` (`tests/faults/`): that
-entry `install`s its own `Faults` (kills, stalls, NaN and lying contributions, a lying reducer, a
-start barrier, kept averages) before the command runs, and the train command builds the node's
-with `make_faults`. No environment variable or option of the product plans a fault.
+The node calls a `Faults` at named points: ``delta``, ``group``, ``allreduce``, ``rankR.step``,
+the first round's start (`start_gate`), the all-reduce class (`reducer`, `arm_reducer`) and the
+end of a round (`keep`). Here every method does nothing or returns its input. The fault tests
+start a node as ``python -m tests.faults.node train ARGS``, which installs its own `Faults`
+(kills, stalls, lying contributions and reducers, a start barrier) before the command runs. No
+environment variable or option of the product plans a fault.
 """
 
 from __future__ import annotations

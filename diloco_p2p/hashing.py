@@ -3,7 +3,7 @@
 Members of a round must end with bit-identical θ; the sha256 of its bytes makes that checkable by
 anyone (records, downloads, `diloco-p2p status`). Hashing θ costs a pass over it (4 GB at 1B
 parameters), so past one 64 MiB chunk the hash is the sha256 of a tag and the chunks' digests in
-order, computed on several threads (`benchmarks/gpu_outer.py`): the same bytes give the same hash
+order, computed on several threads (`benchmarks/gpu/gpu_outer.py`): the same bytes give the same hash
 on any machine, whatever its thread count. It lives below both the loop and the swarm: both hash.
 """
 

@@ -1,26 +1,12 @@
 """One log format for the whole process: every line says which peer, round and step it is about.
 
-A swarm's logs are read side by side (several nodes, a seed), so each line carries the node's
-short peer id, its outer round and its inner step, whichever module logged it, ours or
-hivemind's (torchft's ``_ManagerLogger`` prefixes lines the same way). The node updates that
-context as it goes with `set_log_context(peer=..., round=..., step=...)`; a filter on our one
-handler stamps it onto every record, so call sites log plain messages.
-
-The context is process-wide, not per thread: the training loop runs in the main thread, the
-swarm code on a background asyncio loop, and both speak for the same node. `log_context(...)`
-overrides it for the current thread or task only (several nodes in one test process).
-
-Two renderings of the same fields:
-
-- text (default): ``2025-01-01 12:00:00,123 INFO    [peer=x7Yz9AbC round=3 step=150] diloco_p2p.loop.node: ...``
-- JSON (``log.json_format`` / ``--log-json``): one object per line with the keys
-  ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``peer``, ``round``, ``step``, ``message``
-  (and ``exception`` when there is one), for log shippers.
-
-hivemind installs its own handler on the ``hivemind`` logger at import and stops propagation;
-`setup_logging` turns that off (``use_hivemind_log_handler("nowhere")``) so hivemind's lines go
-through our handler too, at WARNING unless our level is DEBUG. ``HIVEMIND_LOGLEVEL``, if set,
-still sets hivemind's own level: a documented, hivemind-only knob that never changes ours.
+A swarm's logs are read side by side, so each line carries the node's short peer id, round and
+inner step, whichever module logged it, ours or hivemind's. The node sets that context with
+`set_log_context`; a filter on our one handler stamps it onto every record. The context is
+process-wide (the loop and the swarm's event loop speak for one node); `log_context` overrides it
+for one thread or task. Text by default, one JSON object per line with ``log.json_format``.
+`setup_logging` routes hivemind's lines through our handler too; ``HIVEMIND_LOGLEVEL`` still sets
+hivemind's own level, never ours. The formats: docs/architecture.md, "Logs and metrics".
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ link shaping then applies to the router's uplink. `nat_available()` says whether
 the machine's default (BBR here; most volunteers' Linux, Windows and macOS hosts run CUBIC). It
 matters when both directions of a link are loaded at once, as in an all-reduce: one TCP flow each
 way between two hosts at 20 Mbit/s took 1.32-1.35x the wire time under BBR, 1.08-1.15x under
-CUBIC (`benchmarks/allreduce_wan.py` prints this ceiling beside each all-reduce).
+CUBIC (`benchmarks/wire/allreduce_wan.py` prints this ceiling beside each all-reduce).
 
 Needs root and iproute2 (`ip`, `tc`); `available()` says whether this machine has them. Every
 namespace is deleted on exit (deleting a namespace removes its interfaces and qdiscs), also
@@ -76,7 +76,7 @@ def queue_ms(rate_mbit: float) -> float:
 
     A home uplink's buffer is sized in bytes and is deep (hundreds of ms at 10-20 Mbit/s:
     Kreibich et al., Netalyzr, IMC 2010). A 100 ms queue at every rate made the 20 Mbit/s links of
-    `benchmarks/plan_check.py` drop 10-30% of the segments their senders queued (this machine's TCP
+    `benchmarks/planner/plan_check.py` drop 10-30% of the segments their senders queued (this machine's TCP
     is BBR, which overfills a shallow queue; namespaces cannot change it): with the deeper queue,
     0.03-0.15% (all-reduces of 4 and 8 peers), at the same all-reduce times within the noise."""
     return min(max(QUEUE_BYTES * 8 / (rate_mbit * 1e6) * 1e3, 100.0), 500.0)

@@ -1,5 +1,8 @@
-"""One module per `diloco-p2p` subcommand: each adds its own arguments (`add_parser`) and runs
-(`run`), so `diloco_p2p.cli` only parses and dispatches."""
+"""One module per `diloco-p2p` subcommand, each with its arguments and its run.
+
+Each adds its own arguments (`add_parser`) and runs (`run`), so `diloco_p2p.cli` only parses and
+dispatches.
+"""
 
 from diloco_p2p.commands import (
     admit,

@@ -1,6 +1,11 @@
-"""`diloco-p2p plan`: predict a round's seconds, compute utilization, bytes per node and the
-bottleneck for swarms of 4 to 1,024 nodes (`diloco_p2p.planner.plan`), then the settings that best raise
-utilization (`diloco_p2p.planner.recommend`); nothing is started."""
+"""`diloco-p2p plan`: predict a round's cost for 4 to 1,024 nodes, and the settings to change.
+
+A round's seconds, compute utilization, bytes per node and the bottleneck
+(`diloco_p2p.planner.plan`), then the settings that best raise utilization
+(`diloco_p2p.planner.recommend`); nothing is started. The swarm's settings are a config's
+(`--config`, `--set`, and the flags standing for its fields, `SETTINGS`), checked and defaulted
+as `train` would; the model's size and the machines are the flags'.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ import re
 from diloco_p2p.errors import UserError
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+# The flags that stand for a config field (unset: the config's value).
+SETTINGS = {"inner_steps": "outer.inner_steps", "dylu": "outer.dynamic_local_updates", "group": "sync.target_group_size",
+            "compression": "sync.compression", "density": "sync.topk_density", "overlap": "sync.overlap",
+            "overlap_steps": "sync.overlap_steps", "fragments": "sync.fragments"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,23 +28,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="predict round time, utilization, bytes per node and the bottleneck at N nodes")
     p.add_argument("--params", required=True, help="model parameters, e.g. 150M, 1.2B, 3500000")
     p.add_argument("--step-seconds", type=float, required=True, help="one inner step's compute on a typical node")
-    p.add_argument("--inner-steps", type=int, default=500, help="H, inner steps per round")
+    p.add_argument("--config", help="the run's YAML or TOML config file (see configs/): its outer and sync settings")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
+                   help="override a config field, as `train` takes it (repeatable)")
+    p.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per round (outer.inner_steps)")
     p.add_argument("--uplink", default="20", help="Mbit/s per node: one rate, or LO-HI (log-uniform over nodes)")
     p.add_argument("--downlink", default=None, help="Mbit/s per node like --uplink (default: the uplink's)")
     p.add_argument("--rtt-ms", type=float, default=50.0, help="round-trip time between two nodes")
     p.add_argument("--fail-rate", type=float, default=0.0, help="probability a node dies during a round")
     p.add_argument("--step-spread", type=float, default=0.0,
                    help="spread of per-node compute speed (coefficient of variation; 0 = identical nodes)")
-    p.add_argument("--dylu", action="store_true", help="dynamic local updates: slow nodes do fewer steps")
+    p.add_argument("--dylu", action="store_true", default=None,
+                   help="dynamic local updates: slow nodes do fewer steps (outer.dynamic_local_updates)")
     p.add_argument("--scheme", default="auto", help=f"averaging scheme: {', '.join(plan.SCHEMES)}")
-    p.add_argument("--group", type=int, default=16, help="butterfly size; a grid's row size")
-    p.add_argument("--compression", default="fp16", help=f"wire format: {', '.join(plan.COMPRESSIONS)}")
-    p.add_argument("--density", type=float, default=0.03, help="top-k: fraction of values sent")
-    p.add_argument("--overlap", default="none", help=f"{', '.join(plan.OVERLAPS)}: hide the all-reduce behind compute")
-    p.add_argument("--overlap-steps", type=int, default=1,
+    p.add_argument("--group", type=int, default=None, help="butterfly size; a grid's row size (sync.target_group_size)")
+    p.add_argument("--compression", default=None, help=f"wire format: {', '.join(plan.COMPRESSIONS)} (sync.compression)")
+    p.add_argument("--density", type=float, default=None, help="top-k: fraction of values sent (sync.topk_density)")
+    p.add_argument("--overlap", default=None,
+                   help=f"{', '.join(plan.OVERLAPS)}: hide the all-reduce behind compute (sync.overlap)")
+    p.add_argument("--overlap-steps", type=int, default=None,
                    help="overlap inner: τ, the inner steps of the next round the all-reduce runs behind; "
-                   "0 = as soon as it is known (the config's default)")
-    p.add_argument("--fragments", type=int, default=1,
+                   "0 = as soon as it is known (sync.overlap_steps)")
+    p.add_argument("--fragments", type=int, default=None,
                    help="sync.fragments: each round averages 1/P of the parameters (give --inner-steps per round)")
     p.add_argument("--nodes", default=",".join(str(n) for n in plan.DEFAULT_NODES), help="N values, comma-separated")
     p.add_argument("--json", action="store_true", help="one JSON object per N instead of the table")
@@ -64,6 +78,23 @@ def parse_links(text: str, flag: str):
     return links
 
 
+def settings(args: argparse.Namespace):
+    """The config whose swarm settings are planned: defaults < `--config` < `--set` < the flags of
+    `SETTINGS`; an invalid one is one line naming the argument that gave it."""
+    from diloco_p2p.config import apply_override, config_tree, validate_config
+
+    tree, sources = config_tree(args.config, args.overrides)
+    for flag, field in SETTINGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            apply_override(tree, field.split("."), value)
+            sources[tuple(field.split("."))] = f"--{flag.replace('_', '-')} {value}"
+    try:
+        return validate_config(tree, source=args.config or "config", sources=sources)
+    except UserError as e:
+        raise UserError(f"plan: {e}") from None
+
+
 def _inputs(args: argparse.Namespace):
     from diloco_p2p.planner.plan import Inputs
 
@@ -75,12 +106,11 @@ def _inputs(args: argparse.Namespace):
         raise UserError(f"plan: --nodes {args.nodes!r} must be at least 1 each")
     up = parse_links(args.uplink, "--uplink")
     down = parse_links(args.downlink, "--downlink") if args.downlink else up
+    cfg = settings(args)
     try:
-        inp = Inputs(params=parse_count(args.params), step_seconds=args.step_seconds, inner_steps=args.inner_steps,
-                     uplink=up, downlink=down, rtt_ms=args.rtt_ms, fail_rate=args.fail_rate,
-                     step_spread=args.step_spread, dylu=args.dylu, scheme=args.scheme, group=args.group,
-                     compression=args.compression, density=args.density, overlap=args.overlap,
-                     overlap_steps=args.overlap_steps, fragments=args.fragments)
+        inp = Inputs.from_config(cfg, scheme=args.scheme, params=parse_count(args.params), step_seconds=args.step_seconds,
+                                 uplink=up, downlink=down, rtt_ms=args.rtt_ms, fail_rate=args.fail_rate,
+                                 step_spread=args.step_spread)
     except ValueError as e:
         raise UserError(f"plan: {e}") from None
     return inp, nodes

@@ -15,6 +15,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--initial-peers", nargs="+", default=[], help="other seeds to join")
     p.add_argument("--identity", type=Path, help="private key file; created if missing, reused after")
     p.add_argument("--maddrs-file", type=Path, help="write the multiaddrs here, one per line")
+    p.add_argument("--witness", action="append", default=[], metavar="RUN_ID",
+                   help="follow this run and publish the peers it trusts, for newcomers (repeatable; "
+                        "docs/threat-model.md)")
+    p.add_argument("--trust", action="append", default=[], metavar="PEER_ID",
+                   help="a peer the witness trusts from the start: the operator's own nodes (repeatable)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus endpoint port (0 = off, -1 = any free port, logged)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus endpoint address")
@@ -28,4 +33,5 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level, args.log_json)
     return run_seed(args.host_maddrs or list(DEFAULT_HOST_MADDRS), args.announce_maddrs, args.identity,
-                    args.maddrs_file, args.metrics_host, args.metrics_port, initial_peers=args.initial_peers)
+                    args.maddrs_file, args.metrics_host, args.metrics_port, initial_peers=args.initial_peers,
+                    witness=args.witness, founders=args.trust)

@@ -159,11 +159,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def read_peers_file(path: Path, timeout: float) -> list[str]:
-    """Multiaddrs from `path`, one per line (blank lines and # comments skipped).
-
-    A seed started alongside this node writes the file once it listens, so wait for it: up to
-    `timeout` seconds for a non-empty file.
-    """
+    """Multiaddrs from `path`, one per line (blank lines and # comments skipped), waiting up to
+    `timeout` seconds for a seed started alongside this node to write it."""
     deadline = time.monotonic() + timeout
     while True:
         if path.is_file():

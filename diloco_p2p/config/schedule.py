@@ -1,28 +1,13 @@
 """The outer loop's schedules: H of every round, and the outer step's η and β of every round.
 
-A run is planned as ``train.max_rounds`` rounds of H = ``outer.inner_steps`` inner steps, so it
-takes T = max_rounds · H inner steps whatever the schedule (the inner lr's cosine spans T too).
-Under ``outer.h_schedule`` the early rounds are shorter, so the same T takes more rounds (more
-all-reduces): the round count is `rounds(...)`, not max_rounds, and the last round is cut to end
-the run at exactly T steps. Every value here is a pure function of the `OuterConfig` and the
-round's number, and `outer` is a swarm field: every member of a round runs the same H and steps
-θ with the same η and β, so the round still ends with bit-identical θ everywhere.
-
-- ``constant``: H every round (DiLoCo).
-- ``ramp``: H doubles from ``outer.h_start`` each round until it reaches H. Local SGD from
-  scratch loses most in its first steps, when the replicas' trajectories diverge fastest; post-local
-  SGD (Lin et al. 2020, "Don't use large mini-batches, use local SGD") runs the first phase
-  synchronously and goes local later. Doubling reaches H in log2(H/h_start) rounds at a cost of
-  about that many extra all-reduces.
-- ``qsr``: the quadratic synchronization rule (Gu et al. 2023, "Why (and when) does local SGD
-  generalize better than SGD?"): H grows as the learning rate decays, H ∝ 1/γ², here
-  H_r = clamp(h_start / c(p)², h_start, H) with c(p) = ½(1 + cos πp) the cosine factor at the
-  fraction p of the run done when round r starts (the inner warmup and floor left out, so H
-  depends on swarm fields only).
-
-Outer warmup (``outer.warmup_rounds`` = W > 0): over rounds 1..W, η moves linearly from
-``outer.lr_start`` to ``outer.lr`` and β from 0 to ``outer.momentum`` (momentum warmup as in Pier,
-2025: momentum needs outer steps to build up, and a full β on the first noisy steps overshoots).
+A run takes T = ``train.max_rounds`` · H inner steps whatever the schedule; under
+``outer.h_schedule`` (``constant``; ``ramp``, after post-local SGD, Lin et al. 2020; ``qsr``, the
+quadratic synchronization rule, Gu et al. 2023) the early rounds are shorter, so the same T takes
+more rounds (`rounds`) and the last one is cut to end at T. ``outer.warmup_rounds`` moves η and
+β up linearly (momentum warmup as in Pier 2025). Every value is a pure function of the
+`OuterConfig` and the round's number, so every member of a round runs the same H and the same
+step, and θ stays bit-identical.
+The schedules: docs/architecture.md, "Schedules of H and of the outer step".
 """
 
 from __future__ import annotations
@@ -95,10 +80,8 @@ def outer_step(cfg: OuterConfig, round: int) -> tuple[float, float]:
 
 
 def dylu_steps(speeds: Mapping[str, float], me: str, h: int) -> int:
-    """Dynamic local updates (AsyncDiLoCo, Liu et al. 2024; review MATH ENTRY 6): the fastest
-    member runs H inner steps, a slower one ⌊v/max v · H⌋ (at least 1), so all reach the
-    all-reduce together; the token weighting of the average accounts for the fewer steps.
-    H when our speed or the group's is unknown."""
+    """Dynamic local updates (AsyncDiLoCo, Liu et al. 2024): a member of speed v runs ⌊v/max v · H⌋
+    inner steps (at least 1), so all reach the all-reduce together; H when a speed is unknown."""
     fastest = max(speeds.values(), default=0.0)
     mine = speeds.get(me, 0.0)
     if not (fastest > 0 and mine > 0):
@@ -107,12 +90,8 @@ def dylu_steps(speeds: Mapping[str, float], me: str, h: int) -> int:
 
 
 def catch_up_steps(h: int, behind_s: float | None, step_s: float) -> int:
-    """A node that adopted the swarm's state `behind_s` seconds after the swarm began the round
-    joins that round in flight: it runs only the steps the others have left, H − ⌊behind/step⌋
-    (at least 1), so it reaches the round's group with them instead of after it closed and
-    having to download again. `step_s` is its own step time, taken as the others' too. The token
-    weighting of the average accounts for the fewer steps, as with dynamic local updates. H when
-    either time is unknown."""
+    """The steps left of a round in flight for a node that adopted the swarm's state `behind_s` seconds
+    into it: H − ⌊behind/step⌋, at least 1, so it meets the round's group; H when a time is unknown."""
     if behind_s is None or not (behind_s > 0 and step_s > 0):
         return h
     return max(1, min(h, h - math.floor(behind_s / step_s)))

@@ -1,19 +1,12 @@
 """Training data: read documents, tokenize once into shards, train on memory-mapped windows.
 
-- `documents`: text files, directories, JSONL, Parquet and `datasets` save_to_disk dirs;
-  the embedded default corpus (the Python standard library's sources).
-- `encode`: documents to ids + EOS in batches; a tokenizer's identity.
-- `prepare`: the resumable, atomic shard writer behind ``diloco-p2p prepare``.
-- `manifest`: the prepared corpus on disk, its dataset id and shard checks.
-- `dataset`: windows, the fixed eval split and the keyed O(1)-memory training order.
-- `cache`: a corpus fetched from the swarm's peers shard by shard as training needs it, under a
-  disk limit (the transfers: `diloco_p2p.swarm.datashare`).
-
-`open_dataset` is what a node calls: the default corpus is tokenized in memory (it is small);
-a prepared directory (``manifest.json``) is memory-mapped; any other ``data.path`` (a text
-file, a directory, JSONL, Parquet) is prepared once into the run directory and memory-mapped
-from there on every later start; ``data.path=swarm:<id>`` (or ``data.dataset_id`` alone), or a
-prepared directory that lacks shards, is fetched from the swarm (`cache`).
+`documents` (text, JSONL, Parquet, saved datasets; the embedded default corpus), `encode`
+(documents to ids + EOS; a tokenizer's identity), `prepare` (the resumable, atomic shard writer),
+`manifest` (the prepared corpus on disk and its dataset id), `dataset` (windows, the eval split,
+the keyed training order) and `cache` (a corpus fetched from the swarm shard by shard).
+`open_dataset` is what a node calls: it picks in memory, memory-mapped, prepared once into the
+run directory, or fetched from the swarm, by ``data.path``.
+How: docs/architecture.md, "Data"; for users: docs/data.md.
 """
 
 from __future__ import annotations

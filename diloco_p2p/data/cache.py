@@ -1,26 +1,12 @@
-"""A prepared corpus that arrives from the swarm: a local cache of its shards, fetched as training needs them.
+"""A prepared corpus that arrives from the swarm: a local cache of its shards, fetched as needed.
 
-A node given only a dataset id (``data.path=swarm:<id>`` or ``data.dataset_id`` with no
-path), or a ``data.path`` directory holding a manifest but not every shard, trains from a
-`ShardCache`: the manifest is fetched first (its hash must equal the id), then shards one at a
-time by a `Remote` (`diloco_p2p.swarm.datashare` over the swarm's libp2p streams). Each shard
-is written to ``shard-NNNNN.bin.part`` while its sha256 runs, then renamed to its name only
-if the hash is the manifest's, so a shard file in the cache is always whole and verified; a
-``.part`` left by a crash or a donor that left is resumed from its length (its bytes are hashed
-again first) rather than downloaded again. A manifest's optional ``base_url`` (not part of the
-dataset id) is the fallback source: ``base_url/shard-NNNNN.bin`` over HTTP(S), resumed with a
-Range request, when no peer serves a shard in time or the node is not in a swarm.
-
-Such a node reads its windows in a shard-blocked order (`diloco_p2p.data.dataset.BlockedOrder`):
-every window of one shard, in a keyed order, before the next shard, so the shards it needs
-soon are known from its data position. `LazyShardSource` maps a shard when a window first
-touches it (waiting for its fetch if it is not there yet); a `Prefetcher` thread keeps the next
-``data.prefetch_shards`` blocks fetched ahead of the position, so training does not wait once
-the first one is in, and keeps the cache under ``data.cache_bytes`` by deleting the shards it
-has finished with (least recently used first, never one needed soon). This is the lazy,
-verified, bounded-cache download of MosaicML Streaming (``StreamingDataset``: shards with
-sha256 checks, a ``cache_limit`` and eviction), with peers of the training swarm as the source
-instead of object storage.
+Given only a dataset id, a node fetches the manifest (its hash must be the id), then shards by
+a `Remote` (`diloco_p2p.swarm.datashare`, or the manifest's ``base_url`` over HTTP), each
+written to a ``.part`` file while hashed and renamed only when its sha256 is the manifest's; a
+``.part`` is resumed. The node reads its windows shard by shard (`BlockedOrder`), so a
+`Prefetcher` keeps the next shards ahead and the cache under ``data.cache_bytes``, and
+`LazyShardSource` maps a shard when a window first needs it. MosaicML Streaming's lazy,
+verified, bounded cache, with the swarm's peers as the source. How: docs/architecture.md, "Data".
 """
 
 from __future__ import annotations

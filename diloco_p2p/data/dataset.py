@@ -1,22 +1,12 @@
 """Windows of a token stream: a fixed held-out split and a per-node training order, O(1) memory.
 
-The token stream (in memory, or memory-mapped shards of a prepared corpus) is cut into windows
-of ``seq_len + 1`` tokens. A window belongs to the eval split by a hash of its index alone, so
-every node with the same corpus holds out the same windows without reading them; the eval set
-scored after a round is the first ``eval_batches x EVAL_BATCH`` of those, in corpus order, in
-batches of `EVAL_BATCH`: it does not change with ``inner.batch_size``.
-
-The training order is, per epoch, a keyed pseudo-random permutation of the window indices: a
-four-round Feistel network on the next even power of two, cycle-walked down to the number of
-windows (Black and Rogaway, "Ciphers with arbitrary finite domains", CT-RSA 2002), keyed by
-the node's *order key* (its identity in a swarm) and the epoch. A corpus fetched from the swarm
-(`diloco_p2p.data.cache`) is read in a shard-blocked order instead (`BlockedOrder`): a keyed
-permutation of the shards per epoch and one of each shard's windows, so the shards needed next
-are known and few. Held-out windows are skipped
-as they come up. Nothing is stored per window, so memory does not grow with the corpus. The
-key is not the run's ``seed``: ``seed`` must be equal on every node (it fixes the initial
-parameters) while nodes should see different data without coordinating. The position in that
-order is part of every checkpoint, so a resumed run neither repeats nor skips a batch.
+The stream is cut into windows of ``seq_len + 1`` tokens; a window is held out by a hash of its
+index alone, so every node holds out the same ones, and the eval set does not change with
+``inner.batch_size``. The training order is a keyed permutation per epoch (a Feistel network,
+cycle-walked: Black and Rogaway, CT-RSA 2002), keyed by the node's order key, not the run's
+seed, so nodes see different data without coordinating; a corpus fetched from the swarm is read
+shard by shard (`BlockedOrder`). Nothing is stored per window, and the position is checkpointed,
+so a resumed run neither repeats nor skips a batch. How: docs/architecture.md, "Data".
 """
 
 from __future__ import annotations

@@ -76,10 +76,8 @@ def _arrow_files(directory: Path) -> list[Path]:
 
 
 def iter_documents(files: list[Path], text_field: str = "text", skip: int = 0) -> Iterator[bytes]:
-    """The documents of `files` in order, as UTF-8 bytes (a text file's bytes as they are).
-
-    `skip` documents are passed over first; a text file skipped is never read.
-    """
+    """The documents of `files` in order, as UTF-8 bytes, after passing over `skip` of them (a text
+    file skipped is never read)."""
     for f in files:
         kind = f.suffix.lower()
         if kind in (".jsonl", ".json", ".ndjson"):

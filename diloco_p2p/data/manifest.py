@@ -1,16 +1,11 @@
 """A prepared corpus on disk: fixed-size shards of token ids and the manifest that names them.
 
-``DIR/manifest.json`` holds the format, the token dtype (uint16 when the vocabulary fits, else
-uint32), the shard size in tokens, the tokenizer's identity (sha256 of its files, vocab size,
-EOS id), the held-out share and, per shard, its file name, token count and sha256. The
-dataset id is the sha256 of that content (canonical JSON without ``id`` and ``base_url``): two
-volunteers who prepare the same text with the same tokenizer get the same id, whatever their
-paths or clocks. A shard file is raw little-endian ids, memory-mapped at training time.
-
-Shards are checked when a node opens them: a missing or wrong-sized file is refused at once;
-the sha256 of a shard is computed once and remembered in ``DIR/verified.json`` against the
-file's size and mtime, so a restart does not rehash the corpus, while a file written since is
-hashed again.
+``DIR/manifest.json`` holds the format, the token dtype, the shard size, the tokenizer's
+identity, the held-out share and each shard's name, token count and sha256. The dataset id is
+the sha256 of that content (without ``id`` and ``base_url``): two volunteers who prepare the
+same text with the same tokenizer get the same id. Shards are checked when a node opens them; a
+shard's sha256 is remembered in ``DIR/verified.json`` against its size and mtime, so a restart
+does not rehash the corpus.
 """
 
 from __future__ import annotations

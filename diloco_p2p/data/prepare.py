@@ -1,16 +1,11 @@
 """Tokenize a corpus once into shards: resumable, atomic, and the same stream as in memory.
 
-The documents of the inputs (`diloco_p2p.data.documents`) are encoded a batch at a time
-(`diloco_p2p.data.encode`) into a buffer of one shard's tokens; a full buffer is written to
-``shard-NNNNN.bin.tmp``, synced and renamed, so a shard file is either whole or absent. After
-each shard, ``prepare-state.json`` records the shards written and where the next one starts
-(document index, tokens of that document already written): a prepare that was interrupted
-(Ctrl-C, a crash, a full disk) resumes there when run again with the same inputs. The inputs'
-signature (paths, sizes, mtimes, text field, tokenizer, shard size) guards that: an output
-directory that holds another corpus's shards is refused, never mixed into.
-
-The token stream is `load_tokens`'s: every document's ids, then EOS, with `max_bytes` cutting
-the text the same way, so training on the shards sees exactly what training in memory sees.
+Documents are encoded a batch at a time into one shard's buffer; a full buffer is written to a
+temporary file, synced and renamed, so a shard file is whole or absent. ``prepare-state.json``
+records where the next shard starts, so an interrupted prepare resumes when run again; the
+inputs' signature refuses an output directory that holds another corpus. The token stream is
+`load_tokens`'s (each document's ids, then EOS), so training on the shards sees exactly what
+training in memory sees.
 """
 
 from __future__ import annotations
@@ -75,10 +70,8 @@ def prepare(inputs: list[str], out: Path, tokenizer: Tokenizer, identity: dict[s
             text_field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS, eval_fraction: float = 0.02,
             max_bytes: int | None = None, workers: int | None = None, progress: bool = True,
             replace: bool = False, what: str = "input") -> PrepareResult:
-    """Prepare `inputs` into `out` (or resume, or find it already done); see the module docstring.
-
-    `replace` clears an `out` that holds another corpus instead of refusing it (a run
-    directory's own cache of a plain-text `data.path`)."""
+    """Prepare `inputs` into `out`, or resume, or find it done; `replace` clears an `out` that holds
+    another corpus instead of refusing it (a run directory's own cache)."""
     start = time.perf_counter()
     if not inputs:
         raise UserError("no input given; name the text, JSONL or Parquet files or directories to prepare")
@@ -186,15 +179,8 @@ def _encoded(files: list[Path], text_field: str, encoder: Encoder, cursor: _Curs
 
 
 class _ShardWriter:
-    """Fills one shard's buffer while the other is written; each written shard is synced, renamed and
-    recorded in the resume state behind the encoding, in shard order.
-
-    Three stages overlap: the encoding into `buf`; the write of the previous buffer to its ``.tmp``
-    file with its sha256 computed meanwhile (`_pool`: the buffer is free again once both are done);
-    and, on `_syncer`, each written file's fsync, rename and the resume state, one shard after the
-    other. The disk's flush never holds up the encoding, and the state names a shard only once its
-    bytes are on disk, so a rerun after a crash (or a power loss) resumes from whole shards only.
-    """
+    """Writes shards behind the encoding: the write and sha256 on a pool, then fsync, rename and the
+    resume state in shard order on `_syncer`, so the state names only whole shards on disk."""
 
     def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, state: dict[str, Any],
                  signature: dict[str, Any]):

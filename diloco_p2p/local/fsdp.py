@@ -1,44 +1,13 @@
 """FSDP inside a node: N local ranks train as one DiLoCo node, each owning one shard of θ.
 
-A volunteer with N GPUs in one box runs one node of N ranks (`diloco_p2p.local.launch`). The design:
-
-**Inner steps.** The model is wrapped with FSDP2 (`fully_shard`, Zhao et al. 2023, "PyTorch
-FSDP") per transformer block and at the root, so each rank holds 1/N of every parameter (rows
-of dim 0, `torch.chunk` order) and all-gathers a block only while it computes it. AdamW runs on
-the sharded (DTensor) parameters: its state is sharded too, and `clip_grad_norm_` computes the
-global norm across ranks. On GPU the block computes in bf16 and reduces gradients in fp32
-(`MixedPrecisionPolicy`); on CPU (gloo) everything stays fp32. Inside the node the ranks are
-plain data parallel on one data order: each step the node takes the next N·b windows of its
-order and rank r keeps rows r, r+N, ... (`Node._next_batch`). So an N-rank node with batch b sees
-exactly the windows of a 1-rank node with batch N·b, its data position in a checkpoint means the
-same thing at any N, and the averaged FSDP gradient is the 1-rank gradient up to fp rounding.
-
-**Outer state per shard, on the host.** Each rank's `OuterOptimizer` is built on the local
-views of the parameters (`ShardLayout.local_views`): it keeps θ and the Nesterov momentum of
-*its* shards only, in fp32 on the host: N ranks together hold one copy of the outer state, not N. Δ and the outer step
-are elementwise, so they run per shard unchanged. The node's hash of θ is sha256 over the N
-shard hashes (hex, in rank order), gathered as raw bytes with `all_gather`; nothing gathers θ.
-
-**Node-wide numbers and decisions.** Every inner step all-reduces (loss, tokens): the node
-reports the mean loss and counts the tokens of all its ranks, so its weight in the swarm's
-average is its total tokens. A stop request (SIGTERM on any rank) is an all-reduce(max) at each
-point where the loop checks it, so all ranks leave the loop at the same step (`Node._stopping`).
-
-**Across the WAN, shard by shard.** Each rank runs its own swarm endpoint
-(`diloco_p2p.swarm.multirank.ShardSync`) whose run id is ``f"{run_id}.shard{r}of{N}"``: shard r of one node only
-ever meets shard r of the others, in groups of its own, and averages just its 1/N of Δ; its
-progress records carry the shard's hash and it serves its shard of the state to joiners, who
-download shard by shard. Decisions that must be node-wide are made together: whether to resync
-(any rank's shard is behind or in a minority: all ranks download at the highest round any of
-them saw, and adopt only if every rank succeeded) and the round's status. Nodes with another
-local world size live in other namespaces and would never meet ours, so the node-level record
-that rank 0 publishes under the plain run id carries the world size in its config view, and a
-node whose world size differs from the swarm's is refused at start with the differing field.
-
-**Checkpoints** hold full tensors in the 1-rank layout (θ, momentum, AdamW state keyed by
-parameter index): each DTensor is gathered with `full_tensor` for the checkpoint only, rank 0
-writes, and loading slices each full tensor into the local shard (`ShardLayout`). A checkpoint moves freely
-between world sizes (1 → N, N → 1, N → M), and `export` reads it as a normal one.
+The model is wrapped with FSDP2 per transformer block (Zhao et al. 2023); the ranks are plain
+data parallel on one data order, so an N-rank node with batch b sees exactly a 1-rank node's
+windows with batch N·b. Each rank keeps θ and the outer momentum of its own shard on the host
+(`ShardLayout.local_views`): N ranks hold one copy of the outer state, and the node's θ hash is
+sha256 over the shard hashes. Across the WAN shard r meets only shard r of the other nodes
+(`diloco_p2p.swarm.multirank`). Checkpoints hold full tensors in the 1-rank layout, so they move
+freely between world sizes; `ShardLayout` is an identity on one rank.
+The design: docs/architecture.md, "FSDP inside a node".
 """
 
 from __future__ import annotations
@@ -62,11 +31,8 @@ def uses_bf16_params(device: torch.device, precision: str) -> bool:
 
 
 def shard_model(model: torch.nn.Module, ranks: Ranks, precision: str = "auto") -> torch.nn.Module:
-    """FSDP2 per transformer block and at the root; params become DTensors sharded on dim 0.
-
-    The model is built whole on the host (the same seed gives the same θ at every world size)
-    and `fully_shard` moves only this rank's shards to its device.
-    """
+    """FSDP2 per transformer block and at the root; params become DTensors sharded on dim 0. The
+    model is built whole on the host, so a seed gives the same θ at every world size."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -78,10 +44,8 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, precision: str = "auto") -
 
 
 def reshard(model: torch.nn.Module) -> None:
-    """Free what a forward without backward (an evaluation) leaves unsharded: FSDP2 keeps the root
-    module's parameters gathered after forward, for the backward it expects, and the next forward
-    would use them as they are. θ written into the shards since (a round that starts from θ + c
-    under sync.overlap=eager, a state adopted from the swarm) must reach that forward too."""
+    """Free what a forward without backward (an evaluation) leaves gathered at the root, so that θ
+    written into the shards since (an eager correction, an adopted state) reaches the next forward."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no module is sharded (`is_dtensor`)
     for module in model.modules() if fsdp is not None else ():
         if isinstance(module, fsdp.FSDPModule):
@@ -89,10 +53,8 @@ def reshard(model: torch.nn.Module) -> None:
 
 
 def is_dtensor(x: Any) -> bool:
-    """Whether `x` is a DTensor (a parameter FSDP2 sharded, or its optimizer state). Nothing is one
-    before `torch.distributed.tensor` is imported, and importing it (with FSDP) takes about 0.7 s of
-    a node's 2.5 s start on a quiet CPU, several seconds on a loaded one: a restart waits on it.
-    So only `shard_model` imports FSDP, and a node of one rank never does."""
+    """Whether `x` is a DTensor, without importing `torch.distributed.tensor`: that import costs a
+    node's start about 0.7 s, so only `shard_model` imports FSDP and a 1-rank node never does."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(x, module.DTensor)
 
@@ -103,11 +65,8 @@ def local_view(p: torch.Tensor) -> torch.Tensor:
 
 
 def local_rows(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """The rows of `full` that this rank holds for a parameter laid out like `like`.
-
-    FSDP2 shards dim 0 in `torch.chunk` order (trailing ranks may get fewer rows, or none);
-    the shape check catches any other layout instead of silently loading wrong rows.
-    """
+    """The rows of `full` this rank holds for a parameter laid out like `like` (dim 0, `torch.chunk`
+    order); the shape check refuses any other layout rather than load wrong rows."""
     from torch.distributed.tensor import Shard
 
     mesh = like.device_mesh
@@ -134,11 +93,8 @@ def full_tensor_of(local: torch.Tensor, like: DTensor) -> torch.Tensor:
 
 
 def gather_optimizer_state(state: dict, keep: bool) -> dict | None:
-    """The AdamW state dict with every DTensor gathered into a full tensor: the 1-rank layout.
-
-    Collective; only the caller with `keep` gets the dict (others None), and the others never
-    hold more than one full tensor at a time.
-    """
+    """The AdamW state dict with every DTensor gathered full (the 1-rank layout). Collective; only
+    the caller with `keep` gets it, and the others hold one full tensor at a time."""
     out: dict[int, dict[str, Any]] = {}
     for idx in sorted(state["state"]):
         entry = {}
@@ -169,12 +125,8 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> dict
 
 
 class ShardLayout:
-    """How this rank's flat outer state maps onto the model's parameters.
-
-    The outer optimizer works on `local_views()`: plain parameters on one rank, this rank's
-    DTensor shards on N. Checkpoints and exports hold full tensors in the 1-rank layout;
-    `to_full` and `to_local` convert between the two (identities on one rank).
-    """
+    """How this rank's flat outer state maps onto the model's parameters: `local_views()` (this
+    rank's shards), and `to_full` / `to_local` to and from the 1-rank layout (identities on one rank)."""
 
     def __init__(self, params: Sequence[torch.Tensor], ranks: Ranks):
         self.params, self.ranks = list(params), ranks

@@ -1,26 +1,12 @@
 """Spawning the local ranks of one node (a small torchrun).
 
-A node may be N processes on one machine (one per GPU) that shard the model with FSDP2 and
-behave as one DiLoCo node towards the swarm (see `diloco_p2p.local.fsdp`). Two ways to start them:
-
-- ``diloco-p2p train --nproc-per-node N ...``: `launch_local_ranks` is a small torchrun. It
-  spawns N copies of ``python -m diloco_p2p train ...`` with torchrun's environment variables
-  (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and waits.
-- ``torchrun --nproc-per-node N -m diloco_p2p train ...``: torchrun sets the same variables.
-
-Either way each rank runs the same train command as a 1-rank node; `Ranks.from_env`
-(`diloco_p2p.local.ranks`) reads those variables and joins the process group.
-
-When one rank dies the node cannot go on: the FSDP collectives of the others would wait for
-it. The launcher then stops the other ranks (SIGTERM, then SIGKILL after `grace_s`) and exits
-non-zero with one line naming the rank and its exit code; torchrun does the same. The swarm
-carries on without the node: its peers see it miss a round, as for any dead node.
-
-Each rank runs in its own session (and process group), so whatever it forks (hivemind's DHT
-process, p2pd) is killed with it when the launcher cleans up after a dead rank. Signals: a
-Ctrl-C in the terminal reaches only the launcher, which forwards exactly one SIGTERM per signal
-to every rank (the first asks the ranks to stop at the next safe point, node-wide; a second
-makes them exit at once).
+``diloco-p2p train --nproc-per-node N`` spawns N copies of the train command with torchrun's
+environment variables and waits (``torchrun -m diloco_p2p train`` does the same); each rank
+then joins the process group in `Ranks.from_env`. When one rank dies the others cannot go on,
+so the launcher stops them (SIGTERM, then SIGKILL after `grace_s`) and exits with one line naming
+the rank. Each rank runs in its own session, so what it forks dies with it; a Ctrl-C reaches the
+launcher, which forwards one SIGTERM per signal to every rank.
+How a node of N ranks trains: docs/architecture.md, "FSDP inside a node".
 """
 
 from __future__ import annotations
@@ -143,13 +129,8 @@ def entry_module() -> str:
 
 def launch_local_ranks(argv: Sequence[str], nproc: int, *, module: str | None = None,
                        grace_s: float = DEFAULT_GRACE_S) -> int:
-    """Run ``python -m <module> train <argv>`` as `nproc` local ranks (`module`: by default this
-    process's own, `entry_module`); returns the node's exit code.
-
-    0 when every rank exits 0. When a rank fails, the others get SIGTERM, then SIGKILL after
-    `grace_s` seconds; one line on stderr names the first failed rank and its exit code, and
-    that code is returned (128 + signal number for a rank killed by a signal).
-    """
+    """Run ``python -m <module> train <argv>`` as `nproc` local ranks; returns the node's exit code.
+    A failed rank gets the others SIGTERM, then SIGKILL after `grace_s`, and one line naming it."""
     argv, _ = split_nproc_arg(argv)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))

@@ -1,18 +1,12 @@
 """Muon on a node of N local ranks: each matrix orthogonalized whole, by one rank.
 
-FSDP2 shards every parameter by rows (`diloco_p2p.local.fsdp`), but Muon's Newton–Schulz step
-orthogonalizes a whole matrix: applied to each rank's rows alone it would be another optimizer.
-`torch.optim.Muon` (torch 2.13) has no DTensor path of its own; run on FSDP's DTensors it goes
-through DTensor's generic dispatch, which on 2 gloo ranks ran but left θ 5% of an update away from
-a 1-rank node after three steps, with several collectives inside every iteration. So `ShardedMuon`
-keeps torch's Muon (its state, its arguments, its Newton–Schulz and lr adjustment, the same
-functions) and changes only where the orthogonalization runs: the momentum is elementwise on each
-rank's rows; matrix i belongs to rank i mod N (round-robin, as distributed Muon implementations
-do: Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982, gather and scatter
-whole matrices), which gathers its rows from the others, orthogonalizes it, and scatters each
-rank its rows back. So the N ranks share the Newton–Schulz work, each row of an update is
-computed once (the ranks cannot disagree), and its state dict is torch's: checkpoints move
-between 1 and N ranks like AdamW's (`fsdp.gather_optimizer_state`).
+FSDP2 shards every parameter by rows, but Muon's Newton–Schulz step orthogonalizes a whole matrix.
+`ShardedMuon` is torch's Muon (its state, arguments, Newton–Schulz and lr adjustment) with the
+orthogonalization moved: the momentum runs on each rank's rows; matrix i is gathered on rank
+i mod N (round-robin, as distributed Muon does: Liu et al. 2025, arXiv:2502.16982), orthogonalized
+there, and each rank gets its rows back. So the ranks share the Newton–Schulz work, each row of an
+update is computed once, and the state dict is torch's (checkpoints move between world sizes).
+Why not torch's Muon on DTensors: docs/architecture.md, "The inner optimizer".
 """
 
 from __future__ import annotations

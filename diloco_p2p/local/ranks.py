@@ -1,15 +1,11 @@
 """The local ranks of one node: one process per GPU, or just this one.
 
-A node is 1..N processes on one machine that shard the model with FSDP2 (`diloco_p2p.local.fsdp`)
-and behave as one DiLoCo node towards the swarm. `Ranks` carries this process's place in the
-node and the few small collectives the node loop needs. With one rank (the usual case) every
-collective returns its input and nothing is initialised: the same loop serves 1 and N ranks,
-as a parallelism degree of 1 means "no sharding".
-
-`Ranks.from_env` joins the process group when the process was started as one of several ranks
-(by `diloco_p2p.local.launch` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
-NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU. Every collective runs under a timeout so a
-peer rank that stalls ends in an error instead of a hang.
+A node is 1..N processes on one machine that shard the model with FSDP2 and behave as one DiLoCo
+node towards the swarm. `Ranks` carries this process's place in the node and the few small
+collectives the loop needs; with one rank every collective returns its input and nothing is
+initialised, so the same loop serves 1 and N ranks. `Ranks.from_env` joins the process group
+when torchrun's variables say so (NCCL on CUDA, gloo on CPU); every collective runs under a
+timeout, so a stalled rank ends in an error instead of a hang.
 """
 
 from __future__ import annotations
@@ -36,6 +32,7 @@ NPROC_FLAG = "--nproc-per-node"
 # state download) that each rank runs for its own shard while the others wait at the next
 # collective. A rank that is dead, rather than stalled, is caught much sooner by the launcher.
 DEFAULT_TIMEOUT_S = 900.0
+CLOSE_WAIT_S = 10.0  # how long a closing rank waits for the others before tearing gloo down
 
 
 def resolve_device(name: str) -> torch.device:
@@ -118,6 +115,11 @@ class Ranks:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if dist.get_backend() == "gloo":  # the others may still be in the last collective:
+                    try:  # tearing gloo down under them aborts their process (SIGABRT)
+                        dist.monitored_barrier(timeout=timedelta(seconds=CLOSE_WAIT_S))
+                    except Exception:  # a rank is gone or stuck: close anyway
+                        pass
                 dist.destroy_process_group()
 
     @classmethod
@@ -169,10 +171,8 @@ def env_rank() -> int:
 
 
 def peer_rank_failed(e: BaseException) -> bool:
-    """Whether `e` is a collective failing because another rank died or stalled.
-
-    NCCL raises `DistError`s; gloo raises plain RuntimeErrors, told apart by their message.
-    """
+    """Whether `e` is a collective failing because another rank died or stalled (NCCL's `DistError`,
+    or gloo's RuntimeError by its message)."""
     import torch.distributed as dist
 
     if isinstance(e, dist.DistError):

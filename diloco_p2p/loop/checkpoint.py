@@ -91,11 +91,8 @@ def _sha256_file(path: Path) -> str:
 
 
 def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
-    """Write `ckpt` as ``round-NNNNNN.{safetensors,json}``, then point ``latest.json`` at it.
-
-    A write that fails (disk full, read-only disk) raises `UserError` naming the file: the files
-    of this round are removed and ``latest.json`` still points at the previous checkpoint.
-    """
+    """Write `ckpt` as ``round-NNNNNN.{safetensors,json}``, then point ``latest.json`` at it. A failed
+    write raises `UserError` naming the file, removes this round's files and keeps the previous one."""
     stem = f"round-{ckpt.round:06d}"
     tensor_path, meta_path, pointer = directory / f"{stem}.safetensors", directory / f"{stem}.json", directory / LATEST
     writing = tensor_path

@@ -1,17 +1,13 @@
-"""``sync.fragments``: which values of the flat parameters a round averages (Streaming DiLoCo's
-fragments, Douillard et al. 2025, arXiv:2501.18512).
+"""``sync.fragments``: which values of the flat parameters a round averages.
 
-The 1-rank flat layout (the model's parameters in order, `diloco_p2p.loop.outer.flatten`) is cut into
-P contiguous parts whose sizes differ by at most one (`wire.partition`), and round r averages part
-(r − 1) mod P: its all-reduce carries 1/P of the bytes, and each part syncs every P rounds.
-Streaming DiLoCo's fragments are layers; a contiguous range of the flat layout is a run of
-consecutive layers, cut mid-layer at its ends, which keeps every round's bytes equal.
-
-On N local ranks (`diloco_p2p.local.fsdp`) each rank holds some rows of every parameter, in order, so
-its values of a part are a contiguous range of its own flat layout (`ShardLayout.local_range`):
-each rank averages those through its shard's swarm, and the shards together are the part, as
-for every other round. What outlives the rank layout (a checkpoint's part in flight) is kept in
-the 1-rank layout (`to_full`, `to_local`), so a checkpoint resumes at any number of local ranks.
+Streaming DiLoCo's fragments (Douillard et al. 2025, arXiv:2501.18512): the 1-rank flat layout
+(`diloco_p2p.loop.outer.flatten`) is cut into P contiguous parts whose sizes differ by at most
+one (`wire.partition`), and round r averages part (r − 1) mod P: its all-reduce carries 1/P of
+the bytes, and each part syncs every P rounds. A contiguous range is a run of consecutive layers,
+cut mid-layer at its ends, which keeps every round's bytes equal. On N local ranks each rank's
+values of a part are a contiguous range of its own flat layout (`ShardLayout.local_range`); what
+outlives the rank layout (a checkpoint's part in flight) is kept in the 1-rank layout (`to_full`,
+`to_local`), so a checkpoint resumes at any number of local ranks.
 """
 
 from __future__ import annotations
@@ -59,10 +55,15 @@ class Fragments:
         part = self.part(round)
         return self.local_numel if part is None else part[1] - part[0]
 
+    def _ranges(self, round: int) -> tuple[Part, Part]:
+        """Round `round`'s part in this rank's flat layout and in the 1-rank one (fragments on)."""
+        index = (round - 1) % self.count
+        return self.parts[index], self.full_parts[index]
+
     def to_full(self, values: torch.Tensor, round: int) -> torch.Tensor | None:
         """This rank's values of round `round`'s part → the part in the 1-rank layout (a collective
         on N ranks, whose result only rank 0 gets)."""
-        (lo, hi), (full_lo, full_hi) = self.part(round), self.full_part(round)  # type: ignore[misc]
+        (lo, hi), (full_lo, full_hi) = self._ranges(round)
         placed = torch.zeros(self.local_numel)
         placed[lo:hi] = values
         full = self.layout.to_full(placed)
@@ -71,7 +72,7 @@ class Fragments:
     def to_local(self, values: torch.Tensor, round: int, source: str) -> torch.Tensor:
         """Inverse of `to_full`: round `round`'s part in the 1-rank layout → this rank's values;
         `source` names where it came from in the error for a part of the wrong size."""
-        (lo, hi), (full_lo, full_hi) = self.part(round), self.full_part(round)  # type: ignore[misc]
+        (lo, hi), (full_lo, full_hi) = self._ranges(round)
         if values.numel() != full_hi - full_lo:
             raise UserError(f"{source}: the round in flight has {values.numel()} values, its part of the model "
                             f"{full_hi - full_lo}; resume with the config that wrote it (sync.fragments)")

@@ -1,28 +1,13 @@
 """The inner optimizer: AdamW (or Muon) steps on this node's own data.
 
-On a node of N local ranks the model is FSDP-sharded (`diloco_p2p.local.fsdp`): AdamW runs on the
-sharded parameters, and each step's loss and tokens are made node-wide with one small
-all-reduce, so every rank reports the node's mean loss and total tokens.
-
-Warmup + cosine schedule over the whole run, global-norm clipping, gradient accumulation,
-bf16 autocast on CUDA and fp32 on CPU. The optimizer state is local to the node and persists
-across rounds (DiLoCo resets only the parameters to θ at the start of a round).
-
-``inner.optimizer: muon`` is MuLoCo (Thérien et al. 2025, "MuLoCo: Muon is a practical inner
-optimizer for DiLoCo", arXiv:2505.23725): `torch.optim.Muon` on the hidden layers' 2-D weight
-matrices (attention and MLP projections, `muon_split`), AdamW on the rest, as Muon's authors and
-torch's docs advise: the token embedding and lm_head (not hidden layers), norms and biases (not
-2-D). Muon runs with ``adjust_lr_fn="match_rms_adamw"`` (Moonshot, "Muon is Scalable for LLM
-Training", arXiv:2502.16982): each matrix's orthogonalized update is scaled by 0.2·√max(A, B), to
-about the RMS of an AdamW update, so AdamW's lr and weight decay carry over and ``inner.muon_lr``
-defaults to ``inner.lr`` (torch's default, "original", scales by √max(1, A/B) only: its lr would
-need a tuning of its own, shifting with the width). Weight decay is decoupled in both (θ ← θ·(1 −
-lr·λ)), λ = ``inner.weight_decay``. Both lrs follow the same warmup + cosine factor (one `LambdaLR`
-each). On the tiny preset the transfer does not hold: Muon's best lr was 4-16x ``inner.lr``
-(`benchmarks/results/muon_tiny.txt`). The choice is per node: θ moves only by the swarm's agreed
-average, so nodes of one swarm may differ in it (``inner.*`` is outside `Config.SWARM_FIELDS`, but
-for ``seq_len``). On a node of several local ranks Muon orthogonalizes each FSDP-sharded matrix
-whole, on one rank (`diloco_p2p.local.muon`): the same update as on one rank holding the model.
+Warmup + cosine over the whole run, global-norm clipping, gradient accumulation, bf16 autocast
+on CUDA. The optimizer state persists across rounds (DiLoCo resets only the parameters to θ);
+on N local ranks it is FSDP-sharded and loss and tokens are made node-wide. ``inner.optimizer:
+muon`` is MuLoCo (Thérien et al. 2025, arXiv:2505.23725): Muon on the hidden 2-D matrices
+(`muon_split`), AdamW on the rest, its update matched to AdamW's RMS so lr and weight decay carry
+over. The choice is per node; on several ranks each FSDP-sharded matrix is orthogonalized whole
+(`diloco_p2p.local.muon`).
+Why these choices: docs/architecture.md, "The inner optimizer".
 """
 
 from __future__ import annotations
@@ -65,14 +50,8 @@ def muon_split(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[t
 
 
 class StepStats:
-    """One inner step's node-wide loss and tokens.
-
-    On one GPU rank the loss comes back without stopping the GPU: a non-blocking copy into
-    pinned memory and an event, and `loss` waits for that step only when read. The node reads
-    it one step late (`Node.run`), while the GPU runs the next: a read right away would leave
-    the GPU idle between steps while the host launches the next one (~3% at 150M parameters,
-    `benchmarks/gpu_inner.py`). Elsewhere the loss is known on return (N ranks all-reduce it).
-    """
+    """One inner step's node-wide loss and tokens. On one GPU rank the loss comes back through pinned
+    memory and an event and is read one step late, so the GPU never idles between steps."""
 
     def __init__(self, tokens: int, loss: float | None = None, pending: tuple | None = None):
         self.tokens, self._loss, self._pending = tokens, loss, pending

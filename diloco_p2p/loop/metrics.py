@@ -1,24 +1,12 @@
 """Every Prometheus metric of diloco-p2p, declared once, and the endpoints that serve them.
 
-Operators watch a run in Prometheus and Grafana (``deploy/``): a node exports its round, inner
-steps, tokens, losses, throughput, how each round ended, all-reduce time and traffic, state
-downloads and whether its parameters agree with its group; a seed exports how many DHT peers it
-sees and its uptime. The dashboard and alert rules in ``deploy/`` reference these names, and a
-test checks that every name they use is exported here.
-
-Conventions (https://prometheus.io/docs/practices/naming/): names ``diloco_<noun>_<unit>``,
-counters end ``_total``, base units (seconds, bytes), and labels only with a small fixed set of
-values (``status`` of a round). Hashes, peer ids and run ids are never label values: they are
-unbounded and would make a new time series per round.
-
-Each `NodeMetrics` / `SeedMetrics` owns a dedicated `CollectorRegistry` rather than the global
-one, so that tests and several nodes in one process do not collide. The node feeds it the same
-round record it writes to ``metrics.jsonl`` (`NodeMetrics.observe_round`), so the jsonl file and
-the endpoint cannot tell different stories.
-
-Values that are not known yet (eval loss before the first evaluation, hash agreement before
-the first group round) are NaN, not 0: a 0 would read as "perfect loss" or "disagreement" and
-fire alerts. PromQL comparisons with NaN are false, so NaN never fires an alert.
+A node exports its round, steps, tokens, losses, throughput, how each round ended, all-reduce
+time and traffic, state downloads and whether its θ agrees with its group; a seed exports its
+DHT peers and uptime. Names follow ``diloco_<noun>_<unit>``, counters end ``_total``, labels take
+a small fixed set of values; the dashboards and alerts in ``deploy/`` use these names (a test
+checks it). Each `NodeMetrics` / `SeedMetrics` owns its own registry (several nodes in one
+process), is fed the same round record as ``metrics.jsonl``, and reports NaN, not 0, for what is
+not known yet, so no alert fires on it. The conventions: docs/architecture.md, "Logs and metrics".
 """
 
 from __future__ import annotations
@@ -323,10 +311,8 @@ class SeedMetrics:
 
 
 class MetricsServer:
-    """A running HTTP endpoint (a daemon thread); `shutdown()` stops it and frees the port.
-
-    A port that cannot be bound (in use, privileged, bad host) is the user's to fix: `UserError`
-    naming the address and `option`, the setting that chooses the port."""
+    """A running HTTP endpoint (a daemon thread); `shutdown()` frees the port. A port that cannot be
+    bound is a `UserError` naming the address and `option`."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int, option: str = "metrics.port"):
         self.registry = registry

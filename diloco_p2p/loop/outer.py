@@ -1,35 +1,12 @@
 """The DiLoCo outer step: a small object of tensors, with no networking inside.
 
-DiLoCo (Douillard et al., 2023; see ``shared/papers/diloco-reference-page.txt``) keeps global
-parameters θ and runs H inner AdamW steps from them on each worker. The *pseudo-gradient*
-is old minus new, Δ = θ − θ_local (the sign matters: the flipped sign walks away from the
-workers and diverges). The workers' Δ are averaged, and an outer SGD step with Nesterov
-momentum is applied to θ, exactly as ``torch.optim.SGD(nesterov=True, dampening=0)`` would
-with Δ̄ as the gradient:
-
-    m ← β·m + Δ̄
-    θ ← θ − η·(Δ̄ + β·m)          (without Nesterov: θ ← θ − η·m)
-
-θ and m live in fp32 on the host (never on the GPU: they are touched once per round), as one
-flat buffer each so the network layer can hand an averaged flat vector straight back. When the
-model is on a GPU, θ and a staging buffer for the trained weights are pinned: θ goes to the GPU
-and the weights come back as one queue of non-blocking copies at full PCIe speed, not one
-pageable copy per parameter (`benchmarks/gpu_outer.py` measures both). Every
-peer that applies the same Δ̄ to the same (θ, m) ends with bit-identical θ, which
-`params_sha256` makes checkable. With η = 1 and β = 0 the step is plain parameter averaging.
-
-Delayed Nesterov (AsyncDiLoCo, Liu et al. 2024; ``shared/papers/review-diloco-opendiloco-asyncdiloco.txt``,
-MATH ENTRY 4), with ``outer.delayed_nesterov = N``: each step's Δ̄ goes into a buffer b; on
-steps 1..N-1 of each cycle θ ← θ − η·(Δ̄ + c·m) (plain SGD, c = ``outer.dn_momentum_fraction``),
-and on the N-th the momentum step uses the buffer and empties it:
-
-    m ← β·m + b;   θ ← θ − η·(b + β·m);   b ← 0
-
-The buffer and the step count are part of the outer state (`state_tensors`) so a joiner that
-adopts the swarm's state flushes in step with it.
-
-θ's hash is cached by `version`, which changes whenever θ does; past one chunk only the chunks
-that changed are hashed again (`diloco_p2p.hashing`).
+Δ = θ − θ_local (old minus new); the averaged Δ̄ takes an SGD step with Nesterov momentum,
+as ``torch.optim.SGD(nesterov=True, dampening=0)`` would (DiLoCo, Douillard et al. 2023). θ and
+m live in fp32 on the host as one flat buffer each, so the network layer hands an averaged flat
+vector straight back; on a GPU the copies go through pinned buffers. Every peer that applies the
+same Δ̄ to the same (θ, m) ends with bit-identical θ. ``outer.delayed_nesterov`` is AsyncDiLoCo's
+delayed Nesterov (Liu et al. 2024). θ's hash is cached by `version` (`diloco_p2p.hashing`).
+The step and its variants: docs/architecture.md, "The outer step".
 """
 
 from __future__ import annotations
@@ -134,7 +111,7 @@ class OuterOptimizer:
                        lr: float | None = None, beta: float | None = None) -> None:
         """m ← β·m + g, then θ ← θ − η·(g + β·m), or θ ← θ − η·m without Nesterov (on [lo, hi)).
         On whole vectors: slicing it through a small scratch buffer instead of one θ-sized temporary
-        was slower at 1B parameters (1.2-1.4 s against 0.7 s on 16 threads, `benchmarks/gpu_outer.py`)."""
+        was slower at 1B parameters (1.2-1.4 s against 0.7 s on 16 threads, `benchmarks/gpu/gpu_outer.py`)."""
         beta = self.cfg.momentum if beta is None else beta
         lr = self.cfg.lr if lr is None else lr
         momentum, theta = self.momentum[lo:hi], self.theta[lo:hi]  # views: the steps write through
@@ -142,7 +119,7 @@ class OuterOptimizer:
         theta.sub_(grad.add(momentum, alpha=beta) if nesterov else momentum, alpha=lr)
 
     def _delayed_step(self, delta: torch.Tensor) -> None:
-        """Delayed Nesterov (see the module docstring)."""
+        """Delayed Nesterov (docs/architecture.md, "The outer step")."""
         assert self.dn_buffer is not None and self.cfg.delayed_nesterov
         self.dn_buffer.add_(delta)
         self.dn_steps += 1

@@ -1,75 +1,12 @@
-"""Communication hidden behind compute: ``sync.overlap`` (Kale, Douillard et al., "Eager Updates
-for Overlapped Communication and Computation in DiLoCo", 2025, arXiv:2502.12996;
-``shared/papers/eager-updates-overlapped-diloco.txt``).
+"""Communication hidden behind compute: ``sync.overlap``, one round's average in flight.
 
-With ``sync.overlap: none`` a round ends with a blocking all-reduce of its pseudo-gradient Δ.
-With ``delayed`` or ``eager`` the all-reduce of round t's Δ_m^(t) runs in the background during
-round t+1's inner steps (`begin_average`); at the end of round t+1 the node waits for it (the
-only communication the loop still sees: ``exposed_seconds``) and applies it. In the paper's
-notation, with Δ^(t) = (1/M) Σ_m Δ_m^(t) the all-reduced outer gradient:
-
-- ``delayed`` (§2.2, Algorithm 2 line 10):  θ^(t) = OuterOpt(θ^(t-1), Δ^(t-1)).
-- ``eager`` (§2.3, Algorithm 3 lines 11-12):
-      Δ̃_m^(t) = Δ^(t-1) + (1/M)·(Δ_m^(t) − Δ_m^(t-1))
-                (= (1/M)·Δ_m^(t) + (1/M)·Σ_{m'≠m} Δ_{m'}^(t-1): the fresh local Δ stands in
-                 for its own stale share of the average);
-      θ_m^(t)  = OuterOpt(θ_m^(t-1), Δ̃_m^(t)).
-
-In the paper each worker's θ_m is its own and never synchronized. Here every member must end
-each round with bit-identical θ (``params_sha256``), so the worker state is split in two. The
-outer optimizer (SGD, Nesterov or heavy-ball momentum: m ← β·m + g; θ ← θ − η·(g + β·m)) is
-linear in (θ, m, g), so running it on g = Δ^(t-1) + d_m^(t), d_m^(t) = a_t·Δ_m^(t) − a_{t-1}·Δ_m^(t-1),
-from the shared start (θ^(0), 0) gives exactly
-
-      (θ_m, m_m) = (θ, m) + (c_m, μ_m),
-
-where (θ, m) is the *global* state, driven by the all-reduced Δ^(t-1) only (Algorithm 2's
-sequence: identical on every member, hashed and served to joiners), and (c_m, μ_m) the node's
-*local correction*, the same optimizer run from (0, 0) on d_m alone (`EagerCorrection`). An eager
-node trains round t+1 from θ + c_m; ``delayed`` is the same with c_m = 0. a_t is the node's
-share of the average, 1/M in the paper; a swarm's groups vary, so a_t = 1/M with M the size of
-our last group (``sync.min_group_size`` before the first). Whatever a_t, the corrections
-telescope: Σ_s d^(s) = a_t·Δ_m^(t), the "pending" local term kept for the next round.
-
-``inner`` is the inner-step overlap of Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512; the
-Eager Updates paper compares against it as "1-inner-step overlap"): round t's average lands τ inner
-steps into round t+1 (``sync.overlap_steps``; 0: as soon as it is known, at the latest after H−1
-steps), not at its end. The global θ takes round t's outer step then, as ``delayed`` would take it
-at the end of the round, so θ, its hash and what joiners are served are ``delayed``'s exactly; the
-weights being trained do not restart from θ but carry on from where round t ended, and at the
-landing take the new θ in part:
-
-      θ_local ← α·θ_local + (1 − α)·θ        (α = ``sync.overlap_mix``; Streaming DiLoCo's merge)
-
-so round t+1's Δ = θ − θ_local holds its H steps, the first τ of them from before the landing. The
-staleness is τ steps instead of a round; what the all-reduce hides is τ steps of compute instead
-of H (`diloco_p2p.planner.plan`). With ``sync.overlap_merge: rebase`` the τ steps' progress is moved onto
-the new θ instead, as if round t's outer step had come before them (only their gradients are stale):
-
-      θ_local ← θ + (θ_local − θ_local at the end of round t)
-
-which drops nothing of them; it does better than the mix at τ = 1 and worse at τ ≈ H/2, where
-the stale gradients add up (`benchmarks/overlap_sweep.py`). τ, α and the merge are the node's own:
-they change its Δ, never the swarm's θ.
-
-With ``sync.fragments`` = P (Streaming DiLoCo's fragments) round r's Δ, average, outer step and
-landing cover only part (r − 1) mod P of the parameters (`Node._part`): its all-reduce carries 1/P
-of the bytes, so it hides behind about 1/P of the steps, and the other parts carry on training
-untouched. Each part still sees P rounds of steps between its syncs.
-
-The last round of a run (train.max_rounds) drains the pipeline: it waits for round t-1's average,
-applies it, then averages its own Δ blocking and applies that too, so the run ends on a θ that
-holds every round's Δ and no local correction.
-
-On a node of N local ranks (`diloco_p2p.local.fsdp`) every rank runs this pipeline on its own shard:
-Δ, the average, the outer step and (c_m, μ_m) are elementwise, so the shards together are the
-1-rank pipeline. Each rank averages its shard through its own swarm endpoint
-(`diloco_p2p.swarm.multirank`) as in the blocking path; only the outcome is made node-wide, with
-small collectives among the ranks, and those must not run in the background thread, where they
-would interleave with FSDP's collectives on the loop's thread. So a flight may carry a
-node-wide step (`InFlight.node_result`) that `Pipeline.take` runs on the loop's thread, at the
-same point on every rank. Checkpoints hold the pipeline's tensors in the 1-rank layout
-(`Pipeline.state_tensors` and `Pipeline.load` take the layout's converters).
+``delayed`` and ``eager`` (Kale, Douillard et al. 2025, arXiv:2502.12996) run round t's
+all-reduce during round t+1's inner steps and land it at its end; ``inner`` (Streaming DiLoCo,
+arXiv:2501.18512) lands it τ steps in and merges it into the weights being trained. Every member
+keeps a bit-identical θ, so the state is split: the global (θ, m), driven by the averages only,
+and an eager node's local correction (`EagerCorrection`), never hashed or sent. `Pipeline` holds
+the flight, lands it and checkpoints it in the 1-rank layout; the last round drains it.
+The algebra and the multi-rank rules: docs/architecture.md, "Overlap and fragments".
 """
 
 from __future__ import annotations
@@ -78,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from diloco_p2p.config import OuterConfig
+from diloco_p2p.config import OuterConfig, overlap_modes
 from diloco_p2p.contract import InFlight, RoundOutcome, begin_average, resolved
 
-OVERLAPS = ("none", "delayed", "eager", "inner")
+OVERLAPS = overlap_modes.NAMES  # declared once, with what each hides (`diloco_p2p.config.overlap_modes`)
 
 
 def outer_update(theta: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, cfg: OuterConfig) -> None:
@@ -94,7 +31,7 @@ def outer_update(theta: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor
 
 class EagerCorrection:
     """A node's local correction (c, μ) to the global (θ, m), and the pending local term
-    a_{t-1}·Δ_m^(t-1) (module docstring). All zero: the node trains from the global θ."""
+    a_{t-1}·Δ_m^(t-1) (docs/architecture.md). All zero: the node trains from the global θ."""
 
     def __init__(self, numel: int, cfg: OuterConfig):
         self.cfg = cfg
@@ -126,15 +63,10 @@ class EagerCorrection:
 
 
 class Pipeline:
-    """A node's overlap state: the average in flight and, for ``eager``, the local correction.
-
-    The loop (`diloco_p2p.loop.node`) calls `take` at the end of round t (under ``inner`` τ steps
-    into it: `Node._land`) for round t-1's average, applies what it returns to the global θ,
-    then `correct` and `begin` round t's. The node publishes round t (its record and state) only
-    once round t's average is known, and the state then carries it (`served_tensors`): θ of
-    round t does not hold it yet, and a joiner adopting that state applies it in its first round
-    as the members do (`adopt`), so it ends that round with their θ.
-    """
+    """A node's overlap state: the average in flight and, for ``eager``, the local correction. The
+    overlap modes (`diloco_p2p.loop.rounds`) call `take` for round t-1's average at the end of round
+    t (``inner``: τ steps in), then `correct` and `begin`; a joiner applies the served average in
+    its first round (`adopt`)."""
 
     def __init__(self, mode: str, numel: int, cfg: OuterConfig, group: int, steps: int = 0):
         self.mode = mode

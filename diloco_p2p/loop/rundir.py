@@ -15,11 +15,8 @@ from diloco_p2p.errors import UserError
 
 
 def prepare_run_dir(path: Path | str) -> Path:
-    """Create `path` (and its parents) if missing and check that this user can write in it.
-
-    Returns it as a `Path`; raises `UserError` naming the directory when it cannot be created or
-    written (read-only file system, permissions, a file in the way).
-    """
+    """Create `path` if missing and check that this user can write in it; `UserError` naming the
+    directory when it cannot be created or written."""
     path = Path(path).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)

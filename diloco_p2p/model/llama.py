@@ -1,16 +1,12 @@
 """The model a node trains: a Llama causal LM, written here with plain torch.
 
-It computes what transformers' `LlamaForCausalLM` computes, op for op (RMSNorm in fp32, rotary
-embeddings, causal scaled-dot-product attention, SwiGLU MLP), with the same parameter names in the
-same order and the same initialisation, so that `diloco-p2p export` writes a state dict that
-`AutoModelForCausalLM.from_pretrained` loads and that gives the node's logits, and a seed gives the
-θ₀ the transformers model would. It is written here, not imported, because importing transformers'
-modeling stack cost a process about 2 s of CPU (importing the node: 5.2 s with it, 3.0 s without,
-on 2 cores): every node start paid it, a restarted volunteer's return to the swarm among them. A
-`model.pretrained_path` model (any architecture) still loads through transformers
-(`diloco_p2p.model.build.build_model`).
-
-The shape is torchtitan's and nanoGPT's: one module per block, the forward in a few lines.
+It computes what transformers' `LlamaForCausalLM` computes, op for op, with the same parameter
+names, order and initialisation, so `diloco-p2p export` writes a state dict transformers loads
+with the node's logits, and a seed gives the θ₀ the transformers model would. It is written
+here, not imported, because importing transformers' modeling stack cost every node start about
+2 s of CPU. A `model.pretrained_path` model (any architecture) still loads through transformers
+(`diloco_p2p.model.build.build_model`). The shape is torchtitan's and nanoGPT's: one module per
+block, the forward in a few lines.
 """
 
 from __future__ import annotations

@@ -41,10 +41,8 @@ class _Stopped(Exception):
 
 
 class _StopSignals:
-    """SIGINT and SIGTERM set `signum`; the demo's waits call `check`, which raises `_Stopped`.
-
-    The handler only records the signal: raising from it could land between starting a process
-    and recording it, and that process would be left running."""
+    """SIGINT and SIGTERM set `signum`; the demo's waits call `check`, which raises `_Stopped`. The
+    handler only records: a raise could land between starting a process and recording it."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -125,7 +123,7 @@ def _run(nodes: int, rounds: int, root: Path, extra: list[str], procs: list[subp
          stop: _StopSignals) -> int:
     """Start the seed and the nodes (each goes into `procs` as soon as it exists), then watch them."""
     seed = _spawn(["seed", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(root / "seed.key"),
-                   "--maddrs-file", str(root / "seed.maddrs")], root / "seed.log")
+                   "--maddrs-file", str(root / "seed.maddrs"), "--witness", "demo"], root / "seed.log")
     procs.append(seed)
     seed_addr = _wait_for_file(root / "seed.maddrs", seed, timeout=60, stop=stop)
     print(f"seed: {seed_addr}", flush=True)

@@ -1,17 +1,12 @@
 """`diloco-p2p seed`: a DHT bootstrap node that trains nothing.
 
-A seed is how volunteers find each other: it has a persistent identity (so its multiaddr does
-not change across restarts), listens on a fixed, documented port, and prints the multiaddrs
-others pass as ``--initial-peers``. It stores DHT records for any run id, like every other DHT
-node; it does not need to know the runs. Operators' notes (ports, NAT, announce addresses,
-identity backup, systemd) are in ``bootstrap/README.md``.
-
-It also answers the dial-back probes with which a starting node learns whether it can be
-dialled or sits behind NAT (`diloco_p2p.swarm.transport.reach`), so the seed itself must be public.
-
-It runs until SIGTERM or SIGINT, then shuts the DHT (and its p2pd) down and returns 0. If the
-DHT process dies under it, it returns 1 so a supervisor (systemd ``Restart=on-failure``)
-restarts it.
+A seed is how volunteers find each other: a persistent identity (its multiaddr survives
+restarts), a fixed port, and the multiaddrs others pass as ``--initial-peers``. It stores DHT
+records for any run id and answers the dial-back probes of `diloco_p2p.swarm.transport.reach`,
+so it must itself be public (operators' notes: ``bootstrap/README.md``). With ``--witness
+RUN_ID`` it also publishes, signed, the peers of that run it trusts (`Witness`), so a newcomer
+backs states only by those peers' records (docs/threat-model.md). It runs until SIGTERM or
+SIGINT and returns 0; if the DHT process dies under it, it returns 1 so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -24,11 +19,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hivemind.utils import get_dht_time
+
 from diloco_p2p.config import P2PConfig
 from diloco_p2p.errors import UserError
+from diloco_p2p.logs import short_peer
+from diloco_p2p.swarm.membership.records import read_progress
+from diloco_p2p.swarm.membership.standing import WITNESS_TTL, Witness, witness_key, witness_validator
 from diloco_p2p.swarm.transport.dht import dht_peer_count, start_dht, visible_maddrs
 from diloco_p2p.swarm.transport.reach import ReachServer
 from diloco_p2p.swarm.transport.runner import BackgroundLoop
+from diloco_p2p.swarm.trust.signing import own_subkey
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ DEFAULT_SEED_PORT = 31337
 DEFAULT_HOST_MADDRS = (f"/ip4/0.0.0.0/tcp/{DEFAULT_SEED_PORT}",)
 # How often the seed checks that its DHT process is alive and logs what it sees.
 HEARTBEAT_SECONDS = 5.0
+WITNESS_SECONDS = 1.0  # how often a witness reads its runs' records
 LOG_EVERY_HEARTBEATS = 60
 
 
@@ -51,12 +53,11 @@ def run_seed(
     *,
     initial_peers: Sequence[str] = (),
     stop_event: threading.Event | None = None,
+    witness: Sequence[str] = (),
+    founders: Sequence[str] = (),
 ) -> int:
-    """Serve the DHT until SIGTERM/SIGINT (or `stop_event`), then shut down; returns the exit code.
-
-    `initial_peers` lets a second seed join the first (several seeds make one DHT). Raises
-    `UserError` for bad addresses, an unusable identity or a busy port.
-    """
+    """Serve the DHT until SIGTERM/SIGINT (or `stop_event`); returns the exit code. `initial_peers`:
+    another seed to join; `witness`: the runs it witnesses, trusting `founders` (`Witnesses`)."""
     if not -1 <= metrics_port < 65536:
         raise UserError(f"--metrics-port must be a TCP port, 0 (off) or -1 (any free port), not {metrics_port}")
     hosts = list(host_maddrs) if host_maddrs else list(DEFAULT_HOST_MADDRS)
@@ -67,7 +68,8 @@ def run_seed(
     )
     # The DHT forks: start it before any thread of ours (metrics server) and before our signal
     # handlers, which the forked DHT process would otherwise inherit.
-    dht = start_dht(cfg, Path(identity_path) if identity_path is not None else None)
+    dht = start_dht(cfg, Path(identity_path) if identity_path is not None else None,
+                    record_validators=[witness_validator(run_id) for run_id in witness])
     stop = stop_event or threading.Event()
     previous = _install_stop_handlers(stop)
     metrics = loop = None
@@ -84,15 +86,17 @@ def run_seed(
         logger.info(
             "seed %s is up; pass one of the addresses above as --initial-peers", dht.peer_id.to_base58()
         )
+        witnesses = Witnesses(dht, witness, founders)
         beats = 0
-        while not stop.wait(HEARTBEAT_SECONDS):
+        while not stop.wait(WITNESS_SECONDS if witness else HEARTBEAT_SECONDS):
+            witnesses.step()
             if not dht.is_alive():
                 logger.error(
                     "the DHT process exited unexpectedly; stopping so the supervisor can restart the seed"
                 )
                 return 1
             beats += 1
-            if beats % LOG_EVERY_HEARTBEATS == 0:
+            if beats % (LOG_EVERY_HEARTBEATS * (HEARTBEAT_SECONDS // WITNESS_SECONDS if witness else 1)) == 0:
                 logger.info("seed alive: %d DHT peers in the routing table", dht_peer_count(dht))
         logger.info("stopping the seed")
         return 0
@@ -103,6 +107,34 @@ def run_seed(
         if loop is not None:
             loop.close()
         dht.shutdown()
+
+
+class Witnesses:
+    """The seed's witness of each run it follows: read the run's records, update whom it trusts
+    (`Witness.observe`), publish them under the run's witness key with the seed's signed subkey.
+    A DHT that does not answer now is tried again at the next beat."""
+
+    def __init__(self, dht: Any, run_ids: Sequence[str], founders: Sequence[str] = ()):
+        self.dht, self.runs = dht, {run_id: Witness(founders) for run_id in run_ids}
+        self.subkey = own_subkey(dht, dht.peer_id.to_base58()) if run_ids else None
+
+    def step(self) -> None:
+        for run_id, witness in self.runs.items():
+            try:
+                records = read_progress(self.dht, run_id, timeout=WITNESS_SECONDS)
+            except Exception as e:  # no view of the run this beat
+                logger.debug("witness of %s: no records (%s)", run_id, e)
+                continue
+            before = set(witness.trusted)
+            witness.observe(records)
+            if witness.abstains:
+                continue
+            if witness.trusted != before:
+                logger.info("witness of %s: trusts %d peer(s) (%s)", run_id, len(witness.trusted),
+                            ", ".join(short_peer(p) for p in sorted(witness.trusted - before)))
+            # Published even while it trusts nobody: "no group has committed yet" moves no newcomer.
+            value = {"round": witness.round, "peers": witness.listed(records)}
+            self.dht.store(witness_key(run_id), value, get_dht_time() + WITNESS_TTL, subkey=self.subkey)
 
 
 def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:

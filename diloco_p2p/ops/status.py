@@ -1,24 +1,11 @@
 """`diloco-p2p status`: what the swarm is doing, read from the progress records in the DHT.
 
-It joins the DHT as a client (it serves nothing and stores nothing), reads the run's progress
-records (`diloco_p2p.swarm.membership.records`), prints one row per node and leaves. A node's params hash
-"agrees" when it equals the majority hash among the nodes at the same round: nodes at
-different rounds hold different parameters by design, so only same-round disagreement means
-the swarm forked.
-
-Below the table come the peers the nodes refuse (`excluded` in their records: forged records,
-peers a closed run has not admitted, states nobody vouches for; `diloco_p2p.swarm.trust.guard`), with
-how many nodes refuse each, and entries status itself found forged (signed by another peer than
-the one they name). In JSON, each node's row carries its `excluded` map.
-
-MISSED and AWAY are what the other nodes saw of this one (`liveness` in their records): the most
-rounds any of them did not wait for it, and the longest time away any of them counted (``now``
-after it while one of them is not waiting for it at this moment). A peer the others report away
-that has no record any more (it left or crashed a while ago) is listed under the table.
-
-REACH says whether other peers can dial the node (`public`) or it sits behind NAT (`private`,
-`diloco_p2p.swarm.transport.reach`); a swarm with too few public nodes for its private ones gets a
-``WARNING`` line under the table (and, in JSON, `swarm_warning` in the first row).
+It joins the DHT as a client (it serves and stores nothing), reads the run's progress records and
+prints one row per node: its round, θ hash (agreeing with the majority at its round, or not),
+MISSED and AWAY (what the others saw of it), REACH (public or behind NAT). Below the table: the
+peers the nodes refuse and entries status found forged, peers reported away without a record,
+and a warning when too few nodes are public. ``--json`` gives the same rows.
+What each column means: docs/architecture.md, "Logs and metrics".
 """
 
 from __future__ import annotations

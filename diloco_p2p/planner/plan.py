@@ -1,69 +1,12 @@
 """A round planner: what one DiLoCo round costs a swarm of N nodes, before anyone runs it.
 
-`diloco-p2p plan` prints, for N = 4 .. 1,024, the round's seconds, compute utilization (inner-step
-seconds over round seconds), bytes each node sends, and the bottleneck (compute, uplink or
-downlink, latency/messages (matchmaking included), CPU, stragglers, failures): the largest cause
-when utilization is below 0.9, else compute. Everything here is a pure function of the inputs
-and of a few constants measured on real swarms (`Calibration`, fitted and checked by
-`benchmarks/plan_check.py` on namespaces with tbf-shaped links). They were fitted on a quiet
-two-core machine (load average 0.2-3: what CI and a dedicated box look like) on unshaped, 20 and
-50 Mbit/s links and checked on held-out 10, 35 and 100 Mbit/s all-reduces and training rounds
-(22 of 26 within 15%); rows, held-out errors (also leave-one-rate-out and leave-one-k-out) and the
-same constants against a busy machine's rows are in benchmarks/results/plan_check_quiet.{json,txt},
-plan_holdout.txt and plan_check.{json,txt}.
-
-Bytes. For the butterfly (the protocol of `diloco_p2p.swarm.collective.allreduce`, after Patarasuk & Yuan
-2009's bandwidth-optimal all-reduce: reduce-scatter, then all-gather) the count is exact, frame
-by frame, from `wire`: member j streams part i (`wire.partition`, `wire.chunk_ranges`,
-`wire.encoded_size`) to each reducer i, its reduced part j back to every member with a one-byte
-trailer, and a mask to every member; each message is a JSON header and 8-byte length prefixes.
-That is 2(k-1)/k · n · bytes/value plus a few hundred bytes per message, the all-reduce lower
-bound. ``int4`` and ``topk2`` are counted by `swarm/collective/codecs.py`'s sizes: ``int4`` (blockwise
-absmax, one fp32 scale per 64 values, two codes per byte, as in Dettmers et al.'s blockwise
-quantization) and ``topk2`` (SparseLoCo's chunked top-k, Sarfi et al. 2025: per frame of 65,536
-values two magnitude levels, Elias-Fano positions and 2-bit codes). A sparse payload does not
-shrink in a reduce-scatter (a reducer's average is the union of k supports), so top-k goes by the
-all-gather of sparse contributions (`sparse`, `swarm/collective/allgather.py`: every member sends its own
-to every other; bytes grow as (N-1) · S).
-
-Hierarchical (`grid`, issue 17, `swarm/collective/hierarchy.py`): N > B (the group size) members in
-R = ceil(N/B) rows of near-equal size s; a row's reducer averages its part of n/s values across
-its column (the R members owning that range) between the row's reduce and gather, and two tiny
-all-reduces of a 0/1 mask agree on what committed. Exact (every node ends with the one global
-average), unlike Moshpit SGD's approximate grid (Ryabinin et al. 2021). Bytes per node are the
-lower bound 2(N-1)/N · n again, but a node opens about 3(s-1) + 3(R-1) streams (twice, with the
-agreement) instead of 3(N-1).
-
-Time of one butterfly over k members: ``flow_overhead · wire + flow_tail · wire · H(k-1) · 100/rate
-+ setup + per_message · messages · o + cpu + rtts · RTT`` (`time_terms`). `wire` is the slowest node's
-bytes at its link rate (every member waits for every part, so the slowest link sets the pace: the
-N-quantile of the link distribution). The tail is the reducer whose part arrives last: k-1 TCP
-flows share each link unevenly, and a reducer can gather only what its slowest flow has delivered,
-so it finishes alone while the other links idle (seen in a trace: 0.6-0.9 s of one reducer
-gathering alone at 20 Mbit/s, k=8). If each flow's lateness is a random share of the wire time, the
-slowest of k-1 is H(k-1) = 1 + 1/2 + ... + 1/(k-1) times the mean (the maximum of k-1 exponentials);
-the lateness measured here also grew as the link got slower (relative to the wire time: ~0 at
-100 Mbit/s, ~12% at 50, 20-50% at 20), as 1/rate, which the term takes as given down to the
-calibration's slowest rate, 20 Mbit/s, and holds there below it (`TAIL_FLOOR_MBIT`: 10 Mbit/s
-all-reduces measured later were as late relative to their wire time as 20 Mbit/s ones; carrying
-1/rate on over-predicted them by up to 17.5%). 100 Mbit/s is only the unit; the checks span k =
-2..8 and 10..100 Mbit/s, so more members extrapolate it. `setup` and `messages · o` are the
-collective's fixed cost and stream setup through the p2p daemon (about 20 ms a stream here: per peer, a member opens three), CPU work that
-takes o times longer when other work shares the cores (1 on a dedicated box; on the checks' shared
-two cores, 1 + 0.38 x the load average beyond the swarm's own k nodes, `plan_check.LOAD_SHARE`:
-the k nodes mostly wait for each other, and their setup grew as k, not k², on the quiet machine);
-`cpu` is encode, reduce, decode per byte (not separable here: 0). A round is the slowest node's H
-inner steps (stragglers: per-node speed lognormal with the given spread, the N-th order
-statistic by Blom's approximation; with dynamic local updates nobody waits) plus matchmaking plus
-the all-reduce; with ``overlap=eager`` the all-reduce of round r runs behind round r+1's inner
-steps (Eager Updates; Kale et al. 2025), so only what exceeds the compute is exposed; with
-``overlap=inner`` behind its first τ inner steps (``overlap_steps``), so what exceeds τ of H; τ = 0
-is the config's default: the average lands once it is known, at the latest after H-1 steps
-(`Node._lands_now`), so τ is the steps the all-reduce takes, at most H-1. With
-``fragments`` = P (Streaming DiLoCo's, ``sync.fragments``) a round averages 1/P of the parameters:
-its bytes are those of a model P times smaller, and H is a round's inner steps (H/P of a part's). A failure
-rate p per node per round costs the expected detection delay of a dead member, the dead node's
-round, and its state download (8 bytes per parameter) at its downlink.
+`diloco-p2p plan` prints, for N = 4 .. 1,024, the round's seconds, compute utilization, bytes per
+node and the bottleneck: pure functions of the inputs and of constants fitted on real swarms over
+shaped links (`Calibration`, checked by `benchmarks/planner/plan_check.py` on held-out rates).
+Bytes are counted frame by frame from `wire`; time adds the slowest link's wire time, the last
+reducer's tail, stream setup, CPU and round trips (`time_terms`); a round adds the slowest
+node's inner steps, matchmaking, what overlap leaves exposed, and the cost of failures.
+The model and its calibration: docs/architecture.md, "The planner's model".
 """
 
 from __future__ import annotations
@@ -72,13 +15,19 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
+from typing import Any, ClassVar
 
-from diloco_p2p.swarm.collective import codecs, wire
+from pydantic import BaseModel
+
+from diloco_p2p.config import Config, OuterConfig, SyncConfig, overlap_modes
+from diloco_p2p.config.compression import NAMES as CODEC_NAMES
+from diloco_p2p.config.compression import codec
+from diloco_p2p.swarm.collective import wire
 from diloco_p2p.swarm.transport import streams
 
 SCHEMES = ("auto", "butterfly", "grid", "sparse")
-COMPRESSIONS = ("fp32", "fp16", "int8", "int4", "topk2")
-OVERLAPS = ("none", "eager", "inner")
+COMPRESSIONS = CODEC_NAMES  # declared once, with their sizes (`diloco_p2p.config.compression`)
+OVERLAPS = overlap_modes.NAMES  # declared once, with the compute each hides behind
 DEFAULT_NODES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _PREFIX = streams.LENGTH_PREFIX
 _GROUP_ID = "0" * 64  # a group id is a sha256 hex digest (matchmaking)
@@ -87,19 +36,9 @@ MEMBER_LIST_BYTES = 190  # per member in the list the matchmaking leader sends t
 
 @dataclass(frozen=True)
 class Calibration:
-    """Constants measured on real swarms here (`benchmarks/plan_check.py --calibrate`, tbf links).
-
-    flow_overhead: all-reduce seconds over the wire time of its bytes once the tail and fixed costs
-    are taken out (below 1.046, the Ethernet/IP/TCP framing of a 1448-byte segment, because the
-    fixed costs overlap the transfer in part). flow_tail: the slowest flow's lateness per unit of
-    `time_terms`' tail. cpu_s_per_byte: one node's CPU per byte it sends or receives (encode,
-    reduce, decode, the hop through p2pd). setup_s, per_message_s, rtts: fixed costs of one
-    butterfly. matchmaking_per_member_s: forming the group, per other member (fitted on 2-node
-    training rounds: the round's seconds less its compute and the predicted all-reduce); the leader
-    also streams the member list to every member, `MEMBER_LIST_BYTES` per member each (O(N^2) bytes
-    at its uplink, `swarm/collective/hierarchy.py`).
-    detect_s: noticing a dead member (the probe interval). apply_s: the outer step and bookkeeping.
-    """
+    """Constants fitted on real swarms (`benchmarks/planner/plan_check.py --calibrate`, tbf links): the
+    weights of `time_terms`, forming a group per member, noticing a dead member (`detect_s`), the outer
+    step (`apply_s`). How each was fitted: docs/architecture.md, "The planner's model"."""
 
     flow_overhead: float = 1.0353
     flow_tail: float = 0.03175
@@ -110,7 +49,7 @@ class Calibration:
     matchmaking_per_member_s: float = 0.03259
     detect_s: float = 1.0
     apply_s: float = 0.0
-    source: str = ("fitted by benchmarks/plan_check.py calibrate (2-8 peers, 2,000,000 values, unshaped and 20+50 Mbit "
+    source: str = ("fitted by benchmarks/planner/plan_check.py calibrate (2-8 peers, 2,000,000 values, unshaped and 20+50 Mbit "
                    "tbf links, load average 0.6-1.5 on 2 cores; matchmaking: 2-node training rounds)")
 
 @dataclass(frozen=True)
@@ -128,47 +67,65 @@ class Links:
         return math.exp(math.log(self.lo) + q * (math.log(self.hi) - math.log(self.lo)))
 
 
+def _default(section: type[BaseModel], name: str) -> Any:
+    """A config field's default: the planner's settings default to what a node would run."""
+    return section.model_fields[name].default
+
+
 @dataclass(frozen=True)
 class Inputs:
+    """What a round costs depends on: the model and the machines (params, step seconds, links,
+    ...), which no config holds and which are checked here, and the swarm's settings, which the
+    config holds, defaults and checks (`from_config`; `diloco-p2p plan` builds one from a config
+    and its flags). Settings given here directly are taken as the config would have them."""
+
     params: int
     step_seconds: float
-    inner_steps: int = 500
+    inner_steps: int = _default(OuterConfig, "inner_steps")
     uplink: Links = Links(100.0, 100.0)
     downlink: Links = Links(100.0, 100.0)
     rtt_ms: float = 50.0
     fail_rate: float = 0.0
     step_spread: float = 0.0  # coefficient of variation of per-node compute speed
-    dylu: bool = False  # dynamic local updates: slow nodes do fewer steps, nobody waits
+    dylu: bool = _default(OuterConfig, "dynamic_local_updates")  # slow nodes do fewer steps, nobody waits
     scheme: str = "auto"
-    group: int = 16  # butterfly size; a grid's row size
-    compression: str = "fp16"
-    density: float = 0.02  # top-k
-    overlap: str = "none"
-    overlap_steps: int = 1  # overlap=inner: τ, the inner steps the all-reduce runs behind; 0: as soon as known
-    fragments: int = 1  # sync.fragments: a round averages 1/P of the parameters
+    group: int = _default(SyncConfig, "target_group_size")  # butterfly size; a grid's row size
+    compression: str = _default(SyncConfig, "compression")
+    density: float = _default(SyncConfig, "topk_density")  # top-k
+    overlap: str = _default(SyncConfig, "overlap")
+    overlap_steps: int = _default(SyncConfig, "overlap_steps")  # overlap=inner: τ; 0: as soon as known
+    fragments: int = _default(SyncConfig, "fragments")  # a round averages 1/P of the parameters
     chunk: int = wire.DEFAULT_CHUNK_ELEMENTS
     oversubscribe: float = 1.0  # CPU contention: how many times longer CPU work takes than on a dedicated box (1)
+
+    MACHINE: ClassVar[tuple[str, ...]] = ("params", "step_seconds", "uplink", "downlink", "rtt_ms", "fail_rate",
+                                          "step_spread", "chunk", "oversubscribe")
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, scheme: str = "auto", **machine: Any) -> Inputs:
+        """The round of a swarm running `cfg` on the model and machines `machine` describes
+        (`MACHINE`'s fields; params and step_seconds at least)."""
+        s = cfg.sync
+        return cls(inner_steps=cfg.outer.inner_steps, dylu=cfg.outer.dynamic_local_updates, scheme=scheme,
+                   group=s.target_group_size, compression=s.compression, density=s.topk_density,
+                   overlap=s.overlap, overlap_steps=s.overlap_steps, fragments=s.fragments, **machine)
+
+    def machine(self) -> dict[str, Any]:
+        """The fields no config holds, for `from_config`."""
+        return {name: getattr(self, name) for name in self.MACHINE}
 
     def __post_init__(self):
         problems = [
             (self.params >= 1, f"params must be at least 1, got {self.params}"),
             (self.step_seconds > 0, f"step seconds must be > 0, got {self.step_seconds}"),
-            (self.inner_steps >= 1, f"inner steps must be at least 1, got {self.inner_steps}"),
             (self.rtt_ms >= 0, f"rtt must be >= 0 ms, got {self.rtt_ms}"),
             (0 <= self.fail_rate < 1, f"failure rate must be in [0, 1), got {self.fail_rate}"),
             (self.step_spread >= 0, f"step spread must be >= 0, got {self.step_spread}"),
             (self.scheme in SCHEMES, f"scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}"),
-            (self.group >= 2, f"group size must be at least 2, got {self.group}"),
-            (self.compression in COMPRESSIONS,
-             f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"),
-            (0 < self.density <= 1, f"top-k density must be in (0, 1], got {self.density}"),
-            (self.overlap in OVERLAPS, f"overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}"),
-            (self.overlap != "inner" or (0 <= self.overlap_steps < self.inner_steps and self.inner_steps >= 2),
-             f"overlap steps must be in 0..{self.inner_steps - 1} (below H; 0: as soon as known), "
-             f"got {self.overlap_steps}"),
-            (1 <= self.fragments <= self.params, f"fragments must be in 1..params, got {self.fragments}"),
+            (self.fragments <= self.params, f"sync.fragments ({self.fragments}) must be at most the parameters"),
             (0 < self.chunk <= wire.MAX_CHUNK_ELEMENTS, f"chunk must be in 1..{wire.MAX_CHUNK_ELEMENTS}"),
-            (self.scheme != "sparse" or self.compression == "topk2", "the sparse all-gather needs compression topk2"),
+            (self.scheme != "sparse" or codec(self.compression).sparse,
+             "the sparse all-gather needs a sparse compression (topk2)"),
         ]
         for links in (self.uplink, self.downlink):
             problems.append((0 < links.lo <= links.hi, f"link rates must be > 0 Mbit/s and lo <= hi, got {links}"))
@@ -181,14 +138,9 @@ class Inputs:
 
 
 def payload_size(numel: int, compression: str, density: float = 1.0) -> int:
-    """Bytes of `numel` values in one frame of the given compression (exact where `wire` encodes it)."""
-    if compression in wire.COMPRESSIONS:
-        return wire.encoded_size(numel, compression)
-    if compression == "int4":
-        return codecs.int4_size(numel)
-    if compression == "topk2":
-        return codecs.topk_size(numel, density)
-    raise ValueError(f"unknown compression {compression!r}")
+    """Bytes of `numel` values in one frame of the given compression: its declared size, which is
+    what the wire writes (`diloco_p2p.config.compression`)."""
+    return codec(compression).size(numel, density)
 
 
 def _frames(numel: int, compression: str, chunk: int, density: float = 1.0) -> int:
@@ -218,12 +170,8 @@ def header_size(kind: str, k: int, n: int, chunk: int) -> int:
 @functools.lru_cache(maxsize=4096)  # pure; `recommend` asks for the same counts under many H and overlaps
 def butterfly_bytes(n: int, k: int, compression: str, chunk: int = wire.DEFAULT_CHUNK_ELEMENTS,
                     member: int | None = None, density: float = 1.0) -> int:
-    """Bytes member `member` (default: the mean over members, rounded) sends in one butterfly.
-
-    Scatter of every other member's part, the gather of its own part to every other member (with
-    its one-byte trailer frame), a mask to every other member. Top-k over a butterfly: the
-    gathered part is the union of k sparse contributions (density 1-(1-d)^k), at most dense fp16.
-    """
+    """Bytes `member` (default: the mean over members) sends in one butterfly: the scatter, its
+    gathered part with its trailer, the masks. Top-k gathers the union of k supports, at most fp16."""
     if k < 2:
         return 0
     parts = [b - a for a, b in wire.partition(n, k)]
@@ -231,7 +179,7 @@ def butterfly_bytes(n: int, k: int, compression: str, chunk: int = wire.DEFAULT_
 
     def gather_frames(numel: int) -> int:
         frames = _frames(numel, compression, chunk, gathered)
-        return min(frames, _frames(numel, "fp16", chunk)) if compression == "topk2" else frames
+        return min(frames, _frames(numel, "fp16", chunk)) if codec(compression).sparse else frames
 
     headers = (k - 1) * sum(header_size(kind, k, n, chunk) for kind in ("scatter", "gather", "mask"))
     scatter = {m: _frames(m, compression, chunk, density) for m in set(parts)}
@@ -283,7 +231,7 @@ def levels(inp: Inputs, scheme: str, nodes: int) -> list[Level]:
         return [Level("all-gather", nodes, sparse_bytes(n, nodes, chunk, d), 2 * (nodes - 1))]
     rows, size = grid_shape(nodes, inp.group)
     sizes = [hi - lo for lo, hi in wire.partition(nodes, rows)]  # rows differ by at most one member
-    fp32_gather = len(set(sizes)) > 1 and comp not in ("fp32", "fp16")  # unequal rows re-encode exactly only these
+    fp32_gather = len(set(sizes)) > 1 and not codec(comp).exact_reencode  # as `hierarchy` does
 
     def row_bytes(s: int) -> int:
         part = math.ceil(n / s)
@@ -305,7 +253,7 @@ def scheme_for(inp: Inputs, nodes: int) -> str:
     """The scheme a swarm runs: top-k goes by all-gather; dense is one butterfly up to the group size, a grid beyond."""
     if inp.scheme != "auto":
         return inp.scheme
-    if inp.compression == "topk2":
+    if codec(inp.compression).sparse:
         return "sparse"
     return "butterfly" if nodes <= inp.group else "grid"
 
@@ -322,25 +270,14 @@ def harmonic(n: int) -> float:
     return sum(1 / i for i in range(1, n + 1))
 
 
-TAIL_MBIT = 100.0  # the tail term's unit rate (it grows as 1/rate: see the module docstring)
+TAIL_MBIT = 100.0  # the tail term's unit rate (it grows as 1/rate: docs/architecture.md, "The planner's model")
 TAIL_FLOOR_MBIT = 20.0  # the slowest calibrated rate: below it the tail stays at its value there
 
 
 def time_terms(level: Level, inp: Inputs, nodes: int) -> dict[str, float]:
-    """The unit terms of one level's seconds; `Calibration` weighs each (`TERMS` names its field):
-
-    - wire: the slowest link's seconds for the level's bytes (uplink or downlink, whichever is
-      slower: a member receives what it sends);
-    - tail: wire x H(k-1) x 100 Mbit/s / max(rate, 20 Mbit/s): the reducer whose part arrives
-      last, gathering alone (the slowest of its k-1 flows; relatively longer on slower links, down
-      to `TAIL_FLOOR_MBIT`). It replaced a per-flow volume of the link (seconds (k-1) x 8 / rate x
-      bytes), which fitted below zero on 1 MiB queues (`tests/netns.queue_ms`) and could not make
-      int8 as late as fp16 at 20 Mbit/s;
-    - setup: 1 (a fixed cost per collective; a grid runs four, its agreement two of them);
-    - messages: streams opened x o (opening a stream through p2pd is CPU work: `Inputs.oversubscribe`);
-    - cpu: bytes sent and received x o;
-    - rtt: round-trip seconds.
-    """
+    """The unit terms of one level's seconds, which `Calibration` weighs (`TERMS` names its field):
+    wire, tail (wire x H(k-1) x 100 Mbit/s / max(rate, `TAIL_FLOOR_MBIT`)), setup, messages x o, cpu
+    bytes x o, rtt. Why each: docs/architecture.md, "The planner's model"."""
     rate = min(inp.uplink.slowest(nodes), inp.downlink.slowest(nodes))
     busy = max(inp.oversubscribe, 1.0)  # CPU work takes that much longer beside other work
     wire_s = _mbit_seconds(level.sent, rate)
@@ -401,7 +338,7 @@ class Prediction:
 
 
 def predict_scheme(inp: Inputs, nodes: int, scheme: str, cal: Calibration) -> Prediction:
-    """One scheme's round at `nodes` nodes (see the module docstring for the model)."""
+    """One scheme's round at `nodes` nodes (the model: docs/architecture.md, "The planner's model")."""
     compute = inp.inner_steps * inp.step_seconds
     slowest = compute if inp.dylu else compute * straggler_factor(nodes, inp.step_spread)
     parts: dict[str, float] = {}
@@ -414,12 +351,12 @@ def predict_scheme(inp: Inputs, nodes: int, scheme: str, cal: Calibration) -> Pr
     parts["latency/messages"] = parts.get("latency/messages", 0.0) + comm - allreduce  # matchmaking
     parts["failures"] = p_any * cal.detect_s
     parts["stragglers"] = slowest - compute
-    tau = 0
-    if inp.overlap == "inner":  # τ = 0: the first step after the average is known, at the latest H-1
+    tau, hides = 0, overlap_modes.mode(inp.overlap).hides
+    if hides == "steps":  # τ = 0: the first step after the average is known, at the latest H-1
         step = slowest / inp.inner_steps
         tau = inp.overlap_steps or min(inp.inner_steps - 1, max(1, math.ceil(comm / step - 1e-9)))
-    if inp.overlap in ("eager", "inner"):  # behind the next round's H (eager) or τ (inner) inner steps
-        hidden = slowest if inp.overlap == "eager" else slowest * tau / inp.inner_steps
+    if hides != "nothing":  # behind the next round's H (delayed, eager) or τ (inner) inner steps
+        hidden = slowest if hides == "round" else slowest * tau / inp.inner_steps
         exposed = max(comm - hidden, 0.0)
         scale = exposed / comm if comm > 0 else 0.0
         parts = {c: (s * scale if c not in ("stragglers",) else s) for c, s in parts.items()}

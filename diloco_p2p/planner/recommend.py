@@ -1,44 +1,33 @@
-"""What `diloco-p2p plan` recommends: the settings that best raise predicted compute utilization
-for the links given, as `--set` overrides the config accepts.
+"""What `diloco-p2p plan` recommends: the settings that best raise predicted compute utilization.
 
-The search tries every combination of the settings that change a round's cost in `plan`'s model:
-the wire (`sync.compression`: fewer bytes through the same all-reduce, or topk2's sparse
-all-gather), the overlap (`sync.overlap` inner or eager: the all-reduce behind the next round's
-inner steps), H (`outer.inner_steps`: compute per round), fragments (`sync.fragments` with inner
-τ = 1 or 2 and `rebase`, the README's recipe) and the grid's row size (`sync.target_group_size`).
-Each candidate is predicted by `plan.predict` at every N of the table, and kept only if
-`config.validate_config` accepts it (so `--dylu` rules out overlap, as the config does).
-
-Chosen: among candidates with utilization >= `TARGET` at every N, the one with the lowest
-estimated quality cost, then the fewest changes; if none reaches it, the highest utilization at the
-worst N. The quality cost is a rough percent of eval loss against fp32, blocking, at the given H,
-summed over the changes: the project's own measurements on the tiny preset at equal tokens
-(`QUALITY`; each names its results file). They rank candidates; they are not a prediction of a
-large model's loss (the papers report smaller overlap costs at scale).
-
-topk2 is offered only as measured: with its outer step and γ 0.5 (`sync.feedback_carry` unset),
-which holds under overlap none and fragments 1 (the config sets γ 0 otherwise, at +1.7 to +5%).
+The search tries every combination of the settings that change a round's cost in `plan`'s
+model (the wire, the overlap, H, fragments, the grid's row size), keeps those the config
+accepts (each candidate is planned as `plan.Inputs.from_config` of that config), and picks, among those reaching `TARGET` utilization at every N, the lowest estimated
+quality cost (`QUALITY`: the project's measurements on the tiny preset, each naming its results
+file), then the fewest changes. They come out as ``--set`` overrides. The costs rank candidates;
+they do not predict a large model's loss. The search: docs/architecture.md, "The planner's model".
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from diloco_p2p import config
+from diloco_p2p.config import compression
 from diloco_p2p.errors import UserError
 from diloco_p2p.planner import plan
 
 TARGET = 0.9
-DENSE = ("fp32", "fp16", "int8", "int4")  # fewer bytes left to right, through the same all-reduce
+DENSE = compression.DENSE  # fewer bytes left to right, through the same all-reduce
 H_FACTORS = (1, 2, 4, 8)
 GROUPS = (8, 16, 32)
 FRAGMENTS = (2, 5, 10)
 TOPK_RECIPE = {"sync.topk_density": 0.034, "sync.feedback_decay": 0.9, "outer.lr": 2.0, "outer.momentum": 0.0}
 H_DOUBLING_PCT = 1.2  # blocking at equal tokens, H 5 -> 10 -> 20 -> 50: +1.2, +2.4, +3.7%
 
-# (percent, phrase): results files are under benchmarks/results/
+# (percent, phrase): results files are under benchmarks/wire/results/ and benchmarks/overlap/results/
 QUALITY = {
     "fp32": (0.0, "fp32: the reference"),
     "fp16": (0.0, "fp16: -0.00% vs fp32 (compression.txt)"),
@@ -104,12 +93,12 @@ def tree_of(fields: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def is_valid(fields: dict[str, Any]) -> bool:
+def validated(fields: dict[str, Any]) -> config.Config | None:
+    """The config `fields` (dotted) give, or None where the config refuses them."""
     try:
-        config.validate_config(tree_of(fields))
+        return config.validate_config(tree_of(fields))
     except UserError:
-        return False
-    return True
+        return None
 
 
 def _value(v: Any) -> str:
@@ -117,7 +106,7 @@ def _value(v: Any) -> str:
 
 
 def _options(base: plan.Inputs, nodes: tuple[int, ...]):
-    """(Inputs, the config fields it needs besides `fields_of`, H over the baseline's) for every combination tried."""
+    """(the config fields a candidate sets, H over the baseline's) for every combination tried."""
     h0 = base.inner_steps * base.fragments  # inner steps between two syncs of the same values
     wires = [c for c in DENSE if DENSE.index(c) >= DENSE.index(base.compression)] if base.compression in DENSE \
         else list(DENSE)
@@ -126,18 +115,16 @@ def _options(base: plan.Inputs, nodes: tuple[int, ...]):
         extra = dict(TOPK_RECIPE) if comp == "topk2" else {"sync.error_feedback": True} if comp == "int4" else {}
         for factor in H_FACTORS:
             h = h0 * factor
-            shared = dict(compression=comp, inner_steps=h, fragments=1, overlap="none", scheme="auto",
-                          density=TOPK_RECIPE["sync.topk_density"] if comp == "topk2" else base.density)
-            schedules = [dict()]  # blocking
+            shared = {"sync.compression": comp, "outer.inner_steps": h, "sync.fragments": 1, "sync.overlap": "none"}
+            schedules: list[dict[str, Any]] = [{}]  # blocking
             if comp != "topk2" and not base.dylu:
-                schedules += [dict(overlap="inner", overlap_steps=0), dict(overlap="eager")]
-                schedules += [dict(overlap="inner", overlap_steps=tau, fragments=p, inner_steps=h // p)
+                schedules += [{"sync.overlap": "inner", "sync.overlap_steps": 0}, {"sync.overlap": "eager"}]
+                schedules += [{"sync.overlap": "inner", "sync.overlap_steps": tau, "sync.fragments": p,
+                               "outer.inner_steps": h // p, "sync.overlap_merge": "rebase"}
                               for p in FRAGMENTS for tau in (1, 2) if h % p == 0 and h // p > tau]
             for schedule in schedules:
                 for group in (groups if comp != "topk2" else [base.group]):
-                    inp = replace(base, **{**shared, **schedule, "group": group})
-                    more = dict(extra, **({"sync.overlap_merge": "rebase"} if inp.fragments > 1 else {}))
-                    yield inp, more, h / h0
+                    yield {**shared, **extra, **schedule, "sync.target_group_size": group}, h / h0
 
 
 def _cost(c: Candidate, base: Candidate, h_factor: float) -> tuple[float, tuple[str, ...]]:
@@ -178,10 +165,11 @@ def recommend(base: plan.Inputs, nodes: tuple[int, ...] = plan.DEFAULT_NODES,
     if baseline.lowest >= TARGET:
         return Advice(baseline, None, [], "")
     found: list[Candidate] = []
-    for inp, extra, h_factor in _options(base, nodes):
-        fields = {**fields_of(inp), **extra}
-        if not is_valid({**baseline.fields, **fields}):  # what the user's config becomes with the lines pasted
+    for fields, h_factor in _options(base, nodes):
+        cfg = validated({**baseline.fields, **fields})  # what the user's config becomes with the lines pasted
+        if cfg is None:
             continue
+        inp = plan.Inputs.from_config(cfg, **base.machine())
         c = Candidate(inp, fields, plan.sweep(inp, nodes, cal))
         c.sets = tuple(f"{k}={_value(v)}" for k, v in sorted(fields.items()) if baseline.fields.get(k) != v
                        and not (k == "sync.overlap_steps" and v == 0 and "sync.overlap_steps" not in baseline.fields))

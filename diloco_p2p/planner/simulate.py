@@ -1,28 +1,12 @@
 """M DiLoCo replicas in one process, no network: the swarm's arithmetic, for research sweeps.
 
-Each replica is a full `Node` (the same loop, inner trainer, data order, eval and records as
-`diloco-p2p train`), with its own data order key, run directory and AdamW state. They meet at
-`Rendezvous` instead of the swarm: when all M have handed in their pseudo-gradient Δ for a
-round, the average is computed exactly as the all-reduce computes it
-(`diloco_p2p.swarm.collective.allreduce`): members in the order of their keys (the swarm sorts peer ids),
-Δ split into one part per member (`wire.partition`) and each part into chunks, every chunk
-encoded with `sync.compression` and reduced by `aggregate.reduce_part` under the run's
-`sync.aggregation` and bounds (`mean`: token-weighted, fp32, in member order, then encoded and
-decoded once more; each member's stated norm is the one its sender computes). So M replicas whose keys are a real swarm's
-peer ids end every round with the swarm's ``params_sha256``; with M = 1 Δ is applied as is
-(a node alone). Every round is a committed round of all M: no faults, no stragglers. The sparse
-``topk2`` is averaged as its all-gather does (`codecs.sparse_mean` of every member's contribution,
-in member order); error feedback (`diloco_p2p.loop.error_feedback`) lives in each replica's `Node`, as on
-the swarm.
-
-Under ``sync.overlap`` a replica hands its Δ in at the end of a round and collects the average
-at the end of the next (``inner``: τ steps into it), as a swarm node does (`diloco_p2p.loop.overlap`;
-`ReplicaSync.begin_average`). With ``inner`` fix τ (``sync.overlap_steps``): the replicas take
-turns, so "as soon as it is known" lands after H−1 steps on the replica that handed in first and
-after one on the last.
-
-The replicas run in threads that take turns (one baton): only one trains at a time, so the
-results do not depend on scheduling and M replicas cost M times one replica's compute.
+Each replica is a full `Node` (the loop, inner trainer, data order, eval and records of
+``diloco-p2p train``) with its own order key. They meet at `Rendezvous`, where the average is
+computed exactly as the all-reduce computes it (parts, chunks, the wire codec, `aggregate`'s
+rules, member order), so replicas whose keys are a real swarm's peer ids end every round with
+that swarm's ``params_sha256``. ``topk2`` is averaged as its all-gather does; ``sync.overlap``
+lands as on a node (`ReplicaSync.begin_average`). Replicas take turns (one baton), so results
+do not depend on scheduling. What it reproduces: docs/architecture.md, "Simulating a swarm".
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
-"""Training data through the swarm: nodes that hold a prepared corpus serve its manifest and
-shards to nodes that hold only its dataset id (`diloco_p2p.data.cache`).
+"""Training data through the swarm: serving and fetching a prepared corpus's manifest and shards.
 
-- **Announce.** A node serving dataset D stores ``{n, have}`` under DHT key ``data.<D>``
-  (not per run: any run on this DHT may train on D), subkey = its signed peer id
-  (`diloco_p2p.swarm.trust.signing`), ``have`` a hex bitmap of the shards it holds, refreshed every
-  ``announce_ttl / 3`` so shards a node fetched since are offered too, and withdrawn (a
-  tombstone) when it stops.
-- **Fetch.** One libp2p stream per attempt (handler ``diloco-data.v1``), as state sharing does
-  (`diloco_p2p.swarm.state`): a JSON request ``{kind: manifest | shard, dataset, index,
-  offset}``; a JSON header back (``ok`` and the size, or ``gone`` / ``busy`` /
-  ``bad-request``), then the raw bytes from `offset`. The donor keeps the stream open until the
-  fetcher has read them (`streams.linger`). Nothing is unpickled: the manifest is JSON whose
-  hash must be the dataset id, a shard is raw ids whose sha256 must be the manifest's.
-- **Donors.** Those announcing the shard, in the fetcher's rendezvous order for that shard
-  (Thaler & Ravishankar 1998, as for state donors, keyed by fetcher and shard: the shards of
-  one fetcher and the fetchers spread over the donors without coordination). A donor that is unreachable, stalls (nothing for `stall` seconds), leaves or
-  is ``busy`` is skipped and the next one tried, resuming from the bytes already written
-  (`PartFile`); a shard whose sha256 is wrong is deleted, the donor named in one log line and
-  not asked again for this dataset, and the shard fetched from another donor. (Bytes
-  assembled from several donors cannot be blamed on one: the shard is then fetched again whole
-  from one.)
-- **Limits.** A donor serves at most `max_concurrent` transfers at once (past it, ``busy``); in a
-  closed run (``sync.admission``) it serves admitted peers only (`admit`, the check the state
-  and all-reduce services use).
+Nodes that hold a prepared corpus announce which shards they hold (DHT key ``data.<id>``, not
+per run) and serve them over libp2p streams to nodes that hold only its dataset id
+(`diloco_p2p.data.cache`), as state sharing does. A fetcher tries donors in its rendezvous order
+per shard, resumes from the bytes it has, and checks every byte: the manifest's hash is the
+dataset id, a shard's sha256 is the manifest's; a donor that sent a bad shard is named and not
+asked again. A donor caps its concurrent transfers and, in a closed run, serves admitted peers
+only. Nothing is unpickled. The protocol: docs/protocol/state-transfer.md
 """
 
 from __future__ import annotations
@@ -99,6 +83,7 @@ class DataShare:
         self.refused: dict[str, str] = {}  # donors whose bytes failed their hash -> why
         self.active = self.served = self.bytes_served = 0
         self.admit: Callable[[str, str], Awaitable[bool]] | None = None
+        self.admitted: Callable[[str], bool] = lambda peer: True  # a closed run fetches from members only
         self._served = AnnouncedHandler(p2p, HANDLER, self._handle, self._refresh, announce_ttl / 3)
 
     async def start(self) -> None:
@@ -142,18 +127,13 @@ class DataShare:
             await self._announce(dataset)
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            if self.admit is not None and not await self.admit(info.peer_id.to_base58(), "data"):
-                return  # a closed run: closing the stream is all a stranger gets
-            async with asyncio.timeout(self.stall):
-                request = await streams.read_json(reader, MAX_HEADER_BYTES, version=PROTOCOL_VERSION)
-            await self._serve(request, reader, writer)
-        except (TimeoutError, WireError, *NETWORK_ERRORS) as e:
-            log.debug("data transfer ended early: %r", e)
-        except Exception:
-            log.exception("data transfer failed")
-        finally:
-            writer.close()
+        # in a closed run, closing the stream is all a stranger gets
+        await streams.serve_admitted(info, writer, self._request(reader, writer), self.admit, "data", log)
+
+    async def _request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async with asyncio.timeout(self.stall):
+            request = await streams.read_json(reader, MAX_HEADER_BYTES, version=PROTOCOL_VERSION)
+        await self._serve(request, reader, writer)
 
     async def _serve(self, request: dict[str, Any], reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
@@ -212,7 +192,8 @@ class DataShare:
         found = await asyncio.wait_for(self.dht.get(data_key(dataset), latest=True, return_future=True), 10)
         peers = []
         for peer, value in live_values(found):
-            if peer == self.peer_id or not isinstance(value, dict) or not isinstance(value.get("have"), str):
+            if peer == self.peer_id or not isinstance(value, dict) or not isinstance(value.get("have"), str) \
+                    or not self.admitted(peer):
                 continue
             if index is None or has_shard(value["have"], index):
                 peers.append(peer)

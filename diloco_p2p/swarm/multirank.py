@@ -1,36 +1,12 @@
 """The swarm seen from an N-rank node: one `SwarmSync` per local rank, decisions made node-wide.
 
-Shard r of a node (rank r's 1/N of θ, see `diloco_p2p.local.fsdp`) only ever averages with shard r
-of the other nodes. Each rank therefore runs a complete `SwarmSync` (its own DHT peer and
-p2pd, its own identity, its TCP port offset by r) in the namespace ``f"{run_id}.shard{r}of{N}"``:
-matchmaking, the all-reduce of its Δ shard, progress records with its shard's hash, and the
-state server that hands its shard to joiners all happen per shard, so a joiner downloads shard
-by shard and no rank ever holds more than its 1/N. The node's weight in every shard's average
-is the node's total tokens (summed over ranks by the inner trainer), so every shard averages
-with the same weights.
-
-What must be node-wide is agreed on with small collectives among the local ranks (`Ranks`):
-
-- **Resync.** Each rank asks its `SwarmSync` whether its shard is behind or in a minority; if
-  any rank downloaded a shard, every rank downloads its own shard of the highest round any of
-  them got, and the node adopts them only when every rank got that same round. Otherwise none
-  adopts and the node trains on, to try again next round: θ is never a mix of two rounds.
-- **The round's outcome.** Each shard commits, fails or ends alone on its own; the node
-  records the worst status over its shards, the smallest group, and the bytes of all shards.
-  A shard that failed while others committed leaves the node's θ in a minority for that shard;
-  the resync rule above heals it at the next round, as it would for a 1-rank node.
-- **Stop.** Each `SwarmSync` polls its own rank's signal flag to cut a network wait short; the
-  training loop's stop check is node-wide (`Node._stopping`).
-- **sync.overlap.** `begin_average` runs the shard's average in a background thread and leaves
-  the node-wide outcome (`_node_outcome`, collectives) to the loop's thread when it takes the
-  result (`diloco_p2p.loop.overlap`): collectives in that thread would interleave with FSDP's.
-
-Nodes with another local world size train in other namespaces and would never meet ours, so
-rank 0 also keeps one node-level progress record under the plain ``run_id`` (the node's hash of
-θ, its total tokens, and a config view that includes ``local_world_size``). It checks that
-namespace at start and refuses to join a run whose nodes have another local world size; a
-1-rank node (which reads only the plain namespace) is refused by the same record, and
-``diloco-p2p status --run-id <run_id>`` lists N-rank nodes like any other.
+Shard r of a node (rank r's 1/N of θ) only ever averages with shard r of the other nodes, so each
+rank runs a complete `SwarmSync` in the namespace ``f"{run_id}.shard{r}of{N}"``, and no rank
+holds more than its 1/N. Small collectives among the ranks make node-wide the resync (all ranks
+adopt the same round or none does), the round's outcome (the worst over the shards), the stop,
+and under `sync.overlap` the outcome taken on the loop's thread. Rank 0 keeps a node-level record
+under the plain run id, so a node of another local world size is refused at start.
+How a node of N ranks trains: docs/architecture.md, "FSDP inside a node".
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """The swarm seen from the training loop: one object that averages a pseudo-gradient per round.
 
-`SwarmSync` composes hivemind's DHT with our own pieces on its P2P transport: matchmaking
-(`membership/matchmaking.py`), the all-reduce (`collective/allreduce.py`), state sharing (`state/`),
-progress records (`membership/records.py`) and the resync policy (`membership/resync.py`). It sees
-the node only as a `NodeState` (`diloco_p2p.contract`) and hands back data; the loop calls four
-methods:
-
-- `announce`: publish a `started` record; a node with another config is refused here.
-
-- `before_round`: compare our (round, params hash) with the swarm's progress records. A node
-  that is behind (it stalled, crashed, or just joined) or that holds a minority θ for its
-  round (it ended a round alone while others averaged) downloads the swarm's state instead
-  of averaging stale parameters: `before_round` returns it, verified, and the node adopts it
-  (its own progress since is dropped: `status: resynced`).
-  The majority rule (ties to the smallest hash) is the same on every node, so a fork heals
-  deterministically: the smaller side adopts the larger side's state.
-- `average`: form the round's one group of the nodes at the same round with the same θ
-  (however many: past `sync.target_group_size` the all-reduce runs on a grid of sub-groups,
-  `hierarchy`), all-reduce Δ, and hand back the average; a round with no group follows
-  `sync.alone_policy`.
-- `after_round`: publish the progress record and serve the new state to joiners.
-
-Network faults are data: each round ends committed / alone / failed / resynced, never with
-an exception out of the loop.
+`SwarmSync` composes hivemind's DHT with our own pieces on its P2P transport: matchmaking, the
+all-reduce, state sharing, progress records and the resync policy. It sees the node only as a
+`NodeState` (`diloco_p2p.contract`) and hands back data; the loop calls `announce` (a node with
+another config is refused here), `before_round` (a node behind or in a minority gets the
+swarm's verified state to adopt), `average` (the round's one group all-reduces Δ; a round with
+no group follows `sync.alone_policy`) and `after_round` (publish the record, serve the state).
+Network faults are data: each round ends committed, alone, failed or resynced.
+One round through the layers: docs/architecture.md
 """
 
 from __future__ import annotations
@@ -61,22 +46,22 @@ from diloco_p2p.swarm.membership.records import (
     read_progress_async,
     withdraw_progress_async,
 )
-from diloco_p2p.swarm.membership.resync import check_config, reference_records, resync_target, vouched_records
+from diloco_p2p.swarm.membership.resync import check_config, reference_records, resync_target
+from diloco_p2p.swarm.membership.standing import witness_validator
 from diloco_p2p.swarm.state.announcements import StateAnnouncement, state_validator
 from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
-from diloco_p2p.swarm.state.codec import StateCheck, pack_state
+from diloco_p2p.swarm.state.codec import THETA, Layout, StateCheck, pack_state, state_sha256
 from diloco_p2p.swarm.state.server import StateServer
-from diloco_p2p.swarm.transport.dht import dht_peer_count, start_dht
+from diloco_p2p.swarm.transport.dht import dht_peer_count, start_dht, validate_maddrs
 from diloco_p2p.swarm.transport.reach import PRIVATE, ReachServer, resolve, shortage
 from diloco_p2p.swarm.transport.runner import BackgroundLoop
 from diloco_p2p.swarm.trust.admission import Admission
 from diloco_p2p.swarm.trust.guard import Guard
+from diloco_p2p.swarm.vouching import RECORDS_TIMEOUT, VOUCH_WAIT, Vouching, layout_of
 
 log = logging.getLogger(__name__)
 
 STALE_AFTER = 2 * PROGRESS_REFRESH + 5.0  # a record older than this is a node that stopped heart-beating
-_RECORDS_TIMEOUT = 5.0  # reading who is at our round, before matchmaking
-_VOUCH_WAIT = 2.0  # how long a state at the swarm's front may wait for its quorum of records (`_vouched`)
 
 
 class Interrupted(Exception):
@@ -114,6 +99,11 @@ class SwarmSync:
         self._expected, self._missing = frozenset[str](), (-1, frozenset[str]())
         self._late = -1  # the last round we ended alone because its group had formed without us
         self.donor: str | None = None  # whose state we adopted, until we next commit a round (a tie: follow it)
+        self._layout: Layout | None = None  # what a state of our model may hold (`codec.Layout`), from our own
+        self._state_hash: str | None = None  # the whole state we serve, hashed (`codec.state_sha256`)
+        # The seeds we bootstrapped from: their witness lists the peers a newcomer trusts (`standing`).
+        self._witnesses = {a.rsplit("/p2p/", 1)[1] for a in validate_maddrs(p2p.initial_peers, "p2p.initial_peers")
+                           if "/p2p/" in a}
         # Who a round waits for and how long (`liveness`): the configured timeouts are the upper bounds.
         self.presence = Presence()
         self.group_deadline = AdaptiveDeadline(ceiling=cfg.matchmaking_timeout, floor=1.5)
@@ -129,7 +119,7 @@ class SwarmSync:
         self.public = self.reachability != PRIVATE
         self._shortage: str | None = None
         # hivemind forks the DHT process: create it before any thread of ours.
-        validators = [progress_validator(run_id), state_validator(run_id)]
+        validators = [progress_validator(run_id), state_validator(run_id), witness_validator(run_id)]
         self.dht = start_dht(p2p, identity, client_mode=not self.public, record_validators=validators)
         log.info("reachability: %s (%s)%s", self.reachability, why, "" if self.public else
                  "; averaging through public peers over our own connections, serving no part and no state")
@@ -138,6 +128,9 @@ class SwarmSync:
         try:
             self.p2p = self.loop.run(self.dht.replicate_p2p())
             self.peer_id = self.p2p.peer_id.to_base58()
+            # What the records vouch for, and whose records may move us (`membership.standing`).
+            self.vouching = Vouching(self._read_records, self.peer_id, self.dht, run_id, cfg.resync_quorum,
+                                     max_round, self._witnesses)
             self.admission = Admission(cfg.admission, run_id, self.peer_id, self.guard, refresh=self._read_records)
             self.matchmaker = Matchmaker(self.dht, self.p2p, run_id=run_id, public=self.public)
             self.reach = ReachServer(self.p2p) if self.public else None  # dial-back probes of joiners
@@ -149,6 +142,7 @@ class SwarmSync:
             self.datashare = DataShare(self.dht, self.p2p, self.loop)  # the corpus's shards (`datashare`)
             for service in (self.matchmaker, self.allreduce, self.state_server, self.datashare):
                 service.admit = self.admission.check_stream  # a closed run serves its members only
+            self.datashare.admitted = self.admission.admits  # ...and fetches from its members only
             self.matchmaker.distrusted = self.guard.distrusted  # caught reducers: out of our groups
             self.loop.run(self._start())
             self.check_config()  # a refused node leaves before it ever published anything
@@ -203,9 +197,11 @@ class SwarmSync:
         same_round = [r.params_sha256 for r in reference.values() if r.round == node.round]
         self.agreement = {"params_agree": all(h == ours for h in same_round),
                           "config_agree": all(r.config_hash == self.config_hash for r in others.values())}
+        self._layout = layout_of(node.state)
+        standing = self._read_or(self.vouching.standing_among(others), self.vouching.standing.among(others))
         target = resync_target(others, node.round, ours, self.averaged_round, quorum=self.cfg.resync_quorum,
                                max_round=self.max_round, on_reject=self.guard.reject, group=self.last_group,
-                               donor=self.donor)
+                               donor=self.donor, standing=standing)
         if target is None:
             self._computing_since = time.perf_counter()  # the node trains now: its speed for DyLU
             return None
@@ -223,34 +219,21 @@ class SwarmSync:
         all-reduce ends). Read before them, the rule sees us ahead and alone, and we would train a
         whole lone round before it sent us to the swarm's state (a restart often joins the round
         in flight after its group closed: its download ended after the others' inner steps)."""
-        wait = self.allreduce_deadline.current() + _VOUCH_WAIT
+        wait = self.allreduce_deadline.current() + VOUCH_WAIT
         start = time.perf_counter()
         try:
-            found = self._interruptible(self._await_round(round, wait), timeout=wait + _RECORDS_TIMEOUT)
+            found = self._interruptible(self.vouching.records_at(round, wait), timeout=wait + RECORDS_TIMEOUT)
         except Interrupted:
             return self.records()
         log.info("round %d: its group formed without us; its records in %.1f s", round, time.perf_counter() - start)
         return found
-
-    async def _await_round(self, round: int, wait: float) -> dict[str, ProgressRecord]:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                found = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
-            except Exception:  # no view of the swarm now: try again until the deadline
-                found = {}
-            others = {p: r for p, r in found.items() if p != self.peer_id}
-            vouched = vouched_records(others, quorum=self.cfg.resync_quorum, max_round=self.max_round)
-            if max((r.round for r in vouched.values()), default=-1) >= round or time.monotonic() >= deadline:
-                return others
-            await asyncio.sleep(0.2)
 
     def _behind(self, round: int) -> float | None:
         """How long ago the swarm began round `round + 1`: now minus the median time its members
         published `round` (None: no record at that round, or no view of the records). Clocks of
         different machines enter here; `schedule.catch_up_steps` only shortens one round by it."""
         try:
-            records = self.loop.run(self._read_records(), timeout=_RECORDS_TIMEOUT)
+            records = self.loop.run(self._read_records(), timeout=RECORDS_TIMEOUT)
         except Exception:  # no view of the swarm: run the round whole
             return None
         published = [r.updated for p, r in records.items() if p != self.peer_id and r.round == round]
@@ -265,30 +248,37 @@ class SwarmSync:
         round than it announced is refused (``bad-state``) and not asked again."""
         start = time.perf_counter()
         exclude = (self.resync_exclude if exclude is None else exclude) | self.guard.no_state_from()
-        accepted: set[tuple[int, str | None]] = set()
+        accepted: dict[tuple[int, str | None], str | None] = {}  # vouched state -> its whole-state hash
         refused: set[tuple[int, str | None]] = set()
 
         async def accept(ann: StateAnnouncement) -> bool:
-            """Try a donor only for the target state or a later one the records vouch for."""
+            """Try a donor only for the target state or a later one the records vouch for, and in
+            a closed run only an admitted one (the stream's peer id is the announcement's)."""
+            if not self.admission.admits(ann.peer_id):
+                self.guard.reject(ann.peer_id, "not-admitted", "it announces a state in a closed run")
+                return False
             state = (ann.round, ann.params_hash)
             if params_hash is None or state in accepted:
                 return True
             if ann.round > min_round and state not in refused:
-                if await self._vouched(ann.round, ann.params_hash, wait=_VOUCH_WAIT):
-                    accepted.add(state)
+                vouched, whole = await self.vouching.is_vouched(ann.round, ann.params_hash, wait=VOUCH_WAIT)
+                if vouched:
+                    accepted[state] = whole
                 else:
                     refused.add(state)  # asked once: a state nobody vouches for does not cost us each pass
             return state in accepted
 
         if params_hash is not None:
-            accepted.add((min_round, params_hash))
+            accepted[min_round, params_hash] = self._read_or(self.vouching.state_hash(min_round, params_hash), None)
+        layout = self._layout
         check = StateCheck(min_round if params_hash else None, params_hash, self.max_round,
-                           vouched=lambda r, h: (r, h) in accepted)
+                           vouched=lambda r, h: (r, h) in accepted, layout=layout,
+                           state_hash=lambda r, h: accepted.get((r, h)))
         try:
             fetched = self._interruptible(
                 fetch_state(self.dht, self.p2p, run_id=self.run_id, min_round=min_round, exclude=exclude,
                             verify=check, accept=accept, timeout=self.cfg.state_timeout,
-                            max_donors=self.cfg.state_donors),
+                            max_donors=self.cfg.state_donors, max_size=layout.max_size() if layout else None),
                 timeout=self.cfg.state_timeout + 10,
             )
         except (StateUnavailable, TimeoutError, Interrupted) as e:
@@ -305,27 +295,6 @@ class SwarmSync:
                                state_seconds=time.perf_counter() - start, donor=fetched.donor, **self.agreement)
         outcome.rejections = self.guard.drain()
         return SwarmState(tensors=tensors, round=int(meta["round"]), outcome=outcome)
-
-    async def _vouched(self, round: int, params_hash: str | None, wait: float = 0.0) -> bool:
-        """Whether the records vouch for θ `params_hash` at `round`. A state at the swarm's front
-        (the newest record's round, or one past it) is waited for up to `wait` seconds: every
-        donor announces a state just before publishing its record of that round, and a quorum of
-        records takes a moment more, so a swarm that does not wait for us is often a few
-        milliseconds (or a slow DHT read) ahead of its quorum when we ask."""
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                records = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
-            except Exception:  # no view of the swarm now: not vouched
-                return False
-            others = {p: r for p, r in records.items() if p != self.peer_id}
-            vouched = vouched_records(others, quorum=self.cfg.resync_quorum, max_round=self.max_round)
-            if any((r.round, r.params_sha256) == (round, params_hash) for r in vouched.values()):
-                return True
-            newest = max((r.round for r in others.values()), default=-1)
-            if not newest <= round <= newest + 1 or time.monotonic() >= deadline:
-                return False  # not the swarm's front (its members publishing it now), or no more time
-            await asyncio.sleep(0.2)
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
         self.faults.fire("delta", round)
@@ -355,6 +324,7 @@ class SwarmSync:
         if result.status != "failed":
             peers = [p.to_base58() for p in group.peers]
             self.last_group = resync.LastGroup(self.peer_id, frozenset(peers), round)
+            self.vouching.standing.committed(result.agreed_with, round)  # their bytes and ours made this round
             self._grouped = (round, frozenset(result.agreed_with))  # who finished the round with us
             self._missing = (round, liveness.seen_missing(self._expected, peers, result.agreed_with,
                                                           one_butterfly=one_butterfly, me=self.peer_id))
@@ -362,7 +332,7 @@ class SwarmSync:
                                            result.agreed_with, one_butterfly=one_butterfly)
         if sample is not None:
             self.allreduce_deadline.observe(sample)
-        blame(self.guard, round, result)
+        blame(self.guard, round, result, me=self.peer_id)
         return self._seen(round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement))
 
     async def _average(self, round: int, group: Any, delta: torch.Tensor, weight: float,
@@ -397,7 +367,7 @@ class SwarmSync:
         in, or at the adaptive deadline for one that went quiet in this very round. A peer that
         missed a round is not waited for: it catches up by a state download."""
         try:
-            records = await asyncio.wait_for(self._read_records(), _RECORDS_TIMEOUT)
+            records = await asyncio.wait_for(self._read_records(), RECORDS_TIMEOUT)
         except Exception as e:  # no view of the swarm: the group closes when full or at the timeout
             log.debug("round %d: could not read progress records (%r)", round, e)
             records = {}
@@ -452,6 +422,13 @@ class SwarmSync:
                 "committed_parts": json.dumps(result.committed_parts), "num_parts": str(result.num_parts)}
         self.faults.keep(self.run_dir, round, {"delta": delta, "average": result.average}, meta)
 
+    def _read_or(self, coro, default: Any) -> Any:
+        """A DHT read of `vouching`, or `default` if it did not answer in time (bounded: no raise)."""
+        try:
+            return self.loop.run(coro, timeout=RECORDS_TIMEOUT + 1)
+        except Exception:
+            return default
+
     def _interruptible(self, coro, timeout: float):
         """Run `coro` on our loop; a stop request cancels it within a fraction of a second."""
         future = self.loop.submit(coro)
@@ -472,6 +449,7 @@ class SwarmSync:
             self.averaged_round, self.donor = self._adopted_averaged_round, record.donor or None
         meta = {"round": node.round, "params_sha256": node.shard_sha256, "config_hash": self.config_hash,
                 "averaged_round": self.averaged_round}
+        self._state_hash = state_sha256(node.state, node.round, self.averaged_round, known={THETA: node.shard_sha256})
         if self.public:  # nobody could dial a private donor
             self.loop.run(self.state_server.set_state(node.round, pack_state(node.state, meta), node.shard_sha256),
                           timeout=60)
@@ -492,7 +470,15 @@ class SwarmSync:
                                               averaged_round=self.averaged_round, excluded=self.guard.excluded(),
                                               admission_token=self.admission.token,
                                               reachability=self.reachability,
-                                              away=self.presence.away(get_dht_time()), donor=self.donor))
+                                              away=self.presence.away(get_dht_time()), donor=self.donor,
+                                              state_sha256=self._state_hash if record is not None else None,
+                                              members=self._members()))
+
+    def _members(self) -> list[str] | None:
+        """The group whose round our θ last came out of: the peers we vouch took part in it."""
+        if self.last_group is None or self.last_group.round != self.averaged_round:
+            return None
+        return sorted(self.last_group.members | {self.peer_id})
 
     def close(self) -> None:
         """Withdraw our records and stop serving; bounded so a shutdown never hangs."""

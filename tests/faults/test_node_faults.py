@@ -135,12 +135,18 @@ def test_a_nan_pseudo_gradient_is_rejected_and_never_reaches_anyone(cases):
     a, b, victim = cases[0]["nan"]
     for node in (a, b, victim):
         assert node.wait(timeout=120) == 0, node.tail()
-    _assert_agree([a, b, victim], [1, 2, 3])  # every member applied the same finite average
+    _assert_agree([a, b, victim], [1, 2])  # every member applied the same finite average
     for node in (a, b, victim):
         r2 = node.by_round()[2]
         assert (r2["status"], r2["group_size"], r2["contributors"]) == ("committed", 3, 2)
         assert r2["parts_committed"] == 3 and math.isfinite(r2["eval_loss"])
-    assert "nan" in set(a.by_round()[2]["rejected"].values())
+    sender = next(peer for peer, why in a.by_round()[2]["rejected"].items() if why == "nan")
+    # The sender is named (malformed) and kept out of the others' groups: round 3 is theirs alone.
+    for node in (a, b):
+        assert f"refused peer {sender}: malformed (round 2: NaN or Inf in its contribution)" in node.output()
+        assert node.by_round()[2]["rejections"][sender] == ["malformed"]
+    _assert_agree([a, b], [3])
+    assert victim.by_round()[3]["status"] == "alone"
 
 
 def test_two_nodes_that_each_ended_a_round_alone_merge_again_and_end_the_run_together(cases):

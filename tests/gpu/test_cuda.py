@@ -1,6 +1,6 @@
 """The CUDA path, run for real: bf16 autocast, θ between host and GPU, checkpoints across
 devices, NCCL and FSDP2 on one GPU. Skipped where no CUDA device is visible (CI has none);
-`benchmarks/gpu_run.sh` runs them on a GPU machine.
+`benchmarks/gpu/gpu_run.sh` runs them on a GPU machine.
 """
 
 from __future__ import annotations

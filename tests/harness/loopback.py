@@ -20,7 +20,7 @@ class LoopbackPeers:
     """`n` DHTs, each joined through those before it (and `initial_peers`), their P2P replicas
     (`p2ps`), and the loop those live on. Use as a context manager, or call `close`."""
 
-    def __init__(self, n: int, initial_peers: Sequence[str] = ()):
+    def __init__(self, n: int, initial_peers: Sequence[str] = (), identities: Sequence[Path] = ()):
         self.dhts: list[hivemind.DHT] = []
         self.maddrs: list[str] = list(initial_peers)
         self.p2ps: list = []
@@ -28,21 +28,22 @@ class LoopbackPeers:
         self._keys: tempfile.TemporaryDirectory | None = None
         try:
             # DHTs fork: create them all before the loop thread starts.
-            for _ in range(n):
-                self.add_dht()
+            for i in range(n):
+                self.add_dht(identities[i] if i < len(identities) else None)
             self.loop = BackgroundLoop()
             self.p2ps = [self.loop.run(d.replicate_p2p(), timeout=30) for d in self.dhts]
         except BaseException:
             self.close()
             raise
 
-    def add_dht(self) -> hivemind.DHT:
+    def add_dht(self, identity: Path | None = None) -> hivemind.DHT:
         """One more DHT joined through all the others; shut down by `close` (its P2P replica is the caller's).
         Like a node's, it has an identity file and signs its DHT entries with it (`swarm.trust.signing`)."""
-        if self._keys is None:
-            self._keys = tempfile.TemporaryDirectory(prefix="loopback-keys-")
-        identity = Path(self._keys.name) / f"{len(self.dhts)}.key"
-        P2P.generate_identity(str(identity))
+        if identity is None:
+            if self._keys is None:
+                self._keys = tempfile.TemporaryDirectory(prefix="loopback-keys-")
+            identity = Path(self._keys.name) / f"{len(self.dhts)}.key"
+            P2P.generate_identity(str(identity))
         dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=list(self.maddrs),
                            identity_path=str(identity), record_validators=[signature_validator(identity)])
         self.maddrs += [str(a) for a in dht.get_visible_maddrs()]

@@ -80,7 +80,7 @@ def test_members_agree_bit_for_bit_on_the_weighted_mean(swarm, compression):
         assert r.contributors == names and r.rejected == {}
         assert r.agreed_with == names
         assert torch.equal(r.average, results[0].average)  # bit-identical, not merely close
-        # the phases in the order they happen (what `benchmarks/allreduce_wan.py -v` prints)
+        # the phases in the order they happen (what `benchmarks/wire/allreduce_wan.py -v` prints)
         phases = [r.phases[p] for p in ("prepared", "scattered", "reduced", "gathered")]
         assert phases == sorted(phases) and phases[-1] <= r.seconds, r.phases
 

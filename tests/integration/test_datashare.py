@@ -130,3 +130,16 @@ def test_a_closed_runs_donors_refuse_a_stranger_and_an_unknown_id_is_one_line(pe
     assert not (tmp_path / "c" / prepared.shards[1]["name"]).exists()
     with pytest.raises(UserError, match=f"no peer in the swarm serves dataset {'1' * 64}"):
         fetcher.fetch_manifest("1" * 64, timeout=2)
+
+
+def test_a_closed_runs_fetcher_lists_no_stranger_as_a_donor(peers, prepared):
+    lp, shares = peers
+    first, other, fetcher = _roles(shares)
+    listed = lp.loop.run(fetcher.donors(prepared.id), timeout=30)
+    assert {first.peer_id, other.peer_id} <= set(listed)
+    fetcher.admitted = lambda peer: peer != first.peer_id  # `first` was never admitted
+    try:
+        assert first.peer_id not in lp.loop.run(fetcher.donors(prepared.id), timeout=30)
+        assert other.peer_id in lp.loop.run(fetcher.donors(prepared.id), timeout=30)
+    finally:
+        fetcher.admitted = lambda peer: True

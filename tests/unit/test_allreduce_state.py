@@ -68,3 +68,24 @@ def test_a_specific_rejection_reason_beats_timeout():
     r = conclude(s, seconds=1.0)
     assert r.rejected == {PEERS[2].to_base58(): "nan"}
     assert r.contributors == [PEERS[0].to_base58(), PEERS[1].to_base58(), PEERS[2].to_base58()]
+
+
+def test_a_contribution_header_is_refused_for_its_first_problem_and_only_another_view_excludes():
+    s = _session()
+    shape, fmt = {"n": N, "chunk": 1024}, {"comp": "fp32"}
+    good = {"n": N, "chunk": 1024, "comp": "fp32", "finite": True, "weight": 2.0}
+    assert s.refuse_header(1, good, shape, fmt) is None and s.rejected == {} and s.excluded == set()
+    cases = [  # (member, header, reason, excluded)
+        (1, {**good, "n": N + 1, "finite": False}, "shape", True),  # shape is checked first
+        (2, {"n": N, "chunk": 512}, "shape", True),  # no other field is read once the shape differs
+    ]
+    for j, h, reason, excluded in cases:
+        assert s.refuse_header(j, h, shape, fmt) == reason
+        assert s.rejected[j] == reason and (j in s.excluded) == excluded
+    for h, reason, excluded in [({**good, "comp": "int8", "weight": -1.0}, "compression", True),
+                                ({**good, "finite": False, "weight": -1.0}, "nan", False),
+                                ({**good, "weight": float("inf")}, "weight", False),
+                                ({**good, "weight": True}, "weight", False)]:
+        s = _session()
+        assert s.refuse_header(1, h, shape, fmt) == reason
+        assert s.rejected == {1: reason} and s.excluded == ({1} if excluded else set())

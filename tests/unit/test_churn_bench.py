@@ -1,27 +1,19 @@
-"""benchmarks/churn.py's pure parts: the seeded fault schedule (churn.py), and what it makes of
+"""benchmarks/swarm/churn.py's pure parts: the seeded fault schedule (churn.py), and what it makes of
 round records (churn_report.py)."""
 
-import importlib.util
-import sys
-from pathlib import Path
+import importlib
 
 import pytest
-
-ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
 def churn():
-    spec = importlib.util.spec_from_file_location("benchmarks_churn", ROOT / "benchmarks" / "churn.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.swarm.churn")
 
 
 @pytest.fixture(scope="module")
-def stats(churn):
-    return sys.modules["churn_report"]  # churn.py imports it from beside itself
+def stats():
+    return importlib.import_module("benchmarks.swarm.churn_report")
 
 
 KINDS = ("kill", "stop", "term", "partition")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from diloco_p2p.config import compression
 from diloco_p2p.swarm.collective import codecs, wire
 
 DENSITY = 0.01
@@ -211,3 +212,43 @@ def test_contrib_headers_are_validated():
             wire.parse_header(wire.pack_header({**good, key: value}))
     mask = {"kind": "mask", "group": "g", "digest": "d", "mask": [1, 0], "contrib_digests": ["ab", ""]}
     assert wire.parse_header(wire.pack_header(mask))["contrib_digests"] == ["ab", ""]
+
+
+# ----------------------------------------------------------------------------- the declarations
+
+
+@pytest.mark.parametrize("name", compression.NAMES)
+def test_each_declared_codec_is_what_the_wire_writes_the_planner_counts_and_the_config_accepts(name):
+    """`config.compression.CODECS` is the one declaration: its size is the length of the encoders'
+    bytes (counted here from what they write), the planner's count, and the config takes the name."""
+    from diloco_p2p.config import load_config
+    from diloco_p2p.planner import plan
+
+    declared = compression.CODECS[name]
+    for numel in (1, 63, 64, 65, 1023, 1025, B, B + 1, 3 * B + 7):
+        x = vector(numel, seed=numel)
+        for density in (0.01, 0.034, 1.0) if declared.sparse else (1.0,):
+            data = codecs.encode_topk(x, density) if declared.sparse else wire.encode(x, name)
+            assert len(data) == declared.size(numel, density) == plan.payload_size(numel, name, density)
+    assert (name in wire.SPARSE, name in wire.COMPRESSIONS) == (declared.sparse, not declared.sparse)
+    if not declared.sparse:
+        big = 4 * B
+        assert wire.bytes_per_element(name) == len(wire.encode(torch.ones(big), name)) / big
+        once = wire.roundtrip(vector(5000), name)
+        assert torch.equal(wire.roundtrip(once, name), once) or not declared.exact_reencode  # the grid relies on it
+    cfg = load_config(None, [f"sync.compression={name}", "sync.error_feedback=true"])
+    assert cfg.sync.compression == name and cfg.sync.feedback_on == declared.feedback
+
+
+def test_the_config_offers_exactly_the_declared_codecs():
+    from typing import get_args
+
+    from diloco_p2p.config import SyncConfig, load_config
+    from diloco_p2p.errors import UserError
+
+    assert get_args(SyncConfig.model_fields["compression"].annotation) == compression.NAMES
+    assert wire.COMPRESSIONS + wire.SPARSE == compression.NAMES
+    with pytest.raises(UserError, match="sync.compression"):
+        load_config(None, ["sync.compression=bf16"])
+    with pytest.raises(ValueError, match="unknown compression 'bf16'; expected one of fp32, fp16"):
+        compression.codec("bf16")

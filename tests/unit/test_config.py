@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from diloco_p2p.config import Config, diff_swarm_fields, load_config, parse_override
@@ -138,3 +140,55 @@ def test_compression_options_are_checked_and_topk_density_joins_the_swarm_view_u
             load_config(None, ["sync.compression=topk2", "sync.feedback_carry=0.5", rounds_of_their_own])
     with pytest.raises(UserError, match="aggregation=mean"):
         load_config(None, ["sync.compression=topk2", "sync.aggregation=trimmed_mean"])
+
+
+# The swarm views below were computed by the code BEFORE the config was split into modules and its
+# codecs and overlap modes declared once (commit 7d928f3): nodes of this release must still agree
+# with each other, so the same settings must keep the same hash. Do not update them to match new code.
+TINY_CPU_VIEW = {
+    "inner.seq_len": 128, "model.extra": {}, "model.hidden_size": None, "model.intermediate_size": None,
+    "model.max_position_embeddings": None, "model.num_attention_heads": None, "model.num_hidden_layers": None,
+    "model.num_key_value_heads": None, "model.preset": "tiny", "model.pretrained_path": None,
+    "model.tokenizer_path": None, "outer.delayed_nesterov": None, "outer.dn_momentum_fraction": 0.0,
+    "outer.dynamic_local_updates": False, "outer.inner_steps": 50, "outer.lr": 0.7, "outer.momentum": 0.3,
+    "outer.nesterov": True, "run_id": "tiny", "seed": 0, "sync.compression": "fp16",
+}
+SWARM_HASHES_BEFORE = {
+    ("configs/tiny-cpu.yaml",): "fa73d20e67b7ed3a82a05f0bf3a5fba3a209ea731d9f5f76eac2bfe93668287a",
+    ("configs/small-cpu.yaml",): "38ba76f9309c028f3d9050bf06267b866295be30d46ee519861435a209aed7fa",
+    ("configs/35m.yaml",): "8b46841f73936d93a672c833b603ab65777324828dfe23ef9109d6175743451e",
+    ("configs/150m.yaml",): "ca7ba1a94d17530d718db4ba019af10f1de47f40ad532414941842e542ed87f0",
+    ("configs/1b.yaml",): "ea556002716980070a66b8953a2945af1faf6393019c41fe4ac19dfd0c1f1bf1",
+    (None,): "9b0f4e1bf6e1042d022e92b1005b8e0d077fb7be73d778b1243f6cc30d055b66",
+    ("configs/tiny-cpu.yaml", "sync.compression=topk2", "sync.topk_density=0.05"):
+        "ddf6d67daeebbcbc87763b8b9d09a77ccfcc6a4de86a2ab853e239114e5e16a8",
+    ("configs/tiny-cpu.yaml", "sync.overlap=inner", "sync.fragments=2", "sync.overlap_steps=1",
+     "sync.aggregation=trimmed_mean", "sync.target_group_size=8"):
+        "604de9260719683a6311b5d7757242280fa8356a7af8470a011ee97c56ed1c7d",
+    (None, "outer.recipe=auto"): "14692c58c6b8ac60806dad4004fd398da9aa8289f738d23fcd15ee9a77561072",
+}
+
+
+def test_the_swarm_view_of_the_same_settings_is_unchanged():
+    root = Path(__file__).resolve().parents[2]
+    assert load_config(root / "configs/tiny-cpu.yaml").swarm_view() == TINY_CPU_VIEW
+    for (path, *sets), expected in SWARM_HASHES_BEFORE.items():
+        assert load_config(root / path if path else None, sets).swarm_hash() == expected, (path, sets)
+
+
+def test_every_sync_key_the_docs_tests_and_benchmarks_set_is_a_field():
+    """`sync` is grouped by concern in the code only: the flat keys users write (`--set sync.<field>=...`
+    in docs, tests and benchmarks, and the YAML of configs/) stay fields of the section."""
+    import re
+
+    from diloco_p2p.config import AdmissionConfig, SyncConfig
+
+    root = Path(__file__).resolve().parents[2]
+    found = set()
+    for path in [*root.glob("docs/**/*.md"), root / "README.md", *root.glob("tests/**/*.py"), *root.glob("benchmarks/**/*.py")]:
+        found |= set(re.findall(r"\bsync\.([a-z_]+(?:\.[a-z_]+)?)=", path.read_text()))
+    assert {"compression", "overlap", "fragments", "topk_density"} <= found
+    fields = set(SyncConfig.model_fields) | {f"admission.{f}" for f in AdmissionConfig.model_fields}
+    assert found <= fields, found - fields
+    for path in root.glob("configs/*.yaml"):
+        assert load_config(path).sync.model_dump() != {}  # loads: every key of its sync section is a field

@@ -1,10 +1,11 @@
-"""Every docs/ page is reachable from the README, and every relative link in the docs resolves."""
+"""Every docs/ page is reachable from the README (a protocol page from the architecture page), and
+every relative link in the docs resolves."""
 
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "README.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -23,6 +24,14 @@ def test_every_docs_page_is_linked_from_the_readme():
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in _links(ROOT / "README.md")}
     pages = sorted((ROOT / "docs").glob("*.md"))
     assert pages, "docs/ has no pages"
+    assert not [p.name for p in pages if p.resolve() not in linked]
+
+
+def test_every_protocol_page_is_linked_from_the_architecture_page():
+    architecture = ROOT / "docs" / "architecture.md"
+    linked = {(architecture.parent / t.partition("#")[0]).resolve() for t in _links(architecture)}
+    pages = sorted((ROOT / "docs" / "protocol").glob("*.md"))
+    assert len(pages) >= 4, "docs/protocol/ lost its pages"
     assert not [p.name for p in pages if p.resolve() not in linked]
 
 

@@ -186,7 +186,7 @@ def test_a_stop_after_the_landing_puts_the_parts_trained_weights_back_and_resume
     assert torch.equal(local[:lo], after[-1].float()[:lo]) and torch.equal(local[lo:], after[9].float()[lo:])
 
     resumed = _node(tmp_path, OverlapSync(), fragments=2, rounds=3, extra=INNER)
-    assert resumed._carry and torch.equal(flatten(resumed.params), local)
+    assert resumed.rounds.carry and torch.equal(flatten(resumed.params), local)
 
     ckpt.tensors["fragments.local"] = local[:-1]
     save_checkpoint(tmp_path / "bad" / "checkpoints", ckpt)
@@ -230,8 +230,8 @@ def test_a_resumed_round_in_flight_is_rebased_from_where_it_ended(tmp_path):
     resumed = _node(tmp_path, OverlapSync(), fragments=1, rounds=3, extra=rebase)
     ckpt = load_checkpoint(tmp_path / "run" / "checkpoints")
     ended = ckpt.tensors["outer.theta"] - ckpt.tensors["overlap.inflight_delta"]  # round 2's steps ended here
-    assert resumed._ended is not None and resumed._ended[0] == 2
-    assert torch.equal(resumed._ended[1], flatten(resumed.params)) and torch.allclose(resumed._ended[1], ended)
+    assert resumed.rounds.ended is not None and resumed.rounds.ended[0] == 2
+    assert torch.equal(resumed.rounds.ended[1], flatten(resumed.params)) and torch.allclose(resumed.rounds.ended[1], ended)
 
 
 def test_a_part_goes_to_the_one_rank_layout_and_back_and_a_wrong_size_is_refused():

@@ -18,7 +18,7 @@ PACKAGE = Path(diloco_p2p.__file__).parent
 
 # The swarm's layers, bottom up. A module imports only from its own unit and from lower layers;
 # units side by side in one layer import nothing of each other. A unit is a sub-package of
-# `diloco_p2p.swarm`, or "facade" for the modules at its top (`sync`, `shards`), the node's way in.
+# `diloco_p2p.swarm`, or "facade" for the modules at its top (`sync`, `multirank`, `vouching`, `datashare`), the node's way in.
 SWARM_LAYERS: list[set[str]] = [
     {"trust"},  # signing, validators, admission, guard
     {"transport"},  # the DHT (it signs with `trust`), event loop, reachability, stream framing

@@ -230,13 +230,13 @@ def test_only_an_all_reduce_with_every_member_in_time_is_a_deadline_sample():
 
 
 class _Swarm:
-    """What `SwarmSync._vouched` and `_await_round` read: its records, one scripted set per read."""
-
-    peer_id = PEERS[8]
-    max_round = None
+    """What `Vouching.is_vouched` and `records_at` read: its records, one scripted set per read."""
 
     def __init__(self, *reads):
-        self.reads, self.cfg = list(reads), type("Cfg", (), {"resync_quorum": 2})()
+        from diloco_p2p.swarm.vouching import Vouching
+
+        self.reads = list(reads)
+        self.vouching = Vouching(self._read_records, PEERS[8], None, "r", quorum=2, max_round=None, witnesses=set())
 
     async def _read_records(self):
         return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
@@ -251,10 +251,8 @@ def test_a_state_at_the_swarms_front_is_vouched_for_once_its_quorum_has_publishe
     catching up waits for the quorum instead of refusing the state and staying behind."""
     import asyncio
 
-    from diloco_p2p.swarm.sync import SwarmSync
-
     def vouched(swarm, round_, theta, wait):
-        return asyncio.run(SwarmSync._vouched(swarm, round_, theta * 64, wait=wait))
+        return asyncio.run(swarm.vouching.is_vouched(round_, theta * 64, wait=wait))[0]
 
     one_then_two = _Swarm({**_at(8, "a", 0), **_at(7, "b", 1, 2)}, {**_at(8, "a", 0, 1), **_at(7, "b", 2)})
     assert vouched(one_then_two, 8, "a", wait=5.0)
@@ -272,10 +270,8 @@ def test_after_a_round_whose_group_formed_without_us_the_node_waits_for_its_reco
     import asyncio
     import time
 
-    from diloco_p2p.swarm.sync import SwarmSync
-
     def wait_for(swarm, round_, wait):
-        return asyncio.run(SwarmSync._await_round(swarm, round_, wait))
+        return asyncio.run(swarm.vouching.records_at(round_, wait))
 
     # The group's records come on the third read: one backer first, then the quorum of two.
     arriving = _Swarm(_at(7, "b", 0, 1, 2), {**_at(8, "a", 0), **_at(7, "b", 1, 2)}, _at(8, "a", 0, 1, 2))

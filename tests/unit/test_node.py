@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco_p2p import hashing
 from diloco_p2p.config import load_config
 from diloco_p2p.config.schedule import catch_up_steps
 from diloco_p2p.contract import NodeState, RoundOutcome, RoundRecord, StopRequested, SwarmState
 from diloco_p2p.local.ranks import Ranks
-from diloco_p2p.loop import outer as outer_module
 from diloco_p2p.loop.checkpoint import load_checkpoint
 from diloco_p2p.loop.node import Node
 from diloco_p2p.loop.outer import OuterOptimizer
@@ -222,8 +222,8 @@ def test_a_stop_during_averaging_drops_the_round_and_saves_where_we_are(tmp_path
 
 def test_theta_is_hashed_once_per_distinct_value(tmp_path, monkeypatch):
     calls = []
-    real = outer_module.tensor_sha256
-    monkeypatch.setattr(outer_module, "tensor_sha256", lambda t: calls.append(1) or real(t))
+    real = hashing.tensor_sha256
+    monkeypatch.setattr(hashing, "tensor_sha256", lambda t: calls.append(1) or real(t))
     commit = {r: (lambda d: RoundOutcome(status="committed", average=d, group_size=2)) for r in (1, 2, 3)}
     node = _node(tmp_path, ScriptedSync(commit), rounds=3)
     node.run()

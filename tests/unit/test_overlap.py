@@ -178,7 +178,7 @@ def test_the_eager_node_trains_from_the_papers_theta_and_hashes_the_global_one(t
     for t in (1, 2, 3):
         assert torch.allclose(starts[t], torch.tensor(paper[t - 1], dtype=torch.float64), atol=1e-5)
         assert not torch.allclose(starts[t].float(), sync.thetas[t], atol=1e-6)  # not the global θ
-    assert node.pipeline.correction.theta.abs().sum() == 0  # drained: the run ends on the global θ
+    assert node.rounds.pipe.correction.theta.abs().sum() == 0  # drained: the run ends on the global θ
 
 
 def test_delayed_trains_from_the_global_theta(tmp_path):
@@ -213,7 +213,7 @@ def test_a_checkpoint_holds_the_round_in_flight_and_resume_averages_it_again(tmp
 
     again = OverlapSync()
     resumed = _node(tmp_path, again, rounds=3)
-    assert torch.equal(resumed.pipeline.correction.theta, ckpt.tensors["overlap.theta"])
+    assert torch.equal(resumed.rounds.pipe.correction.theta, ckpt.tensors["overlap.theta"])
     records = resumed.run()
     assert torch.equal(again.deltas[2], sync.deltas[2])  # averaged again with the swarm on resume
     assert again.hashes[2] == ckpt.meta["params_sha256"]
@@ -233,7 +233,7 @@ def test_a_joiner_adopts_the_average_in_flight_with_the_state(tmp_path):
 
     sync = OverlapSync(resyncs={0: donor_state})
     node = _node(tmp_path, sync, rounds=9)
-    node.pipeline.correction.theta.fill_(1.0)  # whatever it held goes
+    node.rounds.pipe.correction.theta.fill_(1.0)  # whatever it held goes
     records = node.run()
     assert [r.round for r in records] == [0, 7, 8, 9]
     assert records[2].applied_round == 7  # the members' round 7 average, from the state
@@ -337,7 +337,7 @@ def test_inner_with_tau_0_lands_the_average_once_known_and_at_the_latest_after_h
         out = step(next_batch)
         if node.step == 4:  # round 2, its first step: round 1's average becomes known
             gates[1].set()
-            assert node.pipeline.inflight_done(wait=True)
+            assert node.rounds.pipe.inflight_done(wait=True)
         if node.step == 10:  # round 3's (H − 1)-th step, its latest landing point: round 2's average comes
             threading.Timer(0.3, gates[2].set).start()  # 0.3 s after it (started here: slow steps cannot hide it)
         return out
@@ -368,7 +368,7 @@ def test_inner_stopped_after_the_landing_checkpoints_the_round_before_it(tmp_pat
     again = OverlapSync()
     resumed = _node(tmp_path, again, mode="inner", rounds=3, extra=INNER)
     ended = ckpt.tensors["outer.theta"] - ckpt.tensors["overlap.inflight_delta"]  # where round 2's steps ended
-    assert torch.allclose(flatten(resumed.params), ended, atol=1e-6) and resumed._carry
+    assert torch.allclose(flatten(resumed.params), ended, atol=1e-6) and resumed.rounds.carry
     records = resumed.run()
     assert torch.equal(again.deltas[2], sync.deltas[2]) and again.hashes[2] == ckpt.meta["params_sha256"]
     assert [r.applied_round for r in records] == [3]

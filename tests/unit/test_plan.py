@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from diloco_p2p import cli
+from diloco_p2p.config import load_config, overlap_modes
+from diloco_p2p.errors import UserError
 from diloco_p2p.planner import plan
 from diloco_p2p.swarm.collective import wire
 from diloco_p2p.swarm.transport import streams
@@ -68,12 +70,13 @@ def test_utilization_does_not_fall_as_bandwidth_grows(scheme, compression, overl
         utils, rounds = [], []
         for rate in (5, 20, 100, 1000, 10_000):
             inp = plan.Inputs(params=50_000_000, step_seconds=0.2, inner_steps=100, uplink=plan.Links(rate, rate),
-                              downlink=plan.Links(rate, rate), scheme=scheme, compression=compression, overlap=overlap)
+                              downlink=plan.Links(rate, rate), scheme=scheme, compression=compression, overlap=overlap,
+                              overlap_steps=1)  # inner: τ = 1 (the config's 0 may hide even the slowest link)
             p = plan.predict(inp, nodes)
             utils.append(p.utilization)
             rounds.append(p.round_seconds)
         assert utils == sorted(utils) and rounds == sorted(rounds, reverse=True)
-        assert utils[0] < utils[-1] or overlap == "eager"  # eager may hide even the slowest link
+        assert utils[0] < utils[-1] or overlap in ("eager", "delayed")  # they may hide even the slowest link
 
 
 def test_bottleneck_names_the_cause():
@@ -100,8 +103,8 @@ def test_overlap_hides_communication_shorter_than_compute():
     few, enough = (plan.predict(plan.Inputs(**base, overlap="inner", overlap_steps=t), 8) for t in (10, 99))
     assert few.exposed_seconds == pytest.approx(none.exposed_seconds - 10 * 0.5, rel=1e-9)
     assert enough.exposed_seconds == 0.0 and enough.round_seconds == eager.round_seconds
-    with pytest.raises(ValueError, match="overlap steps"):
-        plan.Inputs(**base, overlap="inner", overlap_steps=100)
+    with pytest.raises(UserError, match="sync.overlap_steps"):  # the config checks the settings, not the planner
+        load_config(None, ["sync.overlap=inner", "sync.overlap_steps=100", "outer.inner_steps=100"])
 
 
 def test_a_round_of_p_fragments_averages_a_part_as_large_as_a_model_p_times_smaller():
@@ -113,8 +116,8 @@ def test_a_round_of_p_fragments_averages_a_part_as_large_as_a_model_p_times_smal
     # under inner, τ steps of the same round length now hide the part's all-reduce
     hidden = plan.predict(plan.Inputs(**base, params=20_000_000, fragments=5, overlap="inner", overlap_steps=4), 8)
     assert whole.exposed_seconds > 4 * 0.5 and hidden.exposed_seconds < fragments.exposed_seconds - 4 * 0.5 + 1e-9
-    with pytest.raises(ValueError, match="fragments"):
-        plan.Inputs(**base, params=20_000_000, fragments=0)
+    with pytest.raises(ValueError, match="sync.fragments"):
+        plan.Inputs(**base, params=4, fragments=5)
 
 
 def test_stragglers_and_failures_cost_more_with_more_nodes():
@@ -214,21 +217,14 @@ def test_the_tail_is_the_slowest_of_k_minus_1_flows_and_shrinks_on_faster_links(
 
 def _check_module():
     import importlib
-    import sys
-    from pathlib import Path
 
-    bench = Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        return importlib.import_module("plan_check")
-    finally:
-        sys.path.remove(str(bench))
+    return importlib.import_module("benchmarks.planner.plan_check")
 
 
 def test_shipped_constants_are_the_fit_of_the_stored_calibration_and_predict_its_bytes():
     """`plan.Calibration` is what `plan_check.fit_file` makes of the quiet machine's stored
     calibration (unshaped, 20 and 50 Mbit/s all-reduces, 2-node training rounds;
-    benchmarks/results/plan_check_quiet.json), its terms have physical signs, the checks' load
+    benchmarks/planner/results/plan_check_quiet.json), its terms have physical signs, the checks' load
     share is `fit_load` of the busy machine's calibration (plan_check.json), and the planner's bytes
     are the measured bytes of every stored all-reduce."""
     check = _check_module()
@@ -289,10 +285,7 @@ def _config_with(inp: plan.Inputs, sets: tuple[str, ...]):
 
 def _inputs_of(cfg, base: plan.Inputs) -> plan.Inputs:
     """`plan`'s inputs for a config: what the swarm would run on `base`'s model and links."""
-    s = cfg.sync
-    return replace(base, inner_steps=cfg.outer.inner_steps, compression=s.compression, density=s.topk_density,
-                   overlap=s.overlap, overlap_steps=s.overlap_steps, fragments=s.fragments,
-                   group=s.target_group_size, dylu=cfg.outer.dynamic_local_updates, scheme="auto")
+    return plan.Inputs.from_config(cfg, **base.machine())
 
 
 def test_the_readme_example_is_recommended_settings_that_reach_0_9_and_the_config_accepts():
@@ -373,8 +366,8 @@ def test_inner_with_tau_0_lands_once_the_average_is_known():
     short = plan.predict(plan.Inputs(**{**base, "inner_steps": 20}, overlap="inner", overlap_steps=0), 8)
     blocking = plan.predict(plan.Inputs(**{**base, "inner_steps": 20}), 8)
     assert short.lands_after == 19 and short.exposed_seconds == pytest.approx(blocking.exposed_seconds - 19 * 0.5)
-    with pytest.raises(ValueError, match="overlap steps"):
-        plan.Inputs(**{**base, "inner_steps": 1}, overlap="inner", overlap_steps=0)
+    with pytest.raises(UserError, match="H >= 2"):
+        load_config(None, ["sync.overlap=inner", "outer.inner_steps=1"])
 
 
 def _plan_block() -> str:
@@ -410,3 +403,61 @@ def test_topk2_is_offered_at_two_and_four_nodes_with_its_measured_recipe():
     assert advice.best.inputs.compression == "topk2" and advice.best.inputs.inner_steps == 500
     assert {"sync.compression=topk2", "outer.lr=2.0", "outer.momentum=0.0", "sync.feedback_decay=0.9",
             "sync.topk_density=0.034"} == set(advice.best.sets)
+
+
+@pytest.mark.parametrize("name", overlap_modes.NAMES)
+def test_each_declared_overlap_mode_is_offered_checked_and_priced(name):
+    """`config.overlap_modes.MODES` is the one declaration: the config and the loop offer every mode,
+    the config lets fragments run with those declared to, and the planner hides the all-reduce
+    behind what each declares (nothing, the next round, or τ of its steps)."""
+    from typing import get_args
+
+    from diloco_p2p.config import SyncConfig, load_config
+    from diloco_p2p.errors import UserError
+    from diloco_p2p.loop import overlap
+
+    declared = overlap_modes.MODES[name]
+    assert get_args(SyncConfig.model_fields["overlap"].annotation) == overlap_modes.NAMES == overlap.OVERLAPS
+    sets = [f"sync.overlap={name}", "sync.fragments=2", "outer.inner_steps=10"]
+    if declared.fragments:
+        assert load_config(None, sets).sync.overlap_mode is declared
+    else:
+        with pytest.raises(UserError, match="sync.fragments=2 runs with sync.overlap none or inner"):
+            load_config(None, sets)
+    base = dict(params=20_000_000, step_seconds=0.5, inner_steps=100, uplink=plan.Links(20, 20),
+                downlink=plan.Links(20, 20), overlap_steps=10)
+    blocking = plan.predict(plan.Inputs(**base), 8)
+    got = plan.predict(plan.Inputs(**base, overlap=name), 8)
+    hidden = {"nothing": 0.0, "round": 100 * 0.5, "steps": 10 * 0.5}[declared.hides]
+    assert got.exposed_seconds == pytest.approx(max(blocking.exposed_seconds - hidden, 0.0), rel=1e-9)
+    assert blocking.exposed_seconds > 10 * 0.5  # so each mode's hiding shows
+
+
+def test_the_planner_reads_its_settings_from_the_config_with_the_configs_defaults(tmp_path, capsys):
+    """`Inputs.from_config`: a config's outer and sync settings, nothing re-checked or re-defaulted;
+    `diloco-p2p plan --config` plans that config, its flags and `--set` override it, and a
+    setting the config refuses is one line naming the flag."""
+    cfg = load_config(None, ["sync.compression=topk2", "sync.overlap=none", "outer.inner_steps=40",
+                             "sync.target_group_size=8", "outer.dynamic_local_updates=true"])
+    inp = plan.Inputs.from_config(cfg, params=1_000_000, step_seconds=0.5, rtt_ms=10.0)
+    assert (inp.compression, inp.density, inp.inner_steps, inp.group, inp.dylu, inp.rtt_ms, inp.scheme) == (
+        "topk2", cfg.sync.topk_density, 40, 8, True, 10.0, "auto")
+    defaults = plan.Inputs(params=1, step_seconds=1.0)
+    assert plan.Inputs.from_config(load_config(None), **defaults.machine()) == defaults  # one set of defaults
+    path = tmp_path / "run.yaml"
+    path.write_text("sync:\n  compression: int8\n  overlap: inner\nouter:\n  inner_steps: 50\n")
+    argv = ["plan", "--params", "10M", "--step-seconds", "0.5", "--nodes", "4", "--json", "--config", str(path)]
+    assert cli.main(argv) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    expected = plan.predict(plan.Inputs(params=10_000_000, step_seconds=0.5, uplink=plan.Links(20, 20),
+                                        downlink=plan.Links(20, 20), compression="int8", overlap="inner",
+                                        inner_steps=50), 4)
+    assert from_file == json.loads(json.dumps(expected.as_dict()))
+    assert cli.main([*argv, "--set", "sync.compression=fp32", "--compression", "fp16"]) == 0  # the flag is last
+    assert json.loads(capsys.readouterr().out)["bytes_sent"] == plan.predict(
+        replace(plan.Inputs.from_config(load_config(path), params=10_000_000, step_seconds=0.5,
+                                        uplink=plan.Links(20, 20), downlink=plan.Links(20, 20)),
+                compression="fp16"), 4).bytes_sent
+    assert cli.main([*argv, "--overlap-steps", "50"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: plan: --overlap-steps 50:"), err

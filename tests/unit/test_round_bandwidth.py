@@ -63,7 +63,7 @@ def test_the_first_committed_round_of_a_process_says_how_long_it_took_to_be_back
 
     metrics = NodeMetrics()
     node = _node(tmp_path, ScriptedSync({2: committed, 3: committed}), rounds=3)
-    node.metrics = metrics
+    node.round_log.metrics = metrics  # what Node(..., metrics=) hands it
     records = {r.round: r for r in node.run()}
     assert records[1].status == "alone" and records[1].first_commit_seconds is None
     assert 0 < records[2].first_commit_seconds <= time.time() - process_start_time()

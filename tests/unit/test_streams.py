@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import struct
+from types import SimpleNamespace
 
 import pytest
 
@@ -180,3 +182,42 @@ def test_a_pacer_slices_writes_into_2_ms_of_its_rate_but_no_less_than_16_kib(rat
     assert bytes(writer.data) == len(frame).to_bytes(8, "big") + frame
     assert [n for _, n in writer.times[1:]] == [slice_bytes] * (len(frame) // slice_bytes) + (
         [len(frame) % slice_bytes] if len(frame) % slice_bytes else [])
+
+
+class _Closing(_Writer):
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_an_inbound_transfer_runs_for_an_admitted_peer_and_its_end_is_logged_by_whose_fault(caplog):
+    """`serve_admitted`: a refused peer's transfer never starts; one that ends early (the peer's
+    doing) is a debug line, any other exception is our error with its traceback; the stream is
+    closed every time."""
+    info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "peer"))
+    asked, ran = [], []
+
+    async def admit(peer: str, what: str) -> bool:
+        asked.append((peer, what))
+        return peer != "peer" or what == "data"
+
+    async def serve(error: BaseException | None = None) -> None:
+        ran.append(error)
+        if error is not None:
+            raise error
+
+    async def one(what: str, error: BaseException | None = None, gate=admit) -> tuple[bool, bool]:
+        writer = _Closing()
+        admitted = await streams.serve_admitted(info, writer, serve(error), gate, what, logging.getLogger("t"))
+        return admitted, writer.closed
+
+    caplog.set_level(logging.DEBUG, logger="t")
+    assert asyncio.run(one("state")) == (False, True) and asked == [("peer", "state")] and ran == []
+    assert asyncio.run(one("data", WireError("bad frame"))) == (True, True)
+    assert asyncio.run(one("state", RuntimeError("bug"), gate=None)) == (True, True)
+    assert [type(e) for e in ran] == [WireError, RuntimeError]
+    assert [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
+        ("DEBUG", "data transfer ended early: WireError('bad frame')", False),
+        ("ERROR", "state transfer failed", True),
+    ]

@@ -50,3 +50,20 @@ def test_a_failed_allreduce_keeps_its_numbers_and_applies_only_our_own_delta():
 def test_a_non_finite_delta_is_never_applied_alone():
     delta = torch.tensor([1.0, float("nan")])
     assert round_outcome(delta, None, 1, "apply", AGREE).average is None
+
+
+def test_malformed_senders_are_refused_by_name_and_kept_out_of_our_groups(caplog):
+    """NaN or Inf, another length or wire format: each sender is named once, counted as
+    ``malformed`` and kept out of our next groups; timeouts blame nobody, nor our own refusal."""
+    from diloco_p2p.swarm.collective.outcome import blame
+    from diloco_p2p.swarm.trust.guard import Guard
+
+    result = _result("ok", torch.zeros(4))
+    result.rejected = {"c": "nan", "d": "shape", "e": "compression", "f": "timeout", "g": "weight", "me": "nan"}
+    guard = Guard()
+    with caplog.at_level("WARNING"):
+        blame(guard, 3, result, me="me")
+    assert guard.drain() == {"c": ["malformed"], "d": ["malformed"], "e": ["malformed"], "g": ["weight"]}
+    assert guard.distrusted() == {"c", "d", "e"}
+    assert "refused peer c: malformed (round 3: NaN or Inf in its contribution)" in caplog.text
+    assert "refused peer d: malformed (round 3: a contribution of another length)" in caplog.text

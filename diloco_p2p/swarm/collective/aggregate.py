@@ -1,64 +1,13 @@
 """Robust aggregation of one part's contributions, and the checks members run on a reducer.
 
-Pure functions of tensors and bytes (no sockets): the all-reduce (`diloco_p2p.swarm.collective.allreduce`)
-and the replica simulator (`diloco_p2p.planner.simulate`) both reduce through `reduce_part` /
-`reduce_chunk` here, so what a benchmark measures in-process is what the swarm computes.
-
-What a reducer does with the contributions to its part (`Robust`, from `sync.*`):
-
-- **Weights.** A token weight is a claim nobody can verify. Above ``max_weight_ratio`` × the
-  lower median of the weights offered for the part it is refused ("weight", `wire.accept_weights`);
-  below that, ``weight_cap`` caps it at ``weight_cap`` × the same lower median before averaging,
-  so one peer carries at most ``weight_cap`` times a typical member's say (with 4 members and
-  cap 4: 4/7 of the mean, not the ~20× a ratio of 64 allowed). The robust rules below count
-  members, not tokens (as the Byzantine-robust literature does): a weight moves nothing there.
-- **Norm bound.** Each sender states its contribution's L2 norm (over the values as encoded) in
-  the last frame of its scatter; the reducer checks that claim against the data it received (a
-  lie: "norm") and refuses a contribution whose norm exceeds ``max_norm_ratio`` × the lower
-  median of the norms offered for the part ("norm"). The lower median cannot be raised by one
-  inflated claim.
-- **Rule** (``aggregation``):
-  ``mean``: the token-weighted mean (`wire.reduce_chunk`, bit for bit today's arithmetic);
-  ``trimmed_mean``: per coordinate, drop the ``b = floor(trim_fraction·m)`` values farthest from
-  the coordinatewise median and average the ``m - b`` others (the "mean around the median" of
-  Xie, Koyejo and Gupta 2018, "Generalized Byzantine-tolerant SGD", a trimmed mean centered on the
-  median; Yin et al. 2018, "Byzantine-Robust Distributed Learning: Towards Optimal Statistical
-  Rates", trim b from *each* end instead). Trimming by distance, not by rank, is what a small
-  group needs: with m = 4 and one attacker, the two-sided trim keeps the 2 middle values, and
-  when the attacker sits on one side (a sign flip does, at every coordinate where the honest
-  values agree) those are the 2 honest values nearest it, a bias toward the attacker of one
-  order statistic at every such coordinate (`benchmarks/robust.py`, 3 seeds: +1.70% final loss
-  vs the attacker-free run, worst seed +2.36%; this rule: +1.60%, worst +1.72%);
-  here the attacker is the one dropped and the 3 honest values are averaged, the attacker-free
-  mean. ``b < m/2`` keeps the median, hence the kept values, inside the honest range. Values are
-  counted, not weighted: a claimed token weight moves nothing. Coordinatewise, so it reduces
-  chunk by chunk as the contributions stream in;
-  ``centered_clip``: one step of centered clipping (Karimireddy, He and Jaggi 2021, "Learning
-  from History for Byzantine Robust Optimization", eq. 2): ``v = c + (1/m) Σ_i (x_i - c) ·
-  min(1, τ / ||x_i - c||)`` with the center ``c`` the coordinatewise (lower) median of the
-  contributions, a deterministic reference every reducer computes from the same bytes (the
-  paper uses the previous aggregate; a part's previous aggregate is not kept across groups
-  here, and the median is a robust center by itself), and ``τ = clip_radius`` × the lower median
-  of the ``||x_i - c||``. It needs whole-part norms, so its part is reduced once every
-  contribution is complete (no pipelining of that part's gather: the cost the benchmark shows).
-
-All of it runs in fp32 in member-index order on the reducer; members use the reducer's encoded
-bytes, so they stay bit-identical whatever the rule.
-
-Checks a member runs on what it gathered (`suspect_parts`, step 5 of the all-reduce): members
-exchange, in their mask messages, a sha256 per part of the gathered bytes (and the contributor
-list the reducer announced) and their own contribution's norm per part (a public member relays
-the norms of the private members it heard, who cannot hear each other: "relayed_norms"). A part whose digests
-differ among the masks heard (a reducer that sent different bytes to different members), or
-whose average's norm exceeds ``sqrt(Σ n_c²)`` over its contributors' stated norms (n_c capped by
-the norm bound; plus the wire format's quantization slack) is dropped by every member alike and
-its reducer blamed. The bound holds for every rule: each output coordinate is at most the largest
-|value| among the contributors' (mean, trimmed mean, median), so ``||out||² <= Σ_c ||x_c||²``;
-centered clipping moves the median toward a convex combination of contributions, within the same
-bound. The reducer is blamed (named, kept out of our groups) only on evidence fewer than half of
-the members could not make up by lying in their masks (`suspect_parts`): a lying member can get a
-part dropped, not an honest reducer excluded. What it cannot catch: a reducer that shrinks or
-permutes its part within the bound; no signature binds a reducer to the bytes it sent.
+Pure functions of tensors and bytes: the all-reduce and the replica simulator
+(`diloco_p2p.planner.simulate`) both reduce through `reduce_part` / `reduce_chunk`, so what a
+benchmark measures in-process is what the swarm computes. A reducer bounds and caps token
+weights, holds each sender to the norm it stated, and reduces by the rule of `sync.aggregation`
+(`mean`, `trimmed_mean`, `centered_clip`), in fp32 in member order. Members exchange digests and
+norms of what they gathered (`suspect_parts`): a part a reducer forged is dropped on every member
+and the reducer named, on evidence a minority of liars cannot make up.
+The rules, their papers and measurements: docs/protocol/allreduce.md
 """
 
 from __future__ import annotations
@@ -67,10 +16,11 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from diloco_p2p.config.sync import RobustSettings
 from diloco_p2p.swarm.collective import wire
 
 AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
@@ -111,8 +61,8 @@ class Robust:
 MEAN = Robust()
 
 
-def robust_of(sync: Any) -> Robust:
-    """The rule and bounds of a `SyncConfig` (``sync.aggregation``, ``trim_fraction``, ...)."""
+def robust_of(sync: RobustSettings) -> Robust:
+    """The rule and bounds of the config's robust aggregation (``sync.aggregation``, ``trim_fraction``, ...)."""
     return Robust(sync.aggregation, sync.trim_fraction, sync.clip_radius, sync.max_norm_ratio, sync.weight_cap)
 
 
@@ -133,10 +83,8 @@ def part_sumsq(values: torch.Tensor, chunk: int) -> float:
 
 
 def encoded_norm(x: torch.Tensor, chunk: int, compression: str) -> float:
-    """L2 norm of `x` as a receiver decodes it (chunked as the protocol does), summed chunk by chunk
-    as the reducer does when it checks the claim; inf if not finite. A scatter sums the same as it
-    encodes (`wire.encode_sumsq`); this is for a norm without the bytes (a mask's part whose scatter
-    did not run to its end, the replica simulator): `wire.decoded_sumsq`, a chunk at a time."""
+    """L2 norm of `x` as a receiver decodes it, summed chunk by chunk as the reducer checks it (inf
+    if not finite), for a norm without the bytes (`wire.decoded_sumsq`)."""
     x = x.detach().reshape(-1)
     total = 0.0
     for a, b in wire.chunk_ranges(x.numel(), chunk):
@@ -175,11 +123,8 @@ def capped_weights(weights: dict[int, float], cap: float | None) -> dict[int, fl
 
 
 def trimmed_mean(values: Sequence[torch.Tensor], trim_fraction: float) -> torch.Tensor:
-    """Coordinatewise mean of the m - b values nearest the median, b = floor(trim_fraction·m)
-    (mean around the median, Xie et al. 2018; module docstring). The median of an even count is
-    the midpoint of the two middle values; equal distances keep the lower member index (a stable
-    sort), and the kept values are summed in distance order, so the result is a function of the
-    bytes alone."""
+    """Coordinatewise mean of the m - b values nearest the median, b = floor(trim_fraction·m) (Xie et
+    al. 2018). Ties keep the lower member index and sums run in distance order: a function of the bytes."""
     m = len(values)
     b = min(int(math.floor(trim_fraction * m)), (m - 1) // 2)
     stacked = torch.stack(list(values))
@@ -323,22 +268,9 @@ def suspect_parts(
     max_norm_ratio: float | None,
     compression: str,
 ) -> dict[int, Suspect]:
-    """Parts (among `parts`) to drop, with why. `digests` and `norms`: member -> its mask's per-part
-    lists (ours included); `contributors`: part -> the members its reducer announced;
-    `average_norms`: part -> the norm of the average we hold. Member p reduces part p. A part is
-    checked against norms only when every contributor's mask stated one.
-
-    Dropping takes any evidence (a part every member keeps must be above suspicion, and every
-    member decides from the same masks). Blaming the reducer (`Suspect.proven`: it is named and
-    kept out of our groups) takes evidence that fewer than half of the members, lying in their
-    masks, could not have made up, so a lying member cannot frame an honest reducer:
-    - digests: more than half of the other members whose masks state one state a digest other
-      than the one the reducer's own mask states for its part (a reducer that sends one victim
-      other bytes is dropped, not blamed: one lying member would look the same);
-    - norms: the average's norm exceeds the bound even with the ``(c-1)//2`` smallest of its c
-      contributors' stated norms raised to ``max_norm_ratio`` × the largest stated (what a
-      contributor that understated its norm could at most have sent; with fewer than half lying,
-      the largest honest norm is at least the lower median the reducer bounded them by)."""
+    """Parts to drop, with why, from the masks' `digests` and `norms` (ours included), the
+    `contributors` each reducer announced and our `average_norms`; blaming a reducer
+    (`Suspect.proven`) takes evidence fewer than half of the members could not make up."""
     caught: dict[int, Suspect] = {}
     for p in parts:
         stated_digests = {j: d[p] for j, d in digests.items() if p < len(d) and d[p] is not None}

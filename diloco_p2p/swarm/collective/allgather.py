@@ -1,46 +1,18 @@
 """Sparse all-gather of pseudo-gradients (``sync.compression: topk2``) on the all-reduce's streams.
 
-Why not the reduce-scatter. In `allreduce` member j reduces part j and sends the mean to all;
-that pays off because a dense mean is no larger than one contribution. A top-k contribution
-is not: the mean of k sparse contributions holds the union of their indices (up to k times
-the kept values), so the gather would carry up to k times what the scatter did, and
-re-sparsifying the mean would drop values no member's error feedback accounts for. So with
-``topk2`` every member sends its whole sparse contribution (`codecs.encode_topk`, chunked) to
-every other member, and every member decodes all contributions it holds and reduces them
-itself, in member-index order, in fp32: weight·value as a multiply then an add (two correctly
-rounded operations, no fused multiply-add), then one divide by the total weight. The same
-bytes in the same order give the same bits on every member, without a reducer.
-
-Bytes per member and round: (k-1)·S out and (k-1)·S in, S = `codecs.topk_size(n, density)`
-(0.0152 bytes per element at density 1%, 0.0359 at 3%). The dense butterfly sends
-2(k-1)/k·n·b (b = 2 for fp16). Ratio to fp16: 4/(k·S/n) = 264/k at 1%: 132x at k = 2, 88x at
-k = 3, 66x at k = 4 (at 3%: 56x, 37x, 28x); the all-gather stops paying against an int4
-butterfly (b = 0.5625) when (k-1)·S > 2(k-1)/k·0.5625·n, i.e. k > 74 at 1%, k > 31 at 3%,
-k > 12 at 10%. So this is for small groups and low densities (the
-hierarchical all-reduce keeps groups small); a large group should use int4/int8.
-
-Faults work as in the butterfly, on the same `Session` (deadlines, pings, exclusion, masks):
-
-1. Every member streams its contribution (header kind ``contrib``: n, chunk, density, weight,
-   finite; then one frame per chunk) to every other member until the gather deadline (0.7T).
-   The receiver checks sizes ("shape"), compression and density ("compression": excluded),
-   finiteness ("nan") and the weight ("weight"), decodes each chunk (bad offsets or lengths:
-   "shape") and keeps the complete contribution's frames and their sha256 digest.
-2. Masks: bit j = "I hold member j's complete, valid contribution", plus the digest of each
-   (``contrib_digests``). A contribution enters the mean iff every mask heard holds it with the
-   same digest (a sender that sent different bytes to different members is dropped on all),
-   then the weight rule of `wire.accept_weights` over those contributions. A dead member's
-   contribution is missing from the survivors' masks and so is dropped on every member alike.
-
-The result is one "part" (the whole vector): ``committed_parts`` is [0] unless nothing was
-agreed ("failed", zeros, as in the butterfly).
+A top-k mean holds the union of the members' indices, so it does not shrink in a
+reduce-scatter: with ``topk2`` every member sends its whole sparse contribution to every other
+member, and each reduces all of them itself, in member order, in fp32, with no fused
+multiply-add, so the same bytes give the same bits on every member without a reducer. Faults
+are handled on the butterfly's `Session`: a contribution enters the mean only if every mask
+heard holds it with the same digest. Worth it for small groups and low densities.
+The protocol and its costs: docs/protocol/allreduce.md
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -148,18 +120,8 @@ async def receive(s: Session, j: int, h: dict, reader: asyncio.StreamReader, wri
     if j in s.contribs or j in s.rejected or j in s.failed or s.mask_fixed:
         writer.write(NO_GO)
         return False
-    if h["n"] != s.n or h["chunk"] != s.chunk:  # every member reduces in our chunk layout
-        reason = "shape"
-    elif h["comp"] != s.compression or h["density"] != density:
-        reason = "compression"
-    elif h["finite"] is not True:
-        reason = "nan"
-    else:
-        reason = wire.weight_problem(h["weight"], None, math.inf)
-    if reason is not None:
-        if reason not in ("weight", "nan"):
-            s.excluded.add(j)
-        s.rejected[j] = reason
+    shape = {"n": s.n, "chunk": s.chunk}  # every member reduces in our chunk layout
+    if s.refuse_header(j, h, shape, {"comp": s.compression, "density": density}) is not None:
         writer.write(NO_GO)
         return False
     writer.write(GO)

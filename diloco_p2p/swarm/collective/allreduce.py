@@ -1,150 +1,12 @@
 """Fault-tolerant butterfly all-reduce of pseudo-gradients on hivemind's P2P streams.
 
-Why our own all-reduce. hivemind 1.1.12's `DecentralizedAverager` does not leave the members of
-a group with the same values under FP16: each reducer sends every peer
-``fp16(average - that peer's own part)`` and the peer adds it to its own part, while the reducer
-keeps its own part in exact fp32. Three peers averaging N(0,1) vectors ended up to 2.7e-3 apart
-(and in 3 of 48 rounds of `benchmarks/hivemind_compare.py` one peer's average missed part of the
-results, 39-47% off, while its step reported success), and DiLoCo needs every member to apply the
-*same* Δ̄ to the same θ (bit-identical θ, checked by hash each round). Here the reducer of a
-part quantizes the averaged part once and sends exactly those bytes to every member; every
-member, the reducer included, uses the dequantized values. We keep hivemind's transport (p2pd
-streams, NAT traversal, peer ids) and write only the protocol.
-
-This module is long (about 810 lines, a sixth of it this description) because the sender and the
-receiver sides of one protocol read best side by side; its pure parts (the commit rule, the
-reduce) already live in `allreduce_state.py` and `wire.py`.
-
-One all-reduce (a group: ordered list of k peers, the same on every member, and a group_id
-unique to this all-reduce):
-
-1. The flat fp32 vector is split into k contiguous near-equal parts (`wire.partition`, a pure
-   function of n and k); member j reduces part j. Each part streams in chunks of
-   `chunk_elements` values (one frame each).
-2. Scatter: every member streams its part j, compressed (`wire`), with its weight (tokens) to
-   member j, and ends the stream with the norm it states for that part (summed as the chunks
-   are encoded: nothing but one finiteness check of the vector precedes the first header, so
-   the link starts at once). The reducer's own part goes through the same encode/decode, a
-   chunk at a time beside the sends, so every contribution has the same precision.
-3. Reduce, pipelined. The reducer fixes the part's contributors once the scatter header of every
-   live member is in (or at the scatter deadline): weights checked, late ones "timeout". Then,
-   for chunk i = 0, 1, ..., as soon as chunk i of every contributor has arrived it sums
-   weight·value in fp32 in member-index order, divides by the total weight, encodes the result
-   once and queues those bytes on its gather streams (step 4): the gather of chunk i leaves
-   while chunk i+1 is still being scattered, so the link does not idle between the phases.
-   Checked at the boundary: sizes ("shape"), compression, group view ("group": digest of the
-   ordered member list), finite values after decoding ("nan"), weight finite and > 0
-   ("weight"), late or missing ("timeout"). Each scatter header also says whether the sender's
-   *whole* vector is finite, so a peer whose Δ holds a NaN anywhere is dropped by every reducer,
-   not only by the one whose part holds it. A member whose messages contradict our view (another
-   size, format or member list) is excluded: not waited for, its mask ignored. The weight bound
-   is ``weight <= max_weight_ratio * lower_median(weights offered for this part)`` rather than
-   "times the reducer's own weight": with the own-weight rule a reducer that itself claims an
-   absurd weight would accept its own contribution for its part; the lower median (own weight
-   included) rejects an inflated weight on every reducer alike.
-   A contributor that breaks off mid-part (its stream dies, a chunk decodes to NaN although its
-   header said finite, it stalls past the scatter deadline) cannot be taken out of chunks
-   already sent. So the streamed gather ends with a *void* trailer, and the reducer reduces the
-   part again, whole, over the complete contributions only (`wire.reduce_part`: the same
-   per-chunk arithmetic, so the same bits for the same contributors) and sends that as a second,
-   unstreamed gather message. A part is therefore always the reduce of *complete* per-sender
-   contributions, in a deterministic order; faults cost a resend, never a mixed part.
-4. Gather: each gather message is a header (contributors, rejected, ``stream``), the encoded
-   chunks of the average, and for a streamed message a one-byte trailer (ok or void). Members
-   validate size and finiteness, write the decoded values into their result as they land, and
-   count the part as held only after an ok trailer (or a complete unstreamed message).
-5. Agreement: every member sends every other member the bitmask of parts it holds and waits
-   (bounded) for theirs. Committed parts = AND of the masks heard (a dead member is not heard).
-   A member that hears no other member's mask returns "failed" (zeros): it agreed with nobody.
-   A part that is not committed is zero in the result on every member: a part whose reducer
-   failed contributes no update this round; the outer momentum still applies. If a member dies
-   during this step itself, members may still disagree; the per-round params hash detects that
-   (the round protocol's job, not this module's).
-
-Deadlines (t0 = local start, T = timeout): contributions until t0+0.4T, gathered parts until
-t0+0.7T, masks until t0+T. Every network wait has a deadline, so a stalled peer (SIGSTOP: its
-socket stays open and never answers) costs at most T. A peer that is *gone* (its stream cannot be
-opened, or it closes before accepting our header) is not waited for at all; members we wait for
-get a ping every `probe_interval` (1 s), so a SIGKILLed peer (its p2pd resets the stream) or a
-vanished daemon is noticed within about a second instead of at the deadline. A peer we have never
-heard from in this all-reduce is not waited for in the gather and mask steps. Network
-faults never raise out of `allreduce()`: they end up in the result (`rejected`, `status`).
-
-Cost per member: it sends (k-1) parts in the scatter and its averaged part to k-1 members in
-the gather, 2(k-1)/k · n · bytes/element, the all-reduce lower bound, plus ~200-byte headers,
-8-byte frame prefixes per chunk, an 8-byte norm frame per scatter and k-1 masks; int8 adds a
-4-byte scale per 1024 elements. Time: the first byte leaves at once (only one finiteness sum of
-the vector precedes it), the gather is pipelined behind the scatter so the link does not idle
-between the phases, and nothing proportional to the vector runs between the last chunk and the
-return (each part's digest and sum of squares are summed as its chunks land). On tbf-shaped links, paced (`sync.link_mbit`), 3.5M values, k = 2-4:
-1.06-1.12x the wire time at 20 and 100 Mbit/s, fp16 1.06-1.12x and int8 1.11-1.20x at 200; 20M
-values 1.07-1.12x at 100 and 200 (`benchmarks/allreduce_wan.py`; int8 at k = 4 and 200 Mbit/s is
-CPU-bound on a 2-core host running all four members); in training nodes (`benchmarks/wan.py`,
-3.5M parameters) 1.05-1.15x in 17 of 18 cells at 20-200 Mbit/s. Unpaced it is 1.15-1.66x, mostly TCP's with both directions of every link loaded: plain TCP moving the same
-bytes between the same hosts at once takes 1.0-1.5x. Stream setup is one libp2p stream per
-message over the connection p2pd keeps open between the peers (no TCP or TLS handshake per round).
-
-Robust aggregation and reducer checks (`diloco_p2p.swarm.collective.aggregate`, `robust=`):
-
-- A part is reduced by ``aggregate.reduce_chunk`` / ``aggregate.reduce_part`` (``mean`` is
-  ``wire.reduce_chunk`` bit for bit), pure functions of the complete, ordered per-sender
-  contributions. Each scatter ends with the sender's norm of that part; the reducer fixes the
-  contributors from the headers (weight bound, then the weight cap), sums squares as the chunks
-  land and, once every contribution is complete, checks each claim against its data (a lie:
-  "norm") and the norm bound (``max_norm_ratio`` × the lower median of the claims: "norm").
-  Either voids the streamed part before its trailer, and the part is reduced again, whole,
-  without that sender (step 3): honest rounds keep the pipeline, a refusal costs a resend.
-  A coordinatewise rule (trimmed mean) streams chunk by chunk; centered clipping needs
-  whole-part norms, so its part goes out once, unstreamed.
-- Step 5: each mask carries ``part_digests`` (sha256 of the announced contributors and the
-  encoded bytes of each part gathered) and ``norms`` (our contribution's norm per part).
-  `allreduce_state.conclude` drops a part whose digests differ among the masks heard, or whose
-  average's norm exceeds what its contributors' stated norms allow, on every member alike, and
-  names its reducer (``AllreduceResult.reducers``).
-
-Private members (behind NAT; `diloco_p2p.swarm.transport.reach` finds out, matchmaking tells every member
-who is who: ``public[j]``). Such a member can open streams but not accept connections. libp2p
-opens a stream on any existing connection in either direction, so a public member reaches a
-private one over the connection the private member opened (verified through real NAT,
-`tests/integration/test_nat.py`); two private members have no path to each other. Hence:
-the partition gives parts to public members only (`wire.partition_among`: deterministic, so θ
-stays bit-identical; a private member's part is empty and counts as gathered by everyone); a
-private member scatters to the public reducers and receives their gathered parts over its own
-connections, and is pinged only once it has been heard (before that no connection exists).
-Masks: a private member sends its mask to the public members only; a public member first waits
-(until t0+0.85T) for the masks of the private members it heard and ANDs them into its own mask,
-then sends that to everyone, so every member ends with the AND of all masks although private
-members never talk to each other (no relay needed). Cost with P public members of k: a public
-member sends (P-1)·n/P in the scatter and (k-1)·n/P in the gather, (k+P-2)/P·n values each way
-(P = k: the 2(k-1)/k·n above); a private member sends and receives n (`benchmarks/nat.py`).
-
-Where later schemes plug in (keep these properties when changing this module):
-
-- The hierarchical (2-D grid) all-reduce (`diloco_p2p.swarm.collective.hierarchy`) runs this protocol over
-  rows with a ``part_hook``: the reducer reduces its part whole (the unstreamed path of step 3),
-  hands it to the hook (a column all-reduce of that part across rows) and gathers what the hook
-  returns, in fp32 when re-encoding it would not be exact. Its agreement across rows is two
-  more calls of this protocol on a 0/1 mask. A row's part is then the column's average, so the
-  members check its digests but not its norm against the row's contributors.
-
-
-
-Each message is one libp2p stream: header frame (JSON) and payload frames, written at once ->
-receiver answers GO/NO_GO to the header once its session for that group_id has started, reads the
-payload, answers GO (accepted) or NO_GO. The sender listens while it writes: an answer before its
-last byte (a refusal) stops the payload. A message for a group_id that has not started locally
-waits (in its stream, so the payload stays in the daemons' and kernel's buffers under the stream's
-flow control, not our memory) up to `buffer_ttl` for the local `allreduce()` call.
-
-Fault-injection hooks (tests and the node's `--fault` plans): `allreduce(..., on_phase=hook)` calls
-``hook(phase)`` (awaited if it returns an awaitable) at "scattered" (after our scatter sends have
-finished or failed, bounded by the scatter deadline, so a member killed there has delivered its
-contributions; our own part may be streaming out meanwhile), "reduced" (once our part's
-contributors are fixed, before its first gathered chunk goes out; it may come before
-"scattered") and "gathered" (before the masks);
-`on_scattered=fn` is a plain callable for the first point alone. An exception raised by a hook
-propagates out of `allreduce()` (pending sends are cancelled): that is how a test makes a member
-die mid-protocol in-process; a hook may also SIGKILL/SIGSTOP its own process.
+Member j of a group of k reduces part j: every member scatters its parts, the reducer sums them
+token-weighted in fp32 in member order, encodes the mean once and sends the same bytes to every
+member, which keeps θ bit-identical (hivemind's averager does not). The gather is pipelined
+behind the scatter; a part is always the reduce of complete contributions; every wait has a
+deadline; a part not in every mask heard is zero on every member; faults end up in the result.
+The module is long because both sides of one protocol read best side by side; its pure parts
+live in `allreduce_state`, `aggregate` and `wire`. The protocol: docs/protocol/allreduce.md
 """
 
 from __future__ import annotations
@@ -255,11 +117,8 @@ class AllreduceService:
         public: list[bool] | None = None,
     ) -> AllreduceResult:
         """Weighted average of `tensor` over `peers` (this peer included, same order on all members).
-
-        `part_hook` (a level of `diloco_p2p.swarm.collective.hierarchy`): our part is reduced whole, then
-        ``await part_hook(values, total_weight)`` gives what we gather instead: ``(values,
-        compression)``, or None (the part is lost). `public[j]`: whether member j can be dialled
-        (None: all can); see "Private members" (not for sparse wires: their all-gather needs everyone)."""
+        `part_hook` (a grid level): our part is reduced whole and ``await part_hook(values, total_weight)``
+        gives what we gather, or None (lost). `public[j]`: whether member j can be dialled (None: all)."""
         allgather.check_args(compression, density, part_hook, robust.aggregation)
         if tensor.dim() != 1 or tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             raise ValueError("allreduce expects a flat float32 CPU tensor")
@@ -333,10 +192,8 @@ class AllreduceService:
         await self._wait(s, lambda: s.pending(s.masks, only_heard=heard), s.d_end)
 
     async def _relay_masks(self, s: Session) -> list[int]:
-        """The mask we send: the parts we hold. A public member first waits (until `d_relay`) for
-        the masks of the private members it heard from and ANDs them into its own: two private
-        members cannot reach each other, so the public members carry their masks. A private mask
-        that comes later is refused (`_recv_mask`): no other member could count it either."""
+        """The mask we send: the parts we hold, ANDed by a public member with the masks of the private
+        members it heard by `d_relay` (they cannot reach each other); a later private mask is refused."""
         own = [int(p in s.gathered and not s.gathered[p]["empty"]) for p in range(s.k)]
         if s.public[s.me] and not all(s.public):
             await self._wait(s, lambda: [j for j in s.pending(s.masks, True) if not s.public[j]], s.d_relay)
@@ -415,10 +272,8 @@ class AllreduceService:
     async def _pipeline(
         self, s: Session, max_ratio: float, on_phase: PhaseHook | None, started: float, tasks: list[asyncio.Task]
     ) -> None:
-        """Reduce our part chunk by chunk as the contributions stream in; each reduced chunk is
-        queued (`s.out`) for the gather streams at once. The contributors are fixed first, from the
-        scatter headers; if one of them then fails mid-part, the streamed gather ends void and the
-        part is reduced again, whole, over the complete contributions (`s.fallback`)."""
+        """Reduce our part chunk by chunk as contributions stream in, queueing each chunk for the gather;
+        if a contributor fails mid-part the gather ends void and the part is reduced again, whole."""
         await self._wait(s, lambda: s.pending(s.contribs.keys() | s.rejected.keys(), False), s.d_scatter)
         s.reduced = True  # from here on, scatter headers are late
         s.mark("scattered", started)
@@ -476,10 +331,8 @@ class AllreduceService:
         await s.notify()
 
     async def _reduce_streamed(self, s: Session, candidates: list[int], weights: dict[int, float]) -> bool:
-        """Reduce our part chunk by chunk as the contributions land, each chunk queued (`s.out`) for
-        the gather streams at once; its digest and sum of squares (the members' check of our part)
-        summed as it goes, so nothing proportional to the part follows the last chunk. False when a
-        contributor failed or a chunk did not reduce to finite values."""
+        """Reduce and queue our part chunk by chunk, summing its digest and squares as it goes; False
+        when a contributor failed or a chunk did not reduce to finite values."""
         lo, hi = s.bounds[s.me]
         digest, squares = aggregate.part_digest(candidates), 0.0
         for c, (a, b) in enumerate(wire.chunk_ranges(hi - lo, s.chunk)):
@@ -690,18 +543,8 @@ class AllreduceService:
         if j in s.contribs or j in s.rejected or s.reduced:
             writer.write(NO_GO)
             return False
-        if h["part"] != s.me or h["n"] != s.n or h["numel"] != hi - lo:
-            reason = "shape"
-        elif h["comp"] != s.compression:
-            reason = "compression"
-        elif h["finite"] is not True:
-            reason = "nan"
-        else:
-            reason = wire.weight_problem(h["weight"], None, math.inf)
-        if reason is not None:
-            if reason not in ("weight", "nan"):  # a different size or format: its view of the vector differs
-                s.excluded.add(j)
-            s.rejected[j] = reason
+        shape = {"part": s.me, "n": s.n, "numel": hi - lo}
+        if s.refuse_header(j, h, shape, {"comp": s.compression}) is not None:
             writer.write(NO_GO)
             return False
         writer.write(GO)

@@ -1,7 +1,8 @@
-"""One all-reduce's bookkeeping on one peer: its parts and deadlines, what arrived from whom,
-and the commit rule that turns the masks members exchanged into the result. No sockets here;
-the protocol that fills a `Session` is `diloco_p2p.swarm.collective.allreduce` (its docstring describes
-the steps and the deadlines).
+"""One all-reduce's bookkeeping on one peer, and the rule that commits its parts.
+
+A `Session` holds the parts and deadlines, what arrived from whom, and the commit rule that
+turns the masks members exchanged into the result (`conclude`). No sockets here; the protocol
+that fills a `Session` is `allreduce`. The protocol: docs/protocol/allreduce.md
 """
 
 from __future__ import annotations
@@ -121,11 +122,8 @@ class Session:
 
     def accept_own(self, weight: float, chunks: list[bytes], finite: bool,
                    decoded: Callable[[], Iterable[torch.Tensor]]) -> bool:
-        """Our own contribution passes the checks anyone's does: a weight that is no positive finite
-        number, or a value that is not finite as `decoded` (our encoded `chunks`) reads back, and it
-        is refused under its reason like anyone's; else it is complete. `finite`: what our headers
-        say about the whole vector. The all-gather's (`allgather`); the butterfly checks its own part
-        the same way a chunk at a time, beside its sends (`AllreduceService._own_part`)."""
+        """Our own contribution under the checks anyone's passes (weight, finite as decoded), for the
+        all-gather; the butterfly checks its own part a chunk at a time (`AllreduceService._own_part`)."""
         reason = wire.weight_problem(weight, None, math.inf)
         if reason is None and not (finite and all(wire.is_finite(values) for values in decoded())):
             reason = "nan"
@@ -135,6 +133,25 @@ class Session:
         self.contribs[self.me] = (weight, chunks)
         self.complete.add(self.me)
         return True
+
+    def refuse_header(self, j: int, h: dict[str, Any], shape: dict[str, Any],
+                      fmt: dict[str, Any]) -> str | None:
+        """Member j's contribution header, checked before its payload is read: the refusal reason (in
+        `rejected`) or None. Another `shape` or `fmt` than ours excludes j; "nan" or "weight" refuses
+        only this contribution."""
+        if any(h[key] != value for key, value in shape.items()):
+            reason = "shape"
+        elif any(h[key] != value for key, value in fmt.items()):
+            reason = "compression"
+        elif h["finite"] is not True:
+            reason = "nan"
+        else:
+            reason = wire.weight_problem(h["weight"], None, math.inf)
+        if reason is not None:
+            if reason not in ("weight", "nan"):
+                self.excluded.add(j)
+            self.rejected[j] = reason
+        return reason
 
     def pending(self, done: Iterable[int], only_heard: bool) -> list[int]:
         """Live members still expected to deliver what `done` is keyed by."""

@@ -1,53 +1,14 @@
-"""Lossy codecs for pseudo-gradients beyond int8: blockwise 4-bit and sparse top-k with 2-bit
-values. Pure functions of tensors and bytes, like `wire` (which dispatches ``int4`` here); the
-protocol that moves them is `allreduce` (``int4``, a dense reduce-scatter) and `allgather`
-(``topk2``, sparse). What a node did not send is carried to its next round by
-`diloco_p2p.loop.error_feedback` (error feedback).
+"""Lossy codecs for pseudo-gradients beyond int8: blockwise 4-bit and sparse top-k with 2-bit values.
 
-``int4`` (dense): per-block absmax scaling as ``int8`` (blocks of `INT4_BLOCK` elements, one
-float32 scale = absmax/7 per block), codes -7..7 stored as the nibble ``code + 8`` (1..15; 0 is
-refused), two per byte, the even element in the low nibble. Error per element
-<= absmax(block)/14. 0.5 bytes per element plus 4 bytes per 64 elements (0.5625 in all, 3.6x
-fewer than fp16). Blockwise absmax as in Dettmers et al. 2022 (8-bit optimizers / LLM.int8) and
-the 4-bit outer gradients of Streaming DiLoCo (Douillard et al. 2025).
-
-``topk2`` (sparse): the chunked top-k of SparseLoCo (Sarfi et al. 2025, "SparseLoCo:
-Communication-efficient LLM training", used for Covenant-72B): the vector is cut into blocks of
-`TOPK_BLOCK` elements and each block keeps its ``ceil(density * m)`` largest values by
-magnitude; each kept value is sent as 2 bits (sign, and which of two magnitude levels) with a
-per-block pair of float32 levels (lower, upper), and every value not kept is dropped (error =
-the value). The error feedback of the sender (`diloco_p2p.loop.error_feedback`) sends what was dropped in
-later rounds, as in SparseLoCo and Deep Gradient Compression (Lin et al. 2018). Two choices
-differ from SparseLoCo's, each measured on the tiny preset (2 nodes, 40 rounds x H=5, density
-3.4%, `benchmarks/compression_decay.py`):
-
-- a block is a whole frame (65,536 values; SparseLoCo: 4096), which lets the kept values go
-  where the pseudo-gradient is large across tensors: lower eval loss on each of 5 seeds, 0.9% on
-  their mean;
-- the levels are the 2-level Lloyd-Max quantizer of the block's kept magnitudes (Lloyd 1982;
-  `LLOYD_STEPS` steps from the median split: each level the mean of the magnitudes that take it,
-  each magnitude the nearer level) instead of fixed points of the kept range: kept magnitudes
-  are heavy-tailed, and on such a test vector the error falls from 0.29 to 0.11 of the kept
-  values' norm (levels at 1/4 and 3/4 of the range); 0.2% lower eval loss on a 5-seed mean.
-  The runs: `benchmarks/results/compression_topk_seeds.txt` and its ablation files.
-
-The offsets are Elias-Fano coded (Elias 1974, Fano 1971), which costs a fixed number of bits for
-a given block size m and count k, within 2 bits per offset of the log2 C(m, k) any code needs:
-each offset splits into its low L = floor(log2(m/k)) bits, sent as they are, and its high part
-h, sent in unary as a bit vector of k + ((m - 1) >> L) + 1 bits with the i-th kept value's one
-at h_i + i: L + 1 + m/(k·2^L) < L + 3 bits per offset (8.6 bits at d = 1%, 7.0 at 3%) where
-uint16 offsets took 16, so the same bytes carry about twice the values.
-
-Layout of one chunk (a frame): the float32 levels (lower, upper) of each block; then one bit
-stream, least significant bit of each byte first: the bit vectors of every block in order, then
-per kept value (block by block, ascending) its L low bits (least significant first) and its
-2-bit code (bit 0: the upper level, bit 1: negative); zero bits pad the last byte. A full block
-at d = 1% (656 values) costs 8 bytes + 6928 bits: 0.0133 bytes per element (150x fewer than
-fp16; with uint16 offsets per 4096 it was 0.0245, 82x); at d = 3% (1967 values), 8 bytes + 17784
-bits: 0.0340 (59x). The size is a function of (numel, density) alone, so a receiver knows each
-frame's exact length from the header; `decode_topk` refuses a block whose bit vector does not
-hold exactly k ones and offsets out of range or not strictly ascending (a repeated offset would
-make the scatter order matter).
+Pure functions of tensors and bytes, like `wire` (which dispatches ``int4`` here). ``int4`` is
+per-block absmax scaling with 4-bit codes (0.5625 bytes per value); ``topk2`` is SparseLoCo's
+chunked top-k (Sarfi et al. 2025): per frame, the largest values by magnitude as a sign and one
+of two Lloyd-Max levels, their offsets Elias-Fano coded. A frame's size is a function of
+(numel, density) alone (declared with every codec: `diloco_p2p.config.compression`), and
+`decode_topk` refuses a frame that breaks the layout. The protocol that moves them is `allreduce`
+(``int4``) and `allgather` (``topk2``); what a node did not send is carried to its next round by
+`diloco_p2p.loop.error_feedback`.
+The formats, their measurements and layouts: docs/protocol/wire.md
 """
 
 from __future__ import annotations
@@ -57,11 +18,15 @@ import math
 import numpy as np
 import torch
 
+# The sizes and the top-k layout are declared with the codecs (`diloco_p2p.config.compression`).
+from diloco_p2p.config.compression import INT4_BLOCK as INT4_BLOCK
+from diloco_p2p.config.compression import TOPK_BLOCK as TOPK_BLOCK
+from diloco_p2p.config.compression import int4_size as int4_size
+from diloco_p2p.config.compression import topk_bits, topk_groups, topk_low_bits
+from diloco_p2p.config.compression import topk_size as topk_size
 from diloco_p2p.swarm.transport.streams import WireError
 
-INT4_BLOCK = 64
 LLOYD_STEPS = 4  # of the 2-level quantizer of kept magnitudes (`_levels`)
-TOPK_BLOCK = 65536  # one frame of `wire.DEFAULT_CHUNK_ELEMENTS`: the top-k is chosen per frame (see above)
 
 
 def _ranges(numel: int, chunk: int) -> list[tuple[int, int]]:
@@ -72,13 +37,8 @@ def _ranges(numel: int, chunk: int) -> list[tuple[int, int]]:
 # ----------------------------------------------------------------------------- int4
 
 
-def int4_size(numel: int) -> int:
-    """Exact bytes of `encode_int4` for `numel` elements."""
-    return 4 * math.ceil(numel / INT4_BLOCK) + (numel + 1) // 2
-
-
 def encode_int4(x: torch.Tensor) -> bytes:
-    """Blockwise absmax 4-bit codes of a flat float32 tensor (see the module docstring)."""
+    """Blockwise absmax 4-bit codes of a flat float32 tensor (docs/protocol/wire.md)."""
     x = x.detach().reshape(-1).to(torch.float32)
     numel = x.numel()
     blocks = math.ceil(numel / INT4_BLOCK)
@@ -121,42 +81,9 @@ def check_density(density: float) -> None:
         raise ValueError(f"top-k density must be in (0, 1], got {density!r}")
 
 
-def _kept(m: int, density: float) -> int:
-    """Values kept of a block of m elements."""
-    return min(m, max(1, math.ceil(density * m)))
-
-
-def _low_bits(m: int, k: int) -> int:
-    """Elias-Fano's split of an offset in a block of m elements with k kept: the low
-    floor(log2(m/k)) bits go as they are (none when at least every other value is kept)."""
-    return max(0, (m // k).bit_length() - 1)
-
-
-def _groups(numel: int, density: float) -> list[tuple[int, int, int]]:
-    """(count, size m, kept k) of the blocks of a chunk of `numel` elements: the full ones, then the tail."""
-    full, tail = divmod(numel, TOPK_BLOCK)
-    groups = [(full, TOPK_BLOCK, _kept(TOPK_BLOCK, density))] if full else []
-    return groups + ([(1, tail, _kept(tail, density))] if tail else [])
-
-
-def _bits(m: int, k: int) -> tuple[int, int]:
-    """Bits of one block's high-part bit vector, and of its kept values' low bits and codes."""
-    low = _low_bits(m, k)
-    return k + ((m - 1) >> low) + 1, k * (low + 2)
-
-
-def topk_size(numel: int, density: float) -> int:
-    """Exact bytes of `encode_topk` for `numel` elements at `density`: a function of the two alone."""
-    groups = _groups(numel, density)
-    bits = sum(c * sum(_bits(m, k)) for c, m, k in groups)
-    return 8 * sum(c for c, _, _ in groups) + (bits + 7) // 8
-
-
 def _levels(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of magnitudes: two levels and which values take the upper one, by `LLOYD_STEPS` of
-    Lloyd's algorithm from the split at the (lower) median: each level the mean of its group, then
-    the split at their midpoint, so every value takes the nearer level. A row whose values all
-    fall in one group gives both levels its mean, and all its values take the upper one."""
+    Lloyd's algorithm from the (lower) median split; a row all in one group gets its mean twice."""
     split = a.median(dim=1).values
     for _ in range(LLOYD_STEPS):
         upper = a >= split[:, None]
@@ -188,14 +115,14 @@ def _from_bits(bits: np.ndarray) -> np.ndarray:
 
 
 def encode_topk(x: torch.Tensor, density: float) -> bytes:
-    """Chunked top-k with 2-bit values of a flat float32 tensor (see the module docstring)."""
+    """Chunked top-k with 2-bit values of a flat float32 tensor (docs/protocol/wire.md)."""
     x = x.detach().reshape(-1).to(torch.float32)
     block_levels, vectors, values, start = [], [], [], 0
-    for count, m, k in _groups(x.numel(), density):
+    for count, m, k in topk_groups(x.numel(), density):
         idx, lo, hi, codes = _select(x[start : start + count * m].view(count, m), k)
         start += count * m
-        idx, low = idx.numpy().astype(np.int64), _low_bits(m, k)
-        vector = np.zeros((count, _bits(m, k)[0]), dtype=np.uint8)
+        idx, low = idx.numpy().astype(np.int64), topk_low_bits(m, k)
+        vector = np.zeros((count, topk_bits(m, k)[0]), dtype=np.uint8)
         np.put_along_axis(vector, (idx >> low) + np.arange(k), 1, axis=1)  # the i-th one at high(i) + i
         block_levels.append(torch.stack([lo, hi], dim=1).view(-1))
         vectors.append(vector.reshape(-1))
@@ -214,23 +141,23 @@ def decode_topk(data: bytes | bytearray | memoryview, numel: int, density: float
     size = topk_size(numel, density)
     if len(data) != size:
         raise WireError(f"topk2 chunk of {numel} elements at density {density}: expected {size} bytes")
-    groups = _groups(numel, density)
+    groups = topk_groups(numel, density)
     out = torch.zeros(numel, dtype=torch.float32)
     if not groups:
         return out
     blocks = sum(c for c, _, _ in groups)
     block_levels = np.frombuffer(data, dtype="<f4", count=2 * blocks).astype(np.float32).reshape(blocks, 2)
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8, offset=8 * blocks), bitorder="little")
-    at_vector, at_value = 0, sum(c * _bits(m, k)[0] for c, m, k in groups)  # the values follow every bit vector
+    at_vector, at_value = 0, sum(c * topk_bits(m, k)[0] for c, m, k in groups)  # the values follow every bit vector
     block = start = 0
     for count, m, k in groups:
-        width, rest = _bits(m, k)
+        width, rest = topk_bits(m, k)
         vectors = bits[at_vector : at_vector + count * width].reshape(count, width)
         pairs = bits[at_value : at_value + count * rest].reshape(count * k, rest // k)
         at_vector, at_value = at_vector + count * width, at_value + count * rest
         if (vectors.sum(axis=1) != k).any():
             raise WireError(f"topk2 offsets: a block's bit vector does not hold exactly its {k} offsets")
-        low = _low_bits(m, k)
+        low = topk_low_bits(m, k)
         high = np.nonzero(vectors)[1].reshape(count, k) - np.arange(k)
         idx = (high << low) | _from_bits(pairs[:, :low]).reshape(count, k)
         if (idx >= m).any() or (np.diff(idx, axis=1) <= 0).any():

@@ -1,82 +1,12 @@
-"""One exact weighted mean for a round membership larger than one butterfly: a 2-D grid all-reduce.
+"""A 2-D grid all-reduce: one exact weighted mean for a membership larger than one butterfly.
 
-Every node at round r joins one membership (`sync`: matchmaking closes one group per round), so
-the swarm keeps one θ whatever its size. Up to `butterfly_max` members (`sync.target_group_size`)
-average with one butterfly (`diloco_p2p.swarm.collective.allreduce`): each member sends 3(N-1) messages a
-round, which stops scaling long before the bytes do. Larger memberships run the butterfly over
-sub-groups of a grid, the exact (no gossip, no approximation) counterpart of Moshpit SGD's grid
-averaging (Ryabinin et al. 2021, arXiv:2103.03239) and of the 2-D torus all-reduce (Mikami et al.
-2018, arXiv:1811.05233): reduce-scatter within rows, all-reduce of each shard across columns,
-all-gather back within rows.
-
-The grid (`Grid`, a pure function of N, n and `butterfly_max`, the same on every member): the
-ordered members are cut into r = ceil(N / butterfly_max) contiguous rows whose sizes differ by at
-most one (r <= N/2: rows of at least two). Row R partitions the vector into |R| parts as the
-butterfly does (`wire.partition`); the *intervals* are the refinement of every row's partition
-(equal rows: the parts themselves; rows of c and c-1 members: at most 2c-1 intervals), so each
-interval lies inside exactly one part of every row. Its *column* is the owner of that part in
-each row, in row order.
-
-One all-reduce (`hierarchical_allreduce`):
-
-1. Rows: each row runs the butterfly (`AllreduceService.allreduce`) with a `part_hook`: the
-   reducer of part j reduces it whole over its row's complete contributions (weighted mean,
-   total weight W = the accepted weights), then, for each interval of its part, runs a column
-   all-reduce of that slice with weight W among the interval's column (one member per row,
-   concurrently for its intervals). So the column average is sum_R W_R mean_R / sum_R W_R: the
-   weighted mean over every contribution that entered, exactly as one butterfly would form it
-   (with one more rounding of the row means in the wire format).
-2. The reducer gathers the column results in its row, in the wire format when re-encoding them
-   is exact (fp32, fp16, or int8 when all rows are equal, so every row cuts the same blocks),
-   else in fp32 (int8 with unequal rows: blocks would start at different offsets in different
-   rows, and the re-quantized values would differ between rows).
-3. Agreement: an interval is held if our row committed the part it lies in. Two tiny fp32
-   all-reduces of the 0/1 interval mask (weight 1 each) AND it across the swarm: first among the
-   members with our index in every row, then within our row (a mean of exactly 1.0 = every mask
-   heard holds it). An interval lost at any level - a dead reducer in some row, a column that
-   failed, a gather that did not arrive - is zero on every member alike; a member whose row
-   failed abstains (all ones) and itself returns "failed". The same two calls OR one bit per
-   member, set by its own row if its contribution entered that row's committed parts: every
-   member learns the swarm's contributors. Each part of a step's vector carries a whole copy of
-   the mask: a member gone since its row's scatter still sits in both steps (the grid is fixed)
-   and its part of each step is lost, which must not drop the mask itself - a loss in the row
-   step reaches no other row, so that row alone would drop every interval and fork θ. As in
-   the butterfly, a member that dies *during* an agreement step can leave members disagreeing;
-   the round's params hash shows it.
-
-Membership (`matchmaking`, with `MAX_MEMBERS` as its target: one group per round). Per node and
-round: one DHT store to register, one read of the round's key (one key, a subkey per registered
-node: O(N) bytes), one store to withdraw; only the leader re-reads, every request_timeout / 2
-while its group is open. So DHT calls per node do not grow with N (`tests/unit/
-test_membership_scale.py` counts them up to 64 nodes, `benchmarks/scale.py` to 256). The leader
-holds one stream per member and sends each the member list: O(N) messages and O(N^2) bytes at the
-leader (~190 bytes per member per member: 190 MB a round at 1,000 nodes). A node arriving after
-the group closed is "late" (it catches up by downloading the state), never a second group.
-
-Deadlines: the row all-reduce gets 0.7 T; column calls run between the row's scatter and gather
-deadlines (60% of the time left to the gather deadline); each agreement step gets 0.15 T. So the
-whole call returns within T, like the butterfly.
-
-Cost per member and round, n elements of b bytes, N = r rows x c columns (equal rows), against
-the all-reduce lower bound 2(N-1)/N * n * b bytes (each member must send everything it does not
-reduce and receive everything it does not hold) and N-1 messages:
-
-    scheme        bytes sent / (n b)                 messages (streams)
-    butterfly     2(N-1)/N  (the bound)              3(N-1): scatter, gather, mask to each other member
-    grid          2(c-1)/c + 2(r-1)/(rc)             3(c-1) row + 3(r-1) column + 3(r-1) + 3(c-1)
-                  = 2(N-1)/N  (the bound)            agreement = 6(r+c-2); r = c = sqrt(N): 12(sqrt N - 1)
-
-plus a ~200-byte header per message and 8 bytes per chunk frame; the agreement's vectors are
-k m + N fp32 values for a step of k members and m intervals (about 8 ((r + c) m + 2N) bytes sent;
-m = c on equal rows: 33 KB at N = 1,024). With unequal rows a member may
-own 2 intervals (2 column calls: 3(r-1) more messages, the same bytes), and int8 then gathers in
-fp32: (c-1)/c n (4 - b) more bytes. At N = 1,024, butterfly_max 32: 3,069 messages per member
-for the butterfly, 372 for the grid; the bytes are the same. Time: the row gather starts only
-after the column all-reduce (no pipelining across levels), so on a link-bound round the grid
-takes about one extra n/c-sized transfer and a few more round trips than the butterfly's
-wire time. Measured on 50 Mbit/s tbf links, 2M fp16 values (`benchmarks/allreduce_wan.py --grid 3`):
-4 members 1.44 s butterfly, 1.72 s grid 2x2; 6 members 1.89 s butterfly, 2.12 s grid 2x3, the
-same bytes (1.0003x the bound); loopback numbers in `benchmarks/scale.py`.
+Every node at a round joins one membership, so the swarm keeps one θ whatever its size. Past
+`sync.target_group_size` members the butterfly runs over the rows of a grid (`Grid`, a pure
+function of the member count): each row's reducer hands its part to a column all-reduce across
+the rows before gathering it, and two tiny all-reduces of a 0/1 mask agree on what committed.
+The result is the weighted mean one butterfly would form, at the same bytes per node, with
+O(√N) instead of O(N) messages, and the call returns within the butterfly's deadline.
+The protocol: docs/protocol/hierarchy.md
 """
 
 from __future__ import annotations
@@ -91,13 +21,13 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
+from diloco_p2p.config.compression import codec
 from diloco_p2p.swarm.collective import wire
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import GATHER_FRACTION, AllreduceResult
 
 MAX_MEMBERS = 4096  # one round's membership: matchmaking closes a group at this many (`sync`)
 ROW_FRACTION, AGREE_FRACTION, COLUMN_SHARE = 0.7, 0.15, 0.6
-_EXACT_REENCODE = ("fp32", "fp16")  # decode(encode(x)) == x for every x decoded from this format
 
 
 def rows_for(k: int, butterfly_max: int) -> int:
@@ -153,18 +83,17 @@ class Grid:
 
 async def average(
     service: AllreduceService, group_id: str, peers: list[PeerID], tensor: torch.Tensor, weight: float, *,
-    butterfly_max: int, timeout: float = 60.0, **kwargs: Any,
+    butterfly_max: int, compression: str = "fp16", public: list[bool] | None = None, timeout: float = 60.0,
+    **kwargs: Any,
 ) -> AllreduceResult:
     """The round's all-reduce: one butterfly up to `butterfly_max` members, else the grid. Sparse
-    compressions (an all-gather, not a reduce) always run as one butterfly call, and so does a
-    membership with members behind NAT (``public``, `diloco_p2p.swarm.transport.reach`): the grid's rows
-    would each need a public reducer per part, which it does not arrange yet."""
-    sparse = kwargs.get("compression") in getattr(wire, "SPARSE", ())
-    nat = kwargs.get("public") is not None and not all(kwargs["public"])
-    if sparse or nat or rows_for(len(peers), butterfly_max) == 1:
-        return await service.allreduce(group_id, peers, tensor, weight, timeout=timeout, **kwargs)
+    wires and memberships with private members always run one butterfly (the grid lacks NAT support)."""
+    nat = public is not None and not all(public)
+    if codec(compression).sparse or nat or rows_for(len(peers), butterfly_max) == 1:
+        return await service.allreduce(group_id, peers, tensor, weight, compression=compression, public=public,
+                                       timeout=timeout, **kwargs)
     return await hierarchical_allreduce(service, group_id, peers, tensor, weight, butterfly_max=butterfly_max,
-                                        timeout=timeout, **kwargs)
+                                        compression=compression, timeout=timeout, **kwargs)
 
 
 async def hierarchical_allreduce(
@@ -197,7 +126,7 @@ async def hierarchical_allreduce(
         if any(res.status == "failed" for res in results):
             return None
         out = torch.cat([res.average for res in results]) if results else values
-        exact = compression in _EXACT_REENCODE or grid.aligned
+        exact = codec(compression).exact_reencode or grid.aligned
         return out, compression if exact else "fp32"
 
     row = await service.allreduce(f"{group_id}.row{r}", [peers[m] for m in grid.rows[r]], tensor, weight,
@@ -215,13 +144,9 @@ async def hierarchical_allreduce(
 
 async def _agree(service: AllreduceService, group_id: str, peers: list[PeerID], votes: torch.Tensor, m: int,
                  timeout: float) -> tuple[torch.Tensor, list[AllreduceResult]]:
-    """One agreement step over `peers`: the interval mask (the first part of `votes`) ANDed, the
-    contributor bits (one per member, the rest) ORed. Every part of the step's vector carries a
-    whole copy of the mask (`_spread`), so a member gone since its row's scatter, which reduces
-    no part of this step, takes only its share of the contributor bits with it: were the mask in
-    one part only, losing that part would drop every interval for this step's members alone (an
-    element lost here cannot reach the other rows), and their θ would fork from the other rows'.
-    Our own votes when we heard nobody (we abstain rather than veto)."""
+    """One agreement step: the interval mask (first part of `votes`) ANDed, contributor bits ORed.
+    Every part carries a whole copy of the mask (`_spread`), so one member gone cannot drop it for
+    its step alone and fork θ. We abstain if we heard nobody."""
     if len(peers) == 1:
         return votes, []
     spread, copies, rest = _spread(votes, m, len(peers))
@@ -237,10 +162,8 @@ async def _agree(service: AllreduceService, group_id: str, peers: list[PeerID], 
 
 
 def _spread(votes: torch.Tensor, m: int, k: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """`votes` laid out for a k-member step: each of the k parts (`wire.partition`) starts with a
-    copy of the m mask values, the contributor bits fill the rest in order. Returns the vector,
-    where each copy starts, and the contributor bits' positions. A pure function of the sizes:
-    every member of the step lays it out alike."""
+    """`votes` laid out for a k-member step: each part starts with a copy of the m mask values, the
+    contributor bits fill the rest. Returns the vector, each copy's start and the bits' positions."""
     bounds = wire.partition(k * m + votes.numel() - m, k)  # every part holds at least m values
     copies = [lo for lo, _ in bounds]
     rest = torch.tensor([x for lo, hi in bounds for x in range(lo + m, hi)], dtype=torch.long)

@@ -1,6 +1,8 @@
-"""How one round's averaging ended, as the outer step and the guard see it: the round's
-`RoundOutcome` (committed, alone or failed, and what the all-reduce measured), and the refusals of
-peers that the all-reduce's result names (`blame`)."""
+"""How one round's averaging ended, as the outer step and the guard see it.
+
+The round's `RoundOutcome` (committed, alone or failed, and what the all-reduce measured), and
+the refusals of peers that the all-reduce's result names (`blame`).
+"""
 
 from __future__ import annotations
 
@@ -10,27 +12,31 @@ from diloco_p2p.contract import RoundOutcome
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
 from diloco_p2p.swarm.trust.guard import Guard
 
+# What the all-reduce says of a contribution it refused (`AllreduceResult.rejected`) -> the refusal.
+MALFORMED = {"nan": "NaN or Inf in its contribution", "shape": "a contribution of another length",
+             "compression": "a contribution in another wire format"}
 
-def blame(guard: Guard, round: int, result: AllreduceResult) -> None:
-    """Contributions refused for their weight or norm, and reducers the members caught, are
-    refusals of peers (`Guard`: logged, counted, in the round record); a caught reducer is then
-    left out of our next groups (`Guard.distrusted`)."""
+
+def blame(guard: Guard, round: int, result: AllreduceResult, me: str | None = None) -> None:
+    """Contributions refused (weight, norm, malformed) and reducers caught are refusals of peers
+    (`Guard`); a caught reducer or malformed sender is left out of our next groups. Our own
+    refused contribution is no peer's fault."""
     for peer, reason in sorted(result.rejected.items()):
+        if peer == me:
+            continue
         if reason in ("weight", "norm"):
             guard.reject(peer, reason, f"its contribution to the all-reduce of round {round}")
+        elif reason in MALFORMED:
+            guard.reject(peer, "malformed", f"round {round}: {MALFORMED[reason]}")
     for peer, why in sorted(result.reducers.items()):
         guard.reject(peer, "reducer", f"round {round}: {why}")
 
 
 def round_outcome(delta: torch.Tensor, result: AllreduceResult | None, group_size: int, alone_policy: str,
                   agreement: dict[str, bool], *, interrupted: bool = False) -> RoundOutcome:
-    """How a round of averaging ended, as the outer step sees it.
-
-    No group (`result` None): ``alone``, or ``failed`` when the wait was interrupted; a failed
-    all-reduce: ``failed``. In those cases our own Δ is applied only under ``alone_policy:
-    apply`` and only if it is finite (M=1 DiLoCo for that round). Otherwise ``committed`` with
-    the group's average, identical on every member.
-    """
+    """How a round of averaging ended, as the outer step sees it: ``committed`` with the group's
+    average; else ``alone`` (``failed`` when interrupted or the all-reduce failed), applying our own
+    finite Δ only under ``alone_policy: apply``."""
     if result is None or result.status == "failed":
         status = "failed" if interrupted or result is not None else "alone"
         own = delta if alone_policy == "apply" and bool(torch.isfinite(delta).all()) else None

@@ -1,33 +1,11 @@
-"""Wire format of the pseudo-gradient all-reduce: partitioning, compression, framing, headers
-and the checks a receiver applies at the boundary.
+"""Wire format of the pseudo-gradient all-reduce: partition, compression, framing, checks.
 
-Everything here is a pure function of bytes and tensors (no sockets, no event loop), so the precision and validation rules are unit-tested on their own; the
-protocol that moves these bytes is `diloco_p2p.swarm.collective.allreduce`.
-
-Compression (`fp32 | fp16 | int8 | int4`) is applied chunk by chunk, so a part of any size streams in
-bounded memory:
-
-- ``fp32``: raw little-endian float32, exact.
-- ``fp16``: IEEE half, round-to-nearest; relative error <= 2^-11 in the normal range, absolute
-  error <= 2^-25 below it. Values above 65504 overflow to inf, and the receiver rejects a
-  contribution that is non-finite after decoding (a pseudo-gradient that large means the
-  sender diverged; clamping would hide that).
-- ``int8``: per-block absmax scaling, blocks of `INT8_BLOCK` elements: one float32 scale
-  (absmax/127) per block, then one int8 code per element, x · (127/absmax) rounded to nearest. Error per element
-  <= absmax(block)/254. We do not use hivemind's `Uniform8BitQuantization`: it builds one
-  quantile codebook over the whole tensor (needs the full tensor before the first byte goes
-  out) and its error is not bounded per element; per-block absmax streams and keeps an outlier
-  from crushing the resolution of the rest of the vector (the scheme of LLM.int8 / bitsandbytes
-  blockwise quantization, Dettmers et al. 2022). Overhead: 4 bytes per 1024 elements (0.4%).
-- ``int4``: the same per-block absmax scheme with 4-bit codes (`diloco_p2p.swarm.collective.codecs`).
-
-The sparse ``topk2`` (top-k + 2-bit values, `codecs`) does not go through a reduce-scatter:
-its messages (kind ``contrib``) are the all-gather of `diloco_p2p.swarm.collective.allgather`.
-
-Messages are length-prefixed frames (`diloco_p2p.swarm.transport.streams`): the first frame of a message
-is a small JSON header (never pickle); the following frames are the compressed chunks, then for
-a scatter the sender's norm of its part (`pack_norm`: 8 bytes) and for a streamed gather a
-one-byte trailer (ok or void).
+Pure functions of bytes and tensors (no sockets, no event loop), so the precision and
+validation rules are unit-tested on their own: the partition of a vector among members, the
+dense codecs (``fp32``, ``fp16``, ``int8`` with per-block absmax; ``int4`` in `codecs`) applied
+chunk by chunk so a part streams in bounded memory, the JSON headers, the norm frame and
+trailer, the reduce of a chunk, and the checks a receiver applies at the boundary. The protocol
+that moves these bytes is `allreduce`. The formats: docs/protocol/wire.md
 """
 
 from __future__ import annotations
@@ -41,12 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from diloco_p2p.config import compression as compression_codecs
 from diloco_p2p.swarm.collective import codecs
 from diloco_p2p.swarm.transport.streams import WireError, dump_json, load_json
 
-COMPRESSIONS = ("fp32", "fp16", "int8", "int4")  # dense: reduce-scatter + all-gather
-SPARSE = ("topk2",)  # sparse: an all-gather of every member's contribution (`allgather`)
-INT8_BLOCK = 1024
+# The codecs are declared in `diloco_p2p.config.compression` (names, sizes, which are sparse).
+COMPRESSIONS = compression_codecs.DENSE  # dense: reduce-scatter + all-gather
+SPARSE = compression_codecs.SPARSE  # sparse: an all-gather of every member's contribution (`allgather`)
+INT8_BLOCK = compression_codecs.INT8_BLOCK
 DEFAULT_CHUNK_ELEMENTS = 1 << 16  # 256 KiB of fp32, 128 KiB of fp16, ~64 KiB of int8 per frame: the pipeline's step
 MAX_CHUNK_ELEMENTS = 1 << 24
 MAX_HEADER_BYTES = 1 << 16
@@ -74,11 +54,8 @@ def partition(n: int, k: int) -> list[tuple[int, int]]:
 
 
 def partition_among(n: int, reducers: Sequence[bool]) -> list[tuple[int, int]]:
-    """Like `partition(n, sum(reducers))`, but only the members flagged True get a part: member j
-    gets the j-th non-empty part if `reducers[j]`, else an empty part ``(lo, lo)``. A pure function
-    of (n, flags), so every member of a group computes the same bounds; all True equals
-    ``partition(n, len(reducers))``. Used for members that cannot be dialled (NAT): they reduce
-    nothing, and the public members' parts grow to cover the vector."""
+    """Like `partition(n, sum(reducers))`, but only members flagged True get a part (the others,
+    behind NAT, an empty ``(lo, lo)``); a pure function of (n, flags), the same on every member."""
     parts = iter(partition(n, sum(bool(r) for r in reducers)))  # no reducer at all: ValueError
     bounds, end = [], 0
     for r in reducers:
@@ -106,19 +83,13 @@ def _check_compression(compression: str) -> None:
 def encoded_size(numel: int, compression: str) -> int:
     """Exact number of bytes `encode` produces for `numel` elements."""
     _check_compression(compression)
-    if compression == "fp32":
-        return 4 * numel
-    if compression == "fp16":
-        return 2 * numel
-    if compression == "int4":
-        return codecs.int4_size(numel)
-    return 4 * math.ceil(numel / INT8_BLOCK) + numel
+    return compression_codecs.CODECS[compression].size(numel, 1.0)
 
 
 def bytes_per_element(compression: str) -> float:
     """Wire bytes per element for large vectors (what the 2(k-1)/k lower bound is measured in)."""
     _check_compression(compression)
-    return {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / codecs.INT4_BLOCK}[compression]
+    return compression_codecs.CODECS[compression].bytes_per_value()
 
 
 def encode(x: torch.Tensor, compression: str) -> bytes:
@@ -200,15 +171,9 @@ FAST_SUMSQ_RANGE = (1e-25, 1e37)  # a float32 dot inside this range neither over
 
 
 def sumsq(values: torch.Tensor, *, exact: bool = True) -> float:
-    """Sum of squares, summed in fp64 (a chunk's share of a norm, or a whole part's), a slice at a time:
-    17x faster than one fp64 copy of a 5M-value part (2 ms against 33), which a member paid for
-    every part's norm after the gather, before its all-reduce could return.
-
-    ``exact=False``, for a norm that is checked against another within `aggregate.NORM_TOLERANCE` (a stated
-    norm, as sent and as received): each slice's float32 dot, relative error ~1e-7 here, 7x faster
-    (3 µs against 22 for 65,536 values, which the all-reduce pays per chunk on both ends); a slice
-    whose dot falls outside `FAST_SUMSQ_RANGE` (overflow, underflowed squares, zeros, NaN) is
-    summed exactly."""
+    """Sum of squares in fp64, a slice at a time; ``exact=False`` (a norm checked within
+    `aggregate.NORM_TOLERANCE`) takes each slice's float32 dot, summing exactly any slice outside
+    `FAST_SUMSQ_RANGE`."""
     flat, (low, high) = values.detach().reshape(-1), FAST_SUMSQ_RANGE
     total = 0.0
     for a in range(0, flat.numel(), SUMSQ_SLICE):
@@ -219,12 +184,8 @@ def sumsq(values: torch.Tensor, *, exact: bool = True) -> float:
 
 
 def decoded_sumsq(x: torch.Tensor, compression: str) -> float:
-    """Sum of squares of `decode(encode(x))` for one flat float32 chunk, without the bytes where the
-    format allows: fp32 and fp16 by `sumsq(exact=False)` of the rounded values (what a receiver
-    sums to check the stated norm);
-    int8 per block as scale² · Σ code² (each block's Σ code² is an integer below 2^24, exact in
-    float32), equal to the decoded values' sum up to their float32 rounding (relative 2^-24 per
-    value); other formats through the bytes. Non-finite if a value of `x` is (or overflows fp16)."""
+    """Sum of squares of `decode(encode(x))` for one float32 chunk, without the bytes where the
+    format allows (fp32, fp16 rounded; int8 as scale² · Σ code²); non-finite if a value is."""
     if compression in ("fp32", "fp16"):
         values = x.to(torch.float16).float() if compression == "fp16" else x.to(torch.float32)
         return sumsq(values, exact=False)
@@ -268,10 +229,8 @@ def roundtrip(x: torch.Tensor, compression: str, chunk_elements: int = DEFAULT_C
 
 
 def is_finite(x: torch.Tensor) -> bool:
-    """Whether every value of a CPU tensor is finite. A sum is finite only if every term is (NaN and
-    ±inf survive any order of additions), so one vectorized sum answers for most tensors (3 ms for
-    20M values here, against 10 for numpy's per-value check, 15x faster than torch's); only a sum
-    that overflowed goes on to the per-value check."""
+    """Whether every value of a CPU tensor is finite: one vectorized sum answers (NaN and inf survive
+    any sum, 15x faster than torch's check); only a sum that overflowed is checked value by value."""
     x = x.detach()
     return math.isfinite(float(x.sum())) or bool(np.isfinite(x.numpy()).all())
 
@@ -283,11 +242,8 @@ def lower_median(values: Sequence[float]) -> float:
 
 
 def weight_problem(weight: Any, reference: float | None, max_ratio: float) -> str | None:
-    """None if `weight` is acceptable, else the rejection reason ("weight").
-
-    A weight must be a finite number > 0, and at most `max_ratio` times `reference` (the lower
-    median of the weights offered for the same part; see allreduce's module docstring).
-    """
+    """None if `weight` is a finite number > 0 and at most `max_ratio` × `reference` (the lower
+    median of the part's weights), else the rejection reason ("weight")."""
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
         return "weight"
     if not math.isfinite(weight) or weight <= 0:
@@ -341,11 +297,8 @@ def pack_header(header: dict[str, Any]) -> bytes:
 
 
 def parse_header(raw: bytes) -> dict[str, Any]:
-    """Decode and type-check a message header. Raises WireError on anything malformed.
-
-    Checks types and ranges that do not depend on the session; the session checks the values
-    against its own view (sizes, part index, compression, digest).
-    """
+    """Decode and type-check a message header (types and ranges; the session checks the values
+    against its view). Raises WireError on anything malformed."""
     h = load_json(raw, version=PROTOCOL_VERSION)
     kind = h.get("kind")
     if kind not in KINDS:
@@ -421,7 +374,7 @@ def _check_contrib(h: dict[str, Any]) -> dict[str, Any]:
 
 def accept_weights(weights: dict[int, float], max_ratio: float) -> tuple[list[int], list[int]]:
     """(accepted, rejected for weight) members, each sorted: a weight above `max_ratio` times the
-    lower median of the weights offered for the part is refused (see allreduce's module docstring)."""
+    lower median of the weights offered for the part is refused (docs/protocol/allreduce.md)."""
     if not weights:
         return [], []
     reference = lower_median(list(weights.values()))
@@ -432,13 +385,8 @@ def accept_weights(weights: dict[int, float], max_ratio: float) -> tuple[list[in
 def reduce_chunk(
     contribs: Sequence[tuple[float, bytes]], numel: int, compression: str
 ) -> tuple[bytes, torch.Tensor] | None:
-    """Weighted mean of one chunk: (weight, encoded chunk) in member-index order -> (encoded mean,
-    its decoded values), or None when the mean is not finite (overflow of the sum or of fp16).
-
-    Pure and deterministic: sums weight·value in fp32 in the given order and divides by the total
-    weight, elementwise, so reducing a part chunk by chunk gives exactly the values of reducing it
-    whole. The decoded values are what every member (the reducer included) uses.
-    """
+    """Weighted mean of one chunk, (weight, encoded chunk) in member order -> (encoded, decoded), or
+    None when not finite: fp32 sums in order then one divide, so chunk by chunk equals whole."""
     acc, total = torch.zeros(numel, dtype=torch.float32), 0.0
     for weight, data in contribs:
         total += weight
@@ -452,11 +400,8 @@ def reduce_chunk(
 def reduce_part(
     contribs: dict[int, tuple[float, list[bytes]]], max_ratio: float, numel: int, chunk: int, compression: str
 ) -> tuple[list[int], list[int], list[bytes] | None, torch.Tensor | None]:
-    """Weighted mean of complete, validated contributions (member index -> (weight, encoded chunks)).
-
-    Returns (accepted, rejected_for_weight, encoded average chunks, decoded average); the last two
-    are None when nothing usable remains. `reduce_chunk` over each chunk, in member-index order.
-    """
+    """Weighted mean of complete contributions (member -> (weight, encoded chunks)), chunk by chunk
+    in member order: (accepted, rejected_for_weight, encoded average, decoded), None when none is left."""
     accepted, heavy = accept_weights({j: w for j, (w, _) in contribs.items()}, max_ratio)
     if not accepted:
         return [], heavy, None, None

@@ -1,7 +1,9 @@
-"""The pure rules of matchmaking: one round's session, who leads whom, the one answer a leader
-hands every member, and the checks on what peers send. No I/O here (the protocol that moves
-these values is `diloco_p2p.swarm.membership.matchmaking`, whose docstring describes it); `now` comes in as
-an argument, so the rules are unit-tested on their own.
+"""The pure rules of matchmaking: the session, who leads whom, the answer, the checks.
+
+One round's session, who leads whom, the one answer a leader hands every member, and the checks
+on what peers send. No I/O here (the protocol that moves these values is `matchmaking`); `now`
+comes in as an argument, so the rules are unit-tested on their own.
+The protocol: docs/protocol/matchmaking.md
 """
 
 from __future__ import annotations

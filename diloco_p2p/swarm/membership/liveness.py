@@ -1,53 +1,13 @@
 """Who a round waits for, and for how long: the liveness rule and the adaptive deadlines.
 
-A round's group closes as soon as every peer it expects has joined (`matchmaking`), so the
-expected set decides how long the whole swarm stands still. Waiting for every peer whose
-record is not past the round (the rule before this module) made one absent volunteer cost every
-round of every other node a full matchmaking timeout until it was back: with 4 tiny nodes and a
-fault every 30-60 s the swarm kept 65% of its work. The rule here waits only for peers that are
-*live*:
-
-- **at the round**: its record says it finished one of the two previous rounds (``round >= r -
-  2``: a record may lag its node by a round, as a tiny round on a loaded machine is quicker than
-  a DHT store; under `sync.overlap` one more round of lag is normal: a record is published once
-  the average in flight is known), or it finished our previous round's all-reduce with us (its
-  mask was heard: it holds the same θ). A peer further behind has missed a round (crashed, stopped, cut off, or still
-  downloading); it comes back by catching up, with a state download that ends at the swarm's
-  round, and is waited for again from the record that download publishes. A member that an
-  all-reduce left out is the same case: it did not finish that round with the swarm's θ.
-- **heart-beating**: its record was refreshed within `stale_after` seconds (a node republishes
-  every round and every 15 s in a long one), so a node that died in a long round is dropped
-  without waiting for its record to expire.
-- **trusted**: not a reducer we caught lying (`trust.guard`).
-- **not seen missing**: a peer that our last committed round expected and that was not in it
-  with us (the group closed without it, or, in a group of one butterfly, the all-reduce left it
-  out: its mask never reached us) has not finished that round with the swarm's θ, whatever its
-  record says yet; it is not waited for from our next round on, until its record shows that
-  round (a download ends there). A live node whose record lags is in the group, so this never
-  drops it; what it saves is the second round that the record window above would still wait,
-  up to the deadline, for a node that died or froze.
-
-What this costs the others is one round at most: the first round a node misses is still waited
-for (nothing has shown yet that it is gone), but at most the adaptive deadline, not the fixed
-timeout.
-
-Deadlines adapt to what the swarm measures. `AdaptiveDeadline` keeps the last `window` samples
-of a duration (how long a group took to close once its leader registered; how long an
-all-reduce took) and proposes ``median + k·max(1.4826·MAD, spread·median) + slack``, never below
-`floor` nor above the configured timeout, which stays the upper bound (and the deadline until
-`min_samples` samples are in). A group the deadline closed is a sample too, of the deadline
-itself: one fault now and then does not move the median, but a volunteer who is cut every round
-(a slower GPU) is not cut for long: once half the window's samples sit at the deadline, the
-median is the deadline and the next one about twice it, until that volunteer fits in or the
-configured timeout is reached. Only
-all-reduces in which every member was in time are samples of the all-reduce's deadline: one
-that ran out of time fails for the whole group, so its deadline keeps a wide margin instead.
-
-`Presence` turns the per-round verdicts into what an operator reads: per peer, the rounds it
-was not waited for (missed) and the seconds it was away, and one log line when a peer stops
-being waited for and one when it is back (`diloco-p2p status`, Prometheus `diloco_peer_*`).
-
-Everything here is pure: times come in as arguments, so the rules are tested with explicit clocks.
+A group closes once every peer it expects has joined, so the expected set decides how long the
+whole swarm stands still. It expects only *live* peers: at the round (a record at most two
+rounds behind), heart-beating, trusted, and not seen missing from our last committed round; a
+peer further behind comes back by downloading the state. `AdaptiveDeadline` learns the waits of
+matchmaking and the all-reduce (a robust median plus a margin, within the configured timeout);
+`Presence` turns the verdicts into what an operator reads (missed rounds, time away, one log line
+each way). Everything here is pure: times come in as arguments.
+The rules and why: docs/protocol/matchmaking.md
 """
 
 from __future__ import annotations
@@ -72,11 +32,8 @@ class Progress(Protocol):
 def verdicts(records: Mapping[str, Progress], round: int, now: float, *, stale_after: float, lag: int = 0,
              distrusted: Collection[str] = (), members: Collection[str] = (),
              missing: Collection[str] = ()) -> dict[str, str | None]:
-    """For each peer not past `round` (its record's round below it): None if round `round`
-    waits for it, else why not, in words for the log. Peers already past the round are not in
-    the result: they are neither waited for nor away. `members`: the peers that finished round
-    `round - 1`'s all-reduce with us; `missing`: the peers that round expected and did without
-    (`seen_missing`)."""
+    """For each peer whose record is below `round`: None if the round waits for it, else why not, for
+    the log. `members` finished round `round - 1`'s all-reduce with us; `missing`: `seen_missing`."""
     out: dict[str, str | None] = {}
     for peer, r in records.items():
         if r.round >= round:
@@ -101,10 +58,8 @@ def waited_for(found: Mapping[str, str | None]) -> list[str]:
 
 def seen_missing(expected: Collection[str], peers: Collection[str], agreed_with: Collection[str], *,
                  one_butterfly: bool, me: str) -> frozenset[str]:
-    """The peers a committed round of ours did without: `expected` (whom it waited for) but not in
-    its group (`peers`), and, when the group was `one_butterfly` (then `agreed_with`, the members
-    whose masks we heard, covers all of it), the members the all-reduce left out. In a grid a
-    member hears only its row's masks, so there the group alone says who was in."""
+    """The peers a committed round of ours expected and did without: not in its group, or (one
+    butterfly) left out by the all-reduce; in a grid a member hears only its row, so the group says."""
     done = set(agreed_with) if one_butterfly else set(peers)
     return frozenset(set(expected) | set(peers)) - done - {me}
 

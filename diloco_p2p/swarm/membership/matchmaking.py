@@ -1,92 +1,12 @@
 """Group formation for one DiLoCo round: which peers average their pseudo-gradients together.
 
-At the end of round r every node calls `Matchmaker.form_group`. Only nodes that hold the same
-global parameters may average (DiLoCo's outer step assumes every member applies the averaged
-Δ to the *same* θ), so a group is drawn from the nodes at the same round *and* with the same
-parameter hash. The result is either a `Group` that every member sees identically (same
-`group_id`, same ordered member list) or ``None`` (this node ends the round alone).
-
-Why our own protocol rather than hivemind's `Matchmaking`: hivemind's matchmaker is built for
-its own averager (a forked process, group keys that drift with bit prefixes, a random member
-order and a random group id per call) and is internal API. Ours is one small state machine on
-top of hivemind's public DHT and P2P streams, keyed by the round, with two properties the round
-protocol needs: a hard deadline, and an answer that is identical on every member.
-
-Protocol
---------
-1. **Register.** A node stores ``{"t": registration time, "w": weight}`` under
-   ``f"{run_id}.mm.{round}.{params_hash[:16]}"``, subkey = its base58 peer id (DHT time from
-   `hivemind.get_dht_time`). Different rounds or parameters never share a key, so they never meet.
-2. **Pick a leader.** The candidate leader is the live registration with the smallest
-   ``(t, peer id)`` - a total order, so a node only ever follows nodes that precede it and
-   redirect chains cannot loop. A node starts as the leader of its own one-member group (it
-   can serve join requests before its first DHT read); if it sees a better candidate it follows
-   it, otherwise it keeps leading.
-3. **Join.** A follower opens a P2P stream to the leader and sends a join request (JSON frames
-   with a length prefix: no pickle). The leader acknowledges at once and then sends a heartbeat
-   every ``request_timeout / 3`` while the group is open. The final answer is one of
-   ``group`` (id, ordered members, weights), ``void`` (closed below `min_group_size`: every
-   member returns ``None``), ``redirect`` (the leader found a better leader and forfeited:
-   follow that one) or ``closed`` (not accepting: full, finished, unknown round...). After its
-   last frame the leader keeps the stream open until the follower closes it (it does so once it
-   has read the answer; at most ``_LINGER_TIMEOUT``). Closing right after the write lost the
-   answer under CPU load: the follower read end-of-stream with 0 bytes and ended alone while the
-   leader had counted it in.
-4. **Close.** The leader closes the group as soon as it has `target_group_size` members
-   (``full``), as soon as every peer it expects has joined (``complete``), or at ``t + timeout``
-   (its own registration time; ``expired``; the caller may give a shorter ``close_after``, an
-   adaptive deadline learnt from the ``wait`` every answer reports: `liveness`). It expects the
-   live swarm: the peers the caller names (`SwarmSync`: those `liveness` says are live, at the
-   round and heart-beating; a node that missed a round comes back by catching up, not by
-   making the others wait). So a round of three nodes closes when the third joins, not
-   at the timeout; only a peer that went quiet in this very round makes the group wait for it,
-   and only until the deadline. With nothing expected (no records) it waits as before: registrations alone do not
-   say who is still computing its inner steps. The leader reads the expected set again at each
-   poll (the caller's `refresh_expected`): a node that started after the first read closes the
-   group when it joins instead of at the timeout; one whose record left the round is dropped. Every member gets the *same* answer object:
-   members sorted by peer id, ``group_id = sha256(run, round, hash, leader, close time,
-   members)``. While open, the leader re-reads the key every ``request_timeout / 2``; a better
-   candidate makes it forfeit: its followers are redirected and it joins that leader itself.
-   A closed group binds its leader too: joiners may fill it while the leader reads the DHT, and
-   they already hold the answer, so the leader keeps it even if that read shows a better candidate.
-5. **Withdraw.** When `form_group` ends, the node overwrites its registration with a ``done``
-   marker (same subkey, later expiration, hivemind's newest-wins rule), so later arrivals stop
-   contacting it. A caller about to all-reduce with its group may hold that write back until the
-   all-reduce is over (``hold_withdrawal``, then `release`): every member's DHT store, and the
-   DHT peers answering it, would otherwise share the all-reduce's first milliseconds (4 nodes on
-   2 cores, 200 Mbit/s links, int8: 1.49-1.57x the wire time against 1.29-1.40 held,
-   `benchmarks/results/wan_line_rate.txt`). A late arrival that contacts a held member meanwhile
-   is answered ``closed`` with the group's close reason, as it would be anyway.
-
-This module is long (about 540 lines, a fifth of it this description) because the leader's and
-the follower's sides of one protocol read best side by side; the pure rules live in `grouping`.
-
-Failures are data. A leader that does not acknowledge within ``request_timeout`` (dead,
-unreachable, or SIGSTOPped with its socket still open) or whose heartbeats stop is excluded for
-the rest of this call and the follower picks the next candidate, possibly itself; the others
-can still form a group. A follower that gives up closes its stream, and the leader drops it
-from a group that is still open. Whatever happens, `form_group` returns within
-``timeout + request_timeout``: a follower joins only leaders with ``t <= its own t``, and a
-leader closes at ``t + timeout``.
-
-Stragglers. A node that arrives after a committed group of its round was closed *by the
-deadline* has missed the round: it learns so from a ``done: expired`` marker or from a
-``closed: expired`` answer and returns ``None`` at once (`last_outcome == "late"`), so the
-caller can catch up instead of averaging stale state. So does a node that arrives after a group
-closed *complete*: the live swarm has done the round without it (it had no live record when the
-leader read them, e.g. it had just started). Groups that closed because they were full (target
-reached) do not make later nodes late: those may still group with each other.
-
-Agreement is as strong as a single round trip allows: a follower whose deadline fires in the
-instant the leader sends the final list ends alone while the others count it in. The all-reduce
-must therefore treat a member that never shows up with the agreed `group_id` like a member
-that died (see the all-reduce module), which it has to handle anyway.
-
-At scale (one group per round, `diloco_p2p.swarm.collective.hierarchy` says what it costs): 1 read + 2 stores per node.
-
-Not defended here: a hostile peer can claim an early registration time and answer
-``closed: expired``; matchmaking only decides who talks to whom, and the data each member
-sends is validated by the all-reduce.
+Only nodes at the same round with the same θ may average, so a node registers in the DHT under
+its round and θ hash and joins the candidate leader with the smallest (registration time, peer
+id). The leader closes the group when it is full, when every live peer it expects has joined,
+or at its deadline, and hands every member the same answer, or ``None`` (the node ends alone).
+Our own protocol rather than hivemind's internal one, for a hard deadline and an answer
+identical on every member; failures are data, and a straggler learns it is late. Both sides of
+the protocol live here; its pure rules in `grouping`. The protocol: docs/protocol/matchmaking.md
 """
 
 from __future__ import annotations
@@ -229,22 +149,10 @@ class Matchmaker:
         hold_withdrawal: bool = False,
         close_after: float | None = None,
     ) -> Group | None:
-        """Find the peers at `round` with `params_hash`; return our group, or None if we end alone.
-
-        Returns within ``timeout + request_timeout`` whatever the other peers do. `weight` (the
-        tokens we processed) is passed on to every member in `Group.weights`. A group of one is
-        no group: the result is then None with `last_outcome` ``"alone"``. `expected` names the
-        peers known to be at this round with this θ (base58 ids): a group we lead closes as soon
-        as all of them have joined. `refresh_expected`, if given, reads that set again: a leader
-        calls it at every poll while its group is open (a peer that appeared since, e.g. a node
-        that started after our first read, is then waited for and closes the group when it joins;
-        one that left the round is no longer waited for). `speed` (tokens per second of compute) reaches every member
-        in `Group.speeds`, for dynamic local updates. `hold_withdrawal`: when a group formed, our
-        registration is withdrawn at `release()`, not at once (step 5). `close_after`: a group we
-        lead closes this many seconds after our registration if it is not complete by then (an
-        adaptive deadline, `liveness`; at most `timeout`, the default), while as a follower we
-        still wait up to `timeout` for our leader's answer.
-        """
+        """Find the peers at `round` with `params_hash`; our group, or None if we end alone, within
+        ``timeout + request_timeout``. A group we lead closes once every peer in `expected` (re-read by
+        `refresh_expected`) has joined, or `close_after` seconds after our registration; `weight` and
+        `speed` reach every member; `hold_withdrawal` defers our withdrawal to `release()`."""
         if not self._started:
             raise RuntimeError("Matchmaker.start() must be awaited before form_group()")
         if not valid_weight(weight):

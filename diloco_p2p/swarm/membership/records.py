@@ -1,22 +1,12 @@
 """The progress record every node publishes in the DHT, and what readers conclude from them.
 
-One DHT key per run, ``f"{run_id}.progress"``, holds a dictionary: subkey = the node's peer id
-(base58), value = its `ProgressRecord` (round, tokens, throughput, losses, hash of θ, hash and
-view of the swarm-relevant config). Readers use it to refuse a node whose config differs from the swarm's, to decide whether a
-node must adopt the swarm's state (both in `diloco_p2p.swarm.membership.resync`), and to show what the
-swarm is doing (`diloco-p2p status`).
-
-Each entry is signed by the node it is about (`diloco_p2p.swarm.trust.signing`): the subkey holds
-the node's peer id and public key, hivemind's signature validator checks the signature, and a
-reader refuses an entry whose key is not the peer id's, or whose record names another peer
-(``forged-record``, naming the signer). Validation happens twice (`diloco_p2p.swarm.trust.schema`):
-storing peers run hivemind's `SchemaValidator` (give `progress_validator(run_id)` to
-`start_dht`), and every reader parses each entry again with the same strict model. An entry
-that does not parse or has expired is dropped, never trusted.
-
-hivemind cannot delete a DHT value. A node that leaves stores a *tombstone* (``None``) under
-its subkey with an expiration just past its last record's, which replaces the record on the
-storing peers; readers skip tombstones.
+One DHT key per run holds a dictionary: subkey = the node's signed peer id, value = its
+`ProgressRecord` (round, tokens, losses, θ hash, averaged round, config view). Readers use it to
+refuse a differing config, to decide on a resync (`resync`), to decide who a round waits for
+(`liveness`) and for `diloco-p2p status`. Entries are validated by the storing peers and parsed
+again by every reader; one that does not parse, has expired, or names another peer than its
+signer is dropped. A node that leaves stores a tombstone, as hivemind cannot delete a value.
+The records: docs/protocol/records.md
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, Optional
 
 import hivemind
@@ -54,6 +44,7 @@ MAX_EXCLUDED = 32  # peers listed in a record's `excluded`
 FiniteFloat = pydantic.confloat(strict=True, allow_inf_nan=False)
 NonNegFloat = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
 MAX_AWAY = 32  # peers listed in a record's `away`
+MAX_MEMBERS = 64  # peers listed in a record's `members` (the group it last committed with)
 
 
 class Absence(pydantic.BaseModel):
@@ -98,6 +89,12 @@ class ProgressRecord(pydantic.BaseModel):
     # The peer whose state this θ came from while the node has not averaged since (`resync`'s
     # donor rule); absent otherwise, so a node that never resyncs publishes what older nodes accept.
     donor: Optional[PeerB58] = None
+    # The hash of the whole state this node serves (θ, momentum, buffers: `codec.state_sha256`):
+    # what a joiner checks a download against, beyond θ.
+    state_sha256: Optional[Hex64] = None
+    # The group it last committed a round with (`averaged_round`): the peers it vouches took part,
+    # from which a reader that trusts this node extends its standing (`diloco_p2p.swarm.trust.standing`).
+    members: Optional[pydantic.conlist(PeerB58, max_items=MAX_MEMBERS)] = None
     version: pydantic.constr(strict=True, min_length=1, max_length=64)
     updated: NonNegFloat
 
@@ -129,13 +126,13 @@ class ProgressRecord(pydantic.BaseModel):
         reachability: str | None = None,
         away: Mapping[str, Mapping[str, Any]] | None = None,
         donor: str | None = None,
+        state_sha256: str | None = None,
+        members: Iterable[str] | None = None,
         updated: float | None = None,
         version: str = __version__,
     ) -> ProgressRecord:
-        """Make a record from ordinary Python values: numbers are cast to the strict wire types,
-        a non-finite loss becomes ``None`` (a diverged node stays visible instead of having its
-        record rejected), `config_view` may be the `swarm_view()` dict, `updated` defaults to now.
-        Raises `pydantic.v1.ValidationError` for values the schema rejects (negative round...)."""
+        """A record from plain values: numbers cast to the strict types, a non-finite loss as ``None``
+        (a diverged node stays visible), `updated` now. Raises `ValidationError` for rejected values."""
         return cls(
             peer_id=peer_id,
             round=int(round),
@@ -160,6 +157,8 @@ class ProgressRecord(pydantic.BaseModel):
             away={peer: Absence(missed=int(a["missed"]), away_s=float(a["away_s"]), away=bool(a["away"]))
                   for peer, a in sorted(away.items())[:MAX_AWAY]} if away else None,
             donor=donor or None,
+            state_sha256=state_sha256,
+            members=sorted(members)[:MAX_MEMBERS] if members else None,
             version=version,
             updated=float(get_dht_time() if updated is None else updated),
         )

@@ -1,33 +1,13 @@
-"""What a node concludes from the swarm's progress records: pure functions, no DHT I/O
-(the records are read by `diloco_p2p.swarm.membership.records`).
+"""What a node concludes from the swarm's progress records: pure functions, no DHT I/O.
 
-- `check_config`: refuse to join a swarm whose majority config differs from ours, naming the
-  differing fields.
-- `vouched_records`: the records that may move a node at all. A (round, θ hash) counts only
-  when `quorum` distinct peers report it (each record is signed by its peer,
-  `diloco_p2p.swarm.trust.signing`), and never past `train.max_rounds`. Where no state has a quorum
-  (a swarm of one, or nodes that all end rounds alone) every record counts, as before: there
-  is no agreement for a liar to override. So a lone record claiming a later round, or a
-  superseding `averaged_round`, moves nobody while `quorum` honest nodes agree.
-- `resync_target`: whether a node must adopt the swarm's state (behind, in a minority at its
-  round, or cut off while the others averaged), which (round, θ hash) and from which donors.
-
-Every reader applies the same rule to the same records, so every node reaches the same verdict
-without talking to the others. A tie between θ hashes at our round never moves a node to an
-arbitrary one (an attacker can grind its hash to be the smallest). Two rules break a tie, and
-never both ways at once, so of two tied nodes at most one moves:
-
-- a node that adopted a peer's state and has not averaged since follows that peer (its donor,
-  which its record names) in a tie of exactly their two hashes: it chose that lineage already;
-- otherwise the members of the group we last committed with (`LastGroup`) break it: among the
-  tied hashes that such members hold, the one held by the member with the smallest
-  ``sha256(peer id, round)`` wins (`tie_winner`). A member counts only while its record says it
-  follows nobody and its θ was last averaged in that very round, and we count ourselves by the
-  same test, so both sides of a split draw from the same members and pick the same winner. That
-  heals a fork of one group, e.g. two nodes that committed a round together and then each ended
-  rounds alone (their matchmaking keys hold different θ hashes: they would never meet again).
-  A hash cannot be ground to win it (the θ hash plays no part), nor a peer id chosen afterwards
-  (only our own group's members take part, and the round changes the order every round).
+`check_config` refuses a swarm whose majority config differs from ours; `vouched_records` keeps
+the records that may move a node (a state counts only when `quorum` signed peers with standing
+report it, `standing`); `resync_target` says whether a node must adopt the swarm's state
+(behind, in a minority, or cut off while the others averaged), which one and from which donors.
+Every reader applies the same rule to the same records, so all reach the same verdict; a tie of
+θ hashes is broken by the donor a node follows or by the group it last committed with
+(`LastGroup`), never by the hashes themselves, which an attacker could grind.
+The rules: docs/protocol/records.md
 """
 
 from __future__ import annotations
@@ -121,6 +101,7 @@ def vouched_records(
     max_round: int | None = None,
     on_reject: Callable[[str, str, str], None] | None = None,
     ours: tuple[int, str] | None = None,
+    standing: frozenset[str] | None = None,
 ) -> dict[str, ProgressRecord]:
     """The records whose (round, θ hash) the swarm vouches for (see the module docstring).
 
@@ -130,24 +111,51 @@ def vouched_records(
     the others resync to it. Stragglers behind the vouched states are left out silently.
     `ours`, the reader's own (round, θ hash), backs that state too: the first member of our group
     to publish the round we just committed with it holds our θ, and is not refused for being
-    ahead of the others' records (it was, a few times a minute, in a swarm with no fault at all)."""
+    ahead of the others' records (it was, a few times a minute, in a swarm with no fault at all).
+
+    `standing` (`membership.standing`): the peers whose records may back a state. Given, only
+    they (and `ours`) count as backers, however many others agree, and where no state has a
+    quorum of them only their records count; a record of a peer without standing is kept only
+    when it holds a state they back. None: every signed record counts (headcount)."""
     kept: dict[str, ProgressRecord] = {}
     for peer, r in others.items():
         if max_round is not None and r.round > max_round:
             _reject(on_reject, peer, "past-max-rounds", f"claims round {r.round} > train.max_rounds {max_round}")
         else:
             kept[peer] = r
-    backers = Counter([(r.round, r.params_sha256) for r in kept.values()] + ([ours] if ours else []))
-    if not kept or max(backers.values()) < quorum:
-        return kept
+    backing = kept if standing is None else {p: r for p, r in kept.items() if p in standing}
+    backers = Counter([(r.round, r.params_sha256) for r in backing.values()] + ([ours] if ours else []))
+    if not kept or max(backers.values(), default=0) < quorum:
+        if standing is None:
+            return kept
+        held = {(r.round, r.params_sha256) for r in backing.values()}
+        for peer, r in kept.items():
+            if peer not in backing and (r.round, r.params_sha256) not in held and r.round > max(
+                    (b.round for b in backing.values()), default=-1):
+                _reject(on_reject, peer, "unvouched-state",
+                        f"claims round {r.round} θ {r.params_sha256[:12]}; no peer with standing backs it")
+        return {p: r for p, r in kept.items() if (r.round, r.params_sha256) in held}
     vouched = {p: r for p, r in kept.items() if backers[r.round, r.params_sha256] >= quorum}
+    if not vouched:
+        return {}  # only our own state has a quorum (of one): nobody else's record counts
     top = max(r.round for r in vouched.values())
     for peer, r in kept.items():
         if peer not in vouched and r.round > top:
             _reject(on_reject, peer, "unvouched-state",
                     f"claims round {r.round} θ {r.params_sha256[:12]} that {backers[r.round, r.params_sha256]} "
-                    f"peer(s) back (quorum {quorum}) while {max(backers.values())} back round {top}")
+                    f"peer(s){' with standing' if standing is not None else ''} back (quorum {quorum}) while "
+                    f"{max(backers.values())} back round {top}")
     return vouched
+
+
+def vouched_state_hash(vouched: Mapping[str, ProgressRecord], round: int, params_hash: str | None,
+                       standing: frozenset[str] | None = None) -> str | None:
+    """The whole-state hash (`codec.state_sha256`) that the vouched records of (`round`,
+    `params_hash`) publish, counting only peers with standing when given; the most published
+    (None: none publishes one, e.g. records of an older release: then θ alone is checked)."""
+    return majority(r.state_sha256 for p, r in vouched.items()
+                    if r.round == round and r.params_sha256 == params_hash and r.state_sha256
+                    and (standing is None or p in standing))
 
 
 def _reject(on_reject: Callable[[str, str, str], None] | None, peer: str, reason: str, detail: str) -> None:
@@ -158,7 +166,7 @@ def _reject(on_reject: Callable[[str, str, str], None] | None, peer: str, reason
 def resync_target(
     others: Mapping[str, ProgressRecord], our_round: int, our_hash: str, averaged_round: int | None = None,
     *, quorum: int = 1, max_round: int | None = None, on_reject: Callable[[str, str, str], None] | None = None,
-    group: LastGroup | None = None, donor: str | None = None,
+    group: LastGroup | None = None, donor: str | None = None, standing: frozenset[str] | None = None,
 ) -> Resync | None:
     """Whether a node at (`our_round`, `our_hash`), whose θ was last averaged at round
     `averaged_round` (None: not since it started), must adopt the swarm's state, and which.
@@ -187,7 +195,7 @@ def resync_target(
     the same records the same way on every node, so a fork heals deterministically.
     """
     vouched = vouched_records(others, quorum=quorum, max_round=max_round, on_reject=on_reject,
-                              ours=(our_round, our_hash))
+                              ours=(our_round, our_hash), standing=standing)
     if not vouched:
         return None
     reference = reference_records(vouched, averaged_round)

@@ -1,7 +1,7 @@
 """What a state donor announces in the DHT, and the order a joiner tries donors in.
 
-See `diloco_p2p.swarm.state` for the protocol; this module also holds the constants both ends
-of a transfer share (handler name, header bound, verdict bytes).
+This module also holds the constants both ends of a transfer share (handler name, header bound,
+verdict bytes). The protocol: docs/protocol/state-transfer.md
 """
 
 from __future__ import annotations
@@ -103,12 +103,8 @@ def rendezvous_order(joiner: str, donors: Iterable[str]) -> list[str]:
 def order_candidates(
     announcements: Sequence[StateAnnouncement], joiner: str, prefer: Sequence[str] = ()
 ) -> list[StateAnnouncement]:
-    """The order a joiner tries donors in.
-
-    States are grouped by (round, θ hash, or the blob's sha256 without one); groups go newest
-    round first, then most donors first (agreement among donors is the best evidence we have),
-    then by hash so every joiner ranks groups alike. Within a group: the donors in `prefer`
-    first (in that order), then the rest in this joiner's rendezvous order."""
+    """The order a joiner tries donors in: states newest round first, then most donors, then by
+    hash; within one, the donors in `prefer` first, then this joiner's rendezvous order."""
     groups: dict[tuple[int, str], list[StateAnnouncement]] = {}
     for a in announcements:
         groups.setdefault((a.round, a.params_hash or a.sha256), []).append(a)

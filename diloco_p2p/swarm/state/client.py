@@ -1,5 +1,7 @@
-"""The joiner's side of state sharing: find donors, stream the state from several at once, verify it.
-See `diloco_p2p.swarm.state` for the protocol and the failure handling."""
+"""The joiner's side of state sharing: find donors, stream the state from several, verify it.
+
+The protocol and the failure handling: docs/protocol/state-transfer.md
+"""
 
 from __future__ import annotations
 
@@ -123,6 +125,7 @@ async def fetch_state(
     verify: Callable[[bytes, StateAnnouncement], tuple[str, bool] | None] | None = None,
     accept: Callable[[StateAnnouncement], Awaitable[bool]] | None = None,
     max_donors: int = DEFAULT_DONORS,
+    max_size: int | None = None,
 ) -> FetchedState:
     """Download and verify the newest state announced for `run_id` (see `diloco_p2p.swarm.state`).
 
@@ -137,12 +140,15 @@ async def fetch_state(
     its θ is one the swarm vouches for, `codec.StateCheck`): None accepts it; (reason, lied)
     refuses it and the next donors are tried; `lied` (the blob is not what the donors announced)
     also names the donors that served it in `FetchedState.forged`. `accept(announcement)`:
-    whether to try a donor at all (before downloading anything). Raises `StateUnavailable` when
+    whether to try a donor at all (before downloading anything). `max_size`: the most bytes a
+    state of this model can take (`codec.Layout.max_size`); a donor announcing more is named in
+    `forged` and never asked, so nothing is allocated for it. Raises `StateUnavailable` when
     no donor provides a valid state within `timeout` seconds.
     """
     if max_donors < 1:
         raise ValueError(f"max_donors must be >= 1, got {max_donors}")
-    fetch = _Fetch(dht, p2p, run_id, min_round, params_hash, frozenset(exclude), tuple(prefer), timeout, max_donors)
+    fetch = _Fetch(dht, p2p, run_id, min_round, params_hash, frozenset(exclude), tuple(prefer), timeout, max_donors,
+                   max_size)
     backoff = 0.1
     while True:
         fetch.check_deadline()
@@ -177,10 +183,11 @@ class _Fetch:
     def __init__(
         self, dht: hivemind.DHT, p2p: P2P, run_id: str, min_round: int | None, params_hash: str | None,
         exclude: frozenset[str], prefer: tuple[str, ...], timeout: float, max_donors: int,
+        max_size: int | None = None,
     ):
         self.dht, self.p2p, self.run_id = dht, p2p, run_id
         self.min_round, self.params_hash, self.exclude, self.prefer = min_round, params_hash, exclude, prefer
-        self.max_donors = max_donors
+        self.max_donors, self.max_size = max_donors, max_size
         self.me = p2p.peer_id.to_base58()
         self.loop = asyncio.get_running_loop()
         self.t0, self.timeout = self.loop.time(), timeout
@@ -222,6 +229,9 @@ class _Fetch:
 
     def candidates(self, announced: list[StateAnnouncement]) -> list[StateAnnouncement]:
         """The donors to try now, in order: qualifying, not caught lying, not failed for that state yet."""
+        for a in announced:
+            if self.max_size is not None and a.size > self.max_size and a.peer_id not in self.forged:
+                self.forged[a.peer_id] = f"announces a state of {a.size} bytes; this model's is at most {self.max_size}"
         eligible = [
             a for a in announced
             if a.peer_id != self.me and a.peer_id not in self.exclude and a.peer_id not in self.forged

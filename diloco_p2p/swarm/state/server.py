@@ -1,5 +1,8 @@
-"""The state donor: serves this node's state blob to joiners over a libp2p stream and keeps it
-announced in the DHT. See `diloco_p2p.swarm.state` for the protocol."""
+"""The state donor: serves this node's state blob to joiners and keeps it announced.
+
+The blob goes over a libp2p stream; the announcement is refreshed in the DHT while it serves.
+The protocol: docs/protocol/state-transfer.md
+"""
 
 from __future__ import annotations
 
@@ -27,22 +30,15 @@ from diloco_p2p.swarm.state.announcements import (
 )
 from diloco_p2p.swarm.state.stripes import STRIPE_SIZE, stripe_count, stripe_digests
 from diloco_p2p.swarm.transport import streams
-from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS, AnnouncedHandler, WireError
+from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS, AnnouncedHandler
 from diloco_p2p.swarm.trust.signing import own_subkey
 
 logger = logging.getLogger(__name__)
 
 
 class StateServer:
-    """Serves this node's current state blob to joiners and keeps it announced in the DHT.
-
-    It serves the striped protocol (v2: the stripes a joiner asks for, `stripe_size` bytes
-    each, after a header with their digests) and, for joiners of older releases, v1 (the whole
-    blob from an offset). `throttle_bytes_per_s` caps each transfer's rate (a volunteer's
-    uplink; tests use it to make a transfer slow enough to kill the donor in the middle).
-    `max_concurrent` caps the transfers served at once; past it, joiners are told ``busy`` and
-    go to another donor.
-    """
+    """Serves this node's state blob to joiners (protocol v2 stripes, v1 from an offset) and keeps it
+    announced; `throttle_bytes_per_s` caps each transfer, `max_concurrent` their number (``busy``)."""
 
     def __init__(
         self,
@@ -169,18 +165,8 @@ class StateServer:
 
     async def _guarded(self, info: Any, writer: asyncio.StreamWriter, serve: Coroutine[Any, Any, None]) -> None:
         """Run `serve` for an admitted peer; a transfer's end, however early, is not our error."""
-        try:
-            if self.admit is not None and not await self.admit(info.peer_id.to_base58(), "state"):
-                self.refused_count += 1
-                serve.close()
-                return  # closing the stream is all a stranger gets
-            await serve
-        except (TimeoutError, WireError, *NETWORK_ERRORS) as e:
-            logger.debug("state transfer ended early: %r", e)
-        except Exception:
-            logger.exception("state transfer failed")
-        finally:
-            writer.close()
+        if not await streams.serve_admitted(info, writer, serve, self.admit, "state", logger):
+            self.refused_count += 1  # closing the stream is all a stranger gets
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      version: int) -> tuple[bytes, bytes, int] | None:

@@ -1,22 +1,12 @@
 """Striped transfers: one state blob streamed from several donors at once, in verified stripes.
 
-The blob is cut into stripes of `stripe_size` bytes (the last one shorter). A donor's v2 header
-carries the sha256 of every stripe (`Layout`); the joiner takes the layout most of the donors
-it opened sent, preallocates the blob once (`Assembly`) and lets one worker per donor pull stripes
-from a shared queue (`download`), a few requests ahead on its stream. Each stripe is hashed
-in a thread once it has landed and checked against the layout while the donor's next stripes
-stream in (hashed on the read path, a loopback download spent a third of its time waiting on
-it); the whole blob is checked against the sha256 the donors announced
-(`diloco_p2p.swarm.state.client`), also in a thread, as the stripes complete in order. So:
-
-- a donor that dies, stalls or breaks the protocol gives its stripes back to the queue, and the
-  other donors' workers take them (work stealing: fast donors serve more stripes);
-- a donor whose stripe differs from the digest in its own header is caught on that stripe and
-  named (it sent what it said it would not), the stripe goes to another donor;
-- a layout that does not add up to the announced sha256 (every stripe matched it, the whole did
-  not) is a lie of every donor that sent it, caught by the whole-blob check.
-
-Memory: the blob once, preallocated; stripes are written in place (no per-stripe copies kept).
+A donor's header lists the sha256 of every stripe (`Layout`); the joiner preallocates the blob
+once (`Assembly`) and one worker per donor pulls stripes from a shared queue (`download`), so
+fast donors serve more. Each stripe is hashed in a thread as it lands; a donor that dies or
+stalls gives its stripes back to the queue, one whose stripe differs from its own header is
+named, and a layout that does not make up the announced sha256 is caught by the whole-blob
+check. Memory: the blob once; stripes are written in place.
+The protocol: docs/protocol/state-transfer.md
 """
 
 from __future__ import annotations

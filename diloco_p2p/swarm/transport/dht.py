@@ -1,23 +1,13 @@
 """Starting the hivemind DHT: validated multiaddrs, a persistent identity, bounded joins.
 
-Everything a node or a seed needs before it can talk to the swarm goes through here, so the
-user's mistakes at the boundary get one clear line (a `UserError`) instead of a hivemind
-traceback or a hang:
-
-- Multiaddrs are parsed with the `multiaddr` package before hivemind sees them; initial peers
-  must name the peer id (``/p2p/<id>``) because hivemind's DHT pings them by id.
-- The identity (a libp2p private key file) fixes the peer id, so a seed keeps the address
-  volunteers have written into their configs across restarts.
-- Joining is bounded by `p2p.connect_timeout`. What hivemind 1.1.12 does with unreachable
-  initial peers (measured): p2pd itself bootstraps to them and exits with "failed to connect
-  to bootstrap peers" (fast for a refused port, about 5 s for a listener that never speaks),
-  which `DHT.wait_until_ready` re-raises as `P2PDaemonError`. On an internet path that drops
-  packets the dial can take much longer, so we never wait unbounded: past the deadline we stop
-  the DHT process and its p2pd (carefully, see `_stop_failed_dht`) and the user gets the same
-  kind of line.
-- The DHT process and its p2pd die with the process that started them (`_OwnedDHT`): a
-  ``kill -9`` of a node (what the OOM killer does) would otherwise leave both running, and the
-  restart would find its own identity "already used by a running peer".
+Everything a node or a seed needs before it can talk to the swarm goes through here, so a
+user's mistake at the boundary is one clear line (a `UserError`), not a traceback or a hang:
+multiaddrs are parsed with the `multiaddr` package and initial peers must name their peer id;
+the identity file fixes the peer id across restarts; joining is bounded by
+`p2p.connect_timeout` (hivemind's p2pd exits on unreachable bootstrap peers, but a dial on a
+lossy path can take much longer, so past the deadline we stop the DHT and its p2pd ourselves,
+`_stop_failed_dht`). The DHT process and its p2pd die with the process that started them
+(`_OwnedDHT`), so a ``kill -9`` leaves no daemon holding our identity.
 """
 
 from __future__ import annotations
@@ -52,11 +42,8 @@ PARENT_POLL_SECONDS = 0.5
 
 
 def validate_maddrs(addrs: Sequence[str], what: str, *, require_peer_id: bool = False) -> list[str]:
-    """Parse each multiaddr; return them as strings (hivemind takes strings) or raise `UserError`.
-
-    `what` names the option in the message (e.g. "--initial-peers"). With `require_peer_id`,
-    each address must end in ``/p2p/<peer id>``: hivemind identifies initial peers by id.
-    """
+    """Parse each multiaddr and return them as strings (hivemind takes strings), or a `UserError`
+    naming `what`; with `require_peer_id`, each must end in ``/p2p/<peer id>``."""
     out: list[str] = []
     for s in addrs:
         if not isinstance(s, str):
@@ -86,12 +73,8 @@ def _has_port_zero(addr: str) -> bool:
 
 
 def load_or_create_identity(path: Path) -> Path:
-    """Return `path` holding a libp2p private key, creating one (and its directory) if missing.
-
-    Reusing the file keeps the peer id, hence the multiaddr others dial, stable across restarts.
-    A file that exists but is not a key is never overwritten: that would silently change the
-    peer id, so we stop and say how to fix it.
-    """
+    """`path` holding a libp2p private key, created if missing, so the peer id (and the multiaddr
+    others dial) survives restarts. A file that is not a key is never overwritten: we say how to fix it."""
     path = Path(path).expanduser()
     if path.exists():
         try:
@@ -130,17 +113,8 @@ def start_dht(
     record_validators: Iterable[RecordValidatorBase] = (),
 ) -> hivemind.DHT:
     """Start a DHT node (a forked process with its own p2pd) and join `p2p_cfg.initial_peers`.
-
-    Create it before starting threads of your own (hivemind forks). Every DHT signs its entries
-    with its identity and verifies those of others (`diloco_p2p.swarm.trust.signing`); without an
-    identity file a DHT that stores gets a throwaway one (tests), deleted once p2pd has read it,
-    and a client (status, fetch) only verifies. `record_validators` must be
-    given here, not added later: validators added to a running DHT are pickled to its process,
-    and our schema models are built per run id, so they only travel by fork.
-    Raises `UserError` for a malformed address, an unusable identity, a daemon that cannot
-    listen, or initial peers that do not answer within `p2p_cfg.connect_timeout` seconds; on
-    every error path the DHT process is gone before we raise.
-    """
+    Create it before your own threads and give `record_validators` here (ours travel only by fork).
+    A bad address or identity, a busy port or silent peers raise `UserError`, the process gone."""
     initial = validate_maddrs(p2p_cfg.initial_peers, "p2p.initial_peers", require_peer_id=True)
     host = validate_maddrs(p2p_cfg.host_maddrs, "p2p.host_maddrs")
     announce = validate_maddrs(p2p_cfg.announce_maddrs, "p2p.announce_maddrs")
@@ -191,12 +165,8 @@ def _start(initial: list[str], timeout: float, validators: list, kwargs: dict, i
 
 
 class _OwnedDHT(hivemind.DHT):
-    """hivemind's DHT process, made to die with the process that started it.
-
-    Linux gives no process-wide parent-death signal (``PR_SET_PDEATHSIG`` fires when the
-    *thread* that forked exits), so a watchdog thread in the DHT process polls its parent and,
-    once it is gone, stops p2pd (SIGTERM: it exits and removes its socket) and exits.
-    """
+    """hivemind's DHT process, made to die with its parent: a watchdog thread polls the parent (Linux
+    has no process-wide parent-death signal) and, once it is gone, stops p2pd and exits."""
 
     def start(self) -> None:
         self._owner_pid = os.getpid()
@@ -243,15 +213,9 @@ def _explain_start_failure(
 
 
 def _stop_failed_dht(dht: hivemind.DHT, *, reported: bool) -> None:
-    """Stop a DHT process whose start failed (`reported`: it sent us its exception) or hung.
-
-    Never SIGTERM that process first: it may hold hivemind's process-wide MPFuture lock (a
-    semaphore shared by every process of ours), and a process killed while holding it blocks
-    every later DHT of this process forever (seen in tests: the next DHT never reported ready).
-    A process that reported its error exits by itself. A hung one is stuck in p2pd's start or
-    bootstrap: we stop its p2pd, so hivemind's own code fails, reports and exits. Only a
-    process still alive after that is terminated.
-    """
+    """Stop a DHT process whose start failed (`reported`) or hung, never by SIGTERM first: it may hold
+    hivemind's process-wide MPFuture lock, which would block every later DHT of ours. A hung one is
+    stopped through its p2pd; only a survivor is terminated."""
     if dht.pid is None:
         return
     daemons = _p2pd_pids(dht.pid)

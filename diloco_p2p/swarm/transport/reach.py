@@ -1,24 +1,13 @@
 """Reachability: can other peers dial this node, or does it sit behind a NAT or firewall?
 
-A node behind a home router can open connections but not accept them. The swarm needs to know
-which nodes are *public* (dialable): only they lead matchmaking groups, reduce all-reduce parts
-and serve state; *private* nodes take part through the connections they open themselves
-(`diloco_p2p.swarm.collective.allreduce`, "Private members").
-
-How a node learns it (libp2p AutoNAT's idea, Seemann et al., libp2p specs "autonat"): it asks a
-peer it can reach, over a libp2p stream (`PROTOCOL`), to dial it back. The request names the TCP
-ports the node listens on; the peer opens a plain TCP connection to each of them *at the address
-it sees the request coming from* (never an address the requester names, so a probe cannot aim a
-peer at a third party) and answers which ones accepted. A node behind NAT is seen at its router's
-address, whose ports are closed to connections that start outside: no port answers, the node is
-private. p2pd runs libp2p's own AutoNAT, but its control API does not expose the verdict, hence
-this protocol. The probe runs from a short-lived p2pd of its own before the node's DHT starts,
-because the DHT's mode (server or client) depends on the answer; it listens on the node's
-configured address, so a fixed port (a port forwarding) is what gets probed.
-
-`detect` returns "public", "private", or None when no peer answered (the caller decides; a node
-with no initial peer is the first of its swarm and public by definition). `p2p.reachability`
-forces the answer without a probe.
+Only *public* nodes lead matchmaking groups, reduce all-reduce parts and serve state; *private*
+ones take part through the connections they open themselves. A node learns which it is as libp2p
+AutoNAT does: it asks a reachable peer (`PROTOCOL`) to dial its TCP ports back *at the address
+the request came from* (never one the requester names, so a probe cannot aim a peer at a third
+party). p2pd's own AutoNAT verdict is not exposed by its control API, hence this probe, run from
+a short-lived p2pd before the DHT starts (the DHT's mode depends on it). `detect` returns
+"public", "private", or None when no peer answered; `p2p.reachability` forces the answer.
+What private members change in the all-reduce: docs/protocol/allreduce.md
 """
 
 from __future__ import annotations
@@ -159,10 +148,8 @@ def peer_ids(maddrs: Sequence[str]) -> list[PeerID]:
 
 
 def resolve(cfg: P2PConfig) -> tuple[str, str]:
-    """(PUBLIC or PRIVATE, why) for a node about to start with `cfg`: forced by
-    `p2p.reachability`, or probed through the initial peers from a short-lived p2pd (see the
-    module docstring). No initial peer: the first node of a swarm, public. No answer: public, as
-    before reachability existed (the DHT start then says what is wrong with the initial peers)."""
+    """(PUBLIC or PRIVATE, why) for a node about to start: `p2p.reachability`, or a probe through the
+    initial peers; public with no initial peer (the first node) or no answer."""
     if cfg.reachability != "auto":
         return cfg.reachability, "set by p2p.reachability"
     validate_maddrs(cfg.initial_peers, "p2p.initial_peers", require_peer_id=True)  # a typo: one clear line
@@ -190,12 +177,8 @@ async def _probe(cfg: P2PConfig) -> str | None:
 
 
 def shortage(public: int, private: int) -> str | None:
-    """What is wrong with a swarm of `public` dialable and `private` NATed training nodes, or None.
-
-    Private nodes average only through public ones (they reduce no part, lead no group): with
-    none public they cannot average at all; with fewer public than private each public node
-    reduces more than twice its even share ((k+P-2)/P of the vector each way instead of about 2),
-    and its uplink sets the pace of every round."""
+    """What is wrong with a swarm of `public` and `private` training nodes, or None: private nodes
+    average only through public ones, and fewer public than private overloads each public uplink."""
     if private and not public:
         return (f"no public peer among the {private} training nodes: nodes behind NAT cannot average with each "
                 "other (each ends its rounds alone); a node with an open TCP port (p2p.host_maddrs, "

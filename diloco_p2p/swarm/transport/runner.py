@@ -1,9 +1,9 @@
-"""An asyncio event loop in a daemon thread, so the synchronous training loop can drive
-hivemind's asynchronous P2P API.
+"""An asyncio event loop in a daemon thread, for hivemind's asynchronous P2P API.
 
-hivemind's `DHT` lives in a forked process; the training process talks to the same p2pd
-daemon through a replica `P2P` created on this loop. Create the DHT before starting this
-thread (forking a process that has threads is unsafe).
+The synchronous training loop drives hivemind through it. hivemind's `DHT` lives in a forked
+process; the training process talks to the same p2pd daemon through a replica `P2P` created on
+this loop. Create the DHT before starting this thread (forking a process that has threads is
+unsafe).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Framing on hivemind's libp2p streams, shared by matchmaking, the all-reduce and state sharing.
 
 A message is a sequence of length-prefixed frames, as hivemind's `P2P.send_raw_data` writes
-them (big-endian length, then the bytes; 8-byte lengths like `P2P.HEADER_LEN`, matchmaking's
-join frames use 4). Every read states an upper bound and refuses a larger declared length
-before reading it, so a hostile peer cannot make us allocate what it likes. JSON frames carry
-headers and small answers (never pickle).
-
-The linger close. A side that writes the last bytes of a stream and closes it at once can lose
-them: under CPU load the other side read end-of-stream with 0 bytes (a matchmaking follower
-ended alone while its leader counted it in; an all-reduce sender took a live member for gone).
-So the side that answers last keeps the stream open until the other side, having read the
-answer, closes it (`linger`), bounded by a timeout; a peer that listens costs nothing extra.
-
-`AnnouncedHandler`: a stream handler that is served while its DHT announcement is kept fresh
-(the state server's and data sharing's start and stop).
+them; every read states an upper bound and refuses a larger declared length before reading it.
+JSON frames carry headers and small answers (never pickle). The side that answers last keeps
+the stream open until the other side has read the answer and closed it (`linger`): closing at
+once lost answers under CPU load. `AnnouncedHandler` serves a handler while its DHT
+announcement is kept fresh; `serve_admitted` is how the state server and data sharing serve one
+inbound transfer. The framing and the linger close: docs/protocol/wire.md
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import suppress
 from typing import Any
 
@@ -46,18 +39,9 @@ def write_frame(writer: asyncio.StreamWriter, data: bytes, *, prefix: int = LENG
 
 
 class Pacer:
-    """Caps what a host writes to its streams at `rate` bytes/s, shared by all of them.
-
-    With both directions of a link loaded, the ACKs of what a host receives leave through the same
-    uplink queue as its own data; when TCP keeps that queue full (a home router's is hundreds of
-    ms deep) the ACKs wait behind it and the other direction slows. Writing a little below the
-    uplink's rate keeps the queue short: k = 2-4 peers on 20 Mbit/s token-bucket links took
-    1.18-1.47 x the wire time unpaced and 1.08-1.10 paced at 97 % of the link
-    (`benchmarks/allreduce_wan.py --pace 0.97`). Writes are cut into `piece`-byte slices, each
-    released when the rate allows it (at most `burst` seconds' worth ahead). A slice is 2 ms of
-    the rate (at least 16 KiB): each one costs an event-loop turn and a write to the daemon, and
-    with 16 KiB slices at 200 Mbit/s those took enough of a member's CPU on a host running four
-    (k = 4 int8: 1.24 -> 1.21 x the wire time, two A/B pairs)."""
+    """Caps what a host writes to all its streams at `rate` bytes/s, in `piece`-byte slices (2 ms of
+    the rate, at least 16 KiB) released at most `burst` seconds ahead. Why: docs/protocol/wire.md,
+    "Pacing"."""
 
     def __init__(self, rate: float, *, piece: int | None = None, burst: float = 0.005):
         if rate <= 0:
@@ -141,21 +125,37 @@ async def read_json(
 
 
 async def linger(reader: asyncio.StreamReader, timeout: float, *, drain: bool = False) -> None:
-    """Keep the stream open until the peer closes it (or sends anything), at most `timeout`
-    seconds; the caller closes its end afterwards. See the module docstring for why. With `drain`,
-    what the peer still sends is read and dropped until it closes: a sender that streams its
-    payload without waiting for our answer stops when the answer reaches it."""
+    """Keep the stream open until the peer closes it (or sends anything), at most `timeout` seconds;
+    with `drain`, read and drop what it still sends. Why: docs/protocol/wire.md, "The linger close"."""
     with suppress(TimeoutError, *NETWORK_ERRORS):
         async with asyncio.timeout(timeout):
             while await reader.read(1 << 16) and drain:
                 pass
 
 
+async def serve_admitted(
+    info: Any, writer: asyncio.StreamWriter, serve: Coroutine[Any, Any, None],
+    admit: Callable[[str, str], Awaitable[bool]] | None, what: str, logger: logging.Logger,
+) -> bool:
+    """Run `serve`, one inbound `what` transfer, if `admit` lets the peer in, then close the stream; an
+    early end is logged at debug, anything else with its traceback. False only for a refused peer."""
+    try:
+        if admit is not None and not await admit(info.peer_id.to_base58(), what):
+            serve.close()
+            return False
+        await serve
+    except (TimeoutError, WireError, *NETWORK_ERRORS) as e:
+        logger.debug("%s transfer ended early: %r", what, e)
+    except Exception:
+        logger.exception("%s transfer failed", what)
+    finally:
+        writer.close()
+    return True
+
+
 class AnnouncedHandler:
-    """A stream handler served while a DHT announcement of it is refreshed every `period` seconds:
-    the lifecycle that the state server and data sharing share. `start` registers the handler and
-    starts the refresh; `stop` cancels the refresh, awaits the caller's withdrawal (a tombstone),
-    then unregisters the handler (transfers in flight may finish)."""
+    """A stream handler served while its DHT announcement is refreshed every `period` seconds; `stop`
+    cancels the refresh, awaits the withdrawal, then unregisters (transfers in flight may finish)."""
 
     def __init__(self, p2p: Any, name: str, handle: Callable[..., Awaitable[None]],
                  refresh: Callable[[], Awaitable[Any]], period: float):

@@ -1,18 +1,12 @@
 """Closed runs: who may take part (`sync.admission`).
 
-An open run (the default, the demo) admits any peer that knows the run id. A closed run admits
-the peer ids listed in `sync.admission.peers`, and the holders of an *admission token*: a small
-JSON statement ``{run_id, peer_id, expires}`` signed by the run owner's RSA key (the same kind
-of key as a libp2p identity), issued with ``diloco-p2p admit``. A node publishes its token in
-its progress record; every node verifies it against `sync.admission.owner_key` and admits its
-peer id. A token is bound to one peer id, which p2pd proves on every stream (the remote peer id
-of a libp2p stream is the hash of the key that authenticated it), so a copied token admits
-nobody else.
-
-In a closed run a node refuses matchmaking, all-reduce and state streams from any other peer
-(`Admission.check_stream` at each handler's entry), ignores their progress records, and the
-state service serves nobody else; each refusal is a ``not-admitted`` rejection
-(`diloco_p2p.swarm.trust.guard`).
+An open run admits any peer that knows the run id. A closed run admits the peer ids listed in
+`sync.admission.peers` and the holders of an admission token (``{run_id, peer_id, expires}``
+signed by the run owner's RSA key, issued with ``diloco-p2p admit``), published in the holder's
+progress record. A token is bound to one peer id, which p2pd proves on every stream, so a copied
+token admits nobody else. In a closed run a node refuses every stream and record of anyone else
+(`Admission.check_stream`), each refusal a ``not-admitted`` rejection (`guard`).
+Closed runs: docs/protocol/records.md
 """
 
 from __future__ import annotations

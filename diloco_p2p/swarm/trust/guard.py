@@ -27,6 +27,9 @@ EXCLUDED_FOR = 600.0
 # publish a round is ahead of its quorum for a moment, and every member is, now and then, in a
 # swarm that does not wait for us; nor the all-reduce's `weight` and `norm`.
 NO_STATE_FROM = frozenset({"forged-record", "not-admitted", "bad-state", "reducer"})
+# Refusals after which matchmaking keeps the peer out of our groups: a caught reducer, a sender of
+# a malformed contribution (each costs its group a part, or its share, of every round it joins).
+KEPT_OUT = frozenset({"reducer", "malformed"})
 
 
 class Guard:
@@ -51,7 +54,7 @@ class Guard:
             self._logged.add((peer, reason, detail))
             self._round.setdefault(peer, set()).add(reason)
             self._last[peer] = (reason, self.clock())
-            if reason == "reducer":
+            if reason in KEPT_OUT:
                 self._caught[peer] = self._last[peer][1]
             if reason in NO_STATE_FROM:
                 self._no_state[peer] = self._last[peer][1]
@@ -79,7 +82,8 @@ class Guard:
             return {p for p, t in self._no_state.items() if now - t <= self.excluded_for}
 
     def distrusted(self) -> set[str]:
-        """Peers caught as a reducer within `excluded_for`, whatever they were refused for since:
+        """Peers caught as a reducer or sending malformed contributions within `excluded_for`,
+        whatever they were refused for since:
         matchmaking keeps them out of our groups (`diloco_p2p.swarm.collective.aggregate`)."""
         now = self.clock()
         with self._lock:

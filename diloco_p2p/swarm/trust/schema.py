@@ -1,13 +1,11 @@
-"""What our DHT records have in common: one key per run holding a dictionary (subkey = the
-publisher's base58 peer id and the public key that signs the entry, ``peer[owner:ssh-rsa ...]``
-(`diloco_p2p.swarm.trust.signing`), value = a strict pydantic.v1 model, ``None`` = a tombstone).
+"""What our DHT records have in common: one key per run, signed subkeys, strict values.
 
-Validation happens twice. Storing peers run hivemind's `SchemaValidator` (`subkey_validator`,
-given to `start_dht(record_validators=...)`), which rejects values that need any type
-conversion; and every reader parses each entry again (`live_values`), because the peers that
-happen to hold a key (a seed, say) may not know our run id or may run another version.
-
-The models are pydantic.v1 models (hivemind's schema machinery is built on v1), deliberately
+One key per run holds a dictionary (subkey = the publisher's peer id and the public key that
+signs the entry, ``peer[owner:ssh-rsa ...]``, `signing`; value = a strict model; ``None`` = a
+tombstone). Validation happens twice: storing peers run hivemind's `SchemaValidator`
+(`subkey_validator`, given to `start_dht(record_validators=...)`), and every reader parses each
+entry again (`live_values`), because the peers that hold a key may not know our run id or may
+run another version. The models are pydantic.v1 (hivemind's schema machinery is built on v1),
 separate from the v2 config models in `diloco_p2p.config`.
 """
 

@@ -1,20 +1,11 @@
 """Records nobody can forge: each DHT entry of ours is signed by the peer it is about.
 
-A node's libp2p identity is an RSA key (hivemind's `P2P.generate_identity`) and its peer id is
-the multihash of that key's public half; p2pd proves that key on every stream. We sign our DHT
-entries with the same key, through hivemind's own `RSASignatureValidator`:
-
-- The subkey of an entry is ``f"{peer_id}[owner:{ssh public key}]"`` (`owned_subkey`). hivemind's
-  validator, given to every DHT we start (`diloco_p2p.swarm.transport.dht.start_dht`), signs each entry
-  whose subkey names our key and rejects any entry naming a key without a valid signature by
-  it, over key, subkey, value and expiration (a replay cannot extend a record's life, a tombstone
-  cannot be forged). Storing peers and readers both run it.
-- The validator does not know peer ids. `owner_of` checks that the key named in a subkey is the
-  one the peer id is made of: an entry claiming another peer's id is refused by every reader,
-  which names the key's real owner as the forger.
-
-So an entry about peer P can only be written by whoever holds P's private key. Our schemas
-(`diloco_p2p.swarm.trust.schema`) require the owner part, so an unsigned entry is rejected too.
+A node's peer id is the multihash of its libp2p RSA key, which p2pd proves on every stream. We
+sign our DHT entries with the same key through hivemind's `RSASignatureValidator`: an entry's
+subkey names the key (`owned_subkey`), and the validator rejects any entry not signed by it,
+over key, subkey, value and expiration. The validator does not know peer ids, so `owner_of`
+checks that the key is the one the peer id is made of: an entry about peer P can only be written
+by whoever holds P's key. Signed entries: docs/protocol/records.md
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The benchmarks, one package per area; benchmarks/README.md is the index."""
