@@ -29,7 +29,7 @@ class InnerConfig(Section):
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="The inner optimizer: `adamw`, or `muon` (MuLoCo, Thérien et al. 2025): Muon on the "
         "hidden layers' 2-D weight matrices, AdamW on the embeddings, lm_head and norms. Chosen per node (θ moves "
-        "only by the swarm's average); one local rank only (not with FSDP).",
+        "only by the swarm's average); on a node of several local ranks each FSDP-sharded matrix is orthogonalized whole.",
     )
     muon_lr: float | None = Field(
         None, gt=0, description="Peak Muon learning rate under inner.optimizer=muon, on the same schedule; unset = "

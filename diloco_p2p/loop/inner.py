@@ -5,7 +5,8 @@ on CUDA. The optimizer state persists across rounds (DiLoCo resets only the para
 on N local ranks it is FSDP-sharded and loss and tokens are made node-wide. ``inner.optimizer:
 muon`` is MuLoCo (Thérien et al. 2025, arXiv:2505.23725): Muon on the hidden 2-D matrices
 (`muon_split`), AdamW on the rest, its update matched to AdamW's RMS so lr and weight decay carry
-over. The choice is per node; a node of several ranks refuses Muon.
+over. The choice is per node; on several ranks each FSDP-sharded matrix is orthogonalized whole
+(`diloco_p2p.local.muon`).
 Why these choices: docs/architecture.md, "The inner optimizer".
 """
 
@@ -21,6 +22,7 @@ from diloco_p2p.config import InnerConfig
 from diloco_p2p.errors import UserError
 from diloco_p2p.faults import Faults
 from diloco_p2p.local.fsdp import is_dtensor, reshard
+from diloco_p2p.local.muon import ShardedMuon
 from diloco_p2p.local.ranks import Ranks
 
 
@@ -72,10 +74,6 @@ class InnerTrainer:
         self.model, self.cfg, self.device = model, cfg, device
         self.ranks, self.faults = ranks or Ranks(device), faults or Faults()
         dtensors = any(is_dtensor(p) for p in model.parameters())  # FSDP's, on N ranks (or 1 in tests)
-        if cfg.optimizer == "muon" and (self.ranks.sharded or dtensors):
-            raise UserError(f"inner.optimizer=muon needs the model whole on one local rank (this node has "
-                            f"{self.ranks.world_size}, FSDP-sharded): torch.optim.Muon is not supported on FSDP's "
-                            "sharded parameters here; use --nproc-per-node 1 or inner.optimizer=adamw")
         hidden, rest = muon_split(model) if cfg.optimizer == "muon" else ([], list(model.parameters()))
         decay = [p for p in rest if p.ndim >= 2]
         no_decay = [p for p in rest if p.ndim < 2]
@@ -90,8 +88,9 @@ class InnerTrainer:
         self.muon: torch.optim.Muon | None = None
         self.muon_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if cfg.optimizer == "muon":
-            self.muon = torch.optim.Muon(hidden, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay,
-                                         momentum=cfg.muon_momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
+            muon = ShardedMuon if dtensors else torch.optim.Muon  # FSDP's row shards: each matrix whole
+            self.muon = muon(hidden, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay,
+                             momentum=cfg.muon_momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
             self.muon_scheduler = torch.optim.lr_scheduler.LambdaLR(self.muon, factor)
         use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
         self._autocast = (

@@ -5,6 +5,7 @@ devices, NCCL and FSDP2 on one GPU. Skipped where no CUDA device is visible (CI 
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import threading
@@ -182,31 +183,41 @@ def test_muon_trains_on_the_gpu_and_its_checkpoint_resumes_bit_exactly(tmp_path)
     assert straight.trainer.optimizer.defaults["fused"]  # AdamW on the rest keeps its fused kernel
     records = straight.run()
     assert all(s["momentum_buffer"].device.type == "cuda" for s in straight.trainer.muon.state.values())
-    assert records[-1].eval_loss < records[0].eval_loss - 1.0
+    # Below a uniform prediction, ln(vocab), by 0.3 nats: measured at these settings, on CPU 5.583 ->
+    # 5.052, on an H200 5.583 -> 4.976; with Muon's lr ~0 (AdamW alone on embeddings, head and norms)
+    # 5.352 on CPU. A fixed drop (the earlier "more than 1.0") held on neither device; a bound on the
+    # loss itself is the same on both and still fails when Muon does not train the hidden matrices.
+    uniform = math.log(straight.model.lm_head.out_features)
+    assert records[-1].eval_loss < uniform - 0.3, f"eval {records[0].eval_loss:.3f} -> {records[-1].eval_loss:.3f}"
     _node(tmp_path / "resumed", muon, rounds=2).run()
     resumed = _node(tmp_path / "resumed", muon, rounds=4)
     assert resumed.round == 2
     assert [r.params_sha256 for r in resumed.run()] == [r.params_sha256 for r in records[-2:]]
 
 
-def test_muon_on_fsdp_parameters_is_refused_in_one_line(tmp_path):
+def test_muon_steps_fsdp_sharded_parameters_on_the_gpu(tmp_path):
+    """FSDP2 on one GPU (NCCL): Muon takes the DTensor matrices (`ShardedMuon`) and trains."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from diloco_p2p.errors import UserError
     from diloco_p2p.local.fsdp import shard_model
+    from diloco_p2p.local.muon import ShardedMuon
     from diloco_p2p.local.ranks import Ranks
     from diloco_p2p.loop.inner import InnerTrainer
     from diloco_p2p.model.build import build_model
 
-    config = load_config(None, [*GPU, "inner.optimizer=muon"])
+    config = load_config(None, [*GPU, "inner.optimizer=muon", "inner.muon_lr=6e-3", "inner.warmup_steps=1"])
     device = torch.device("cuda", 0)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
                             device_id=device)
     try:
         ranks = Ranks(device, 0, 1, init_device_mesh("cuda", (1,)))
         model = shard_model(build_model(config.model, 259, seed=0), ranks, "auto")
-        with pytest.raises(UserError, match="torch.optim.Muon is not supported on FSDP's sharded parameters"):
-            InnerTrainer(model, config.inner, 40, device, "fp32", ranks)
+        trainer = InnerTrainer(model, config.inner, 40, device, "auto", ranks)
+        assert type(trainer.muon) is ShardedMuon
+        batch = torch.randint(0, 259, (4, 33), generator=torch.Generator().manual_seed(0))
+        losses = [trainer.step(lambda: batch).loss for _ in range(6)]
+        assert all(s["momentum_buffer"].device.type == "cuda" for s in trainer.muon.state.values())
+        assert losses[-1] < losses[0] - 0.5, losses  # one batch, six steps: it is learnt
     finally:
         dist.destroy_process_group()
