@@ -1,12 +1,9 @@
 """Muon on a node of N local ranks: each matrix orthogonalized whole, by one rank.
 
-FSDP2 shards every parameter by rows, but Muon's Newton–Schulz step orthogonalizes a whole matrix.
-`ShardedMuon` is torch's Muon (its state, arguments, Newton–Schulz and lr adjustment) with the
-orthogonalization moved: the momentum runs on each rank's rows; matrix i is gathered on rank
-i mod N (round-robin, as distributed Muon does: Liu et al. 2025, arXiv:2502.16982), orthogonalized
-there, and each rank gets its rows back. So the ranks share the Newton–Schulz work, each row of an
-update is computed once, and the state dict is torch's (checkpoints move between world sizes).
-Why not torch's Muon on DTensors: docs/architecture.md, "The inner optimizer".
+FSDP2 shards parameters by rows; Newton–Schulz needs a whole matrix. `ShardedMuon` is torch's
+Muon with the orthogonalization moved: momentum on each rank's rows, matrix i gathered on rank
+i mod N (as distributed Muon does: Liu et al. 2025, arXiv:2502.16982), orthogonalized there, rows
+sent back; the state dict is torch's. Why not torch's Muon on DTensors: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ from diloco_p2p.local.fsdp import is_dtensor
 
 
 class ShardedMuon(torch.optim.Muon):
-    """`torch.optim.Muon` over FSDP2's row-sharded (DTensor) 2-D parameters (collective: every rank
-    of the node steps together, as it does in backward). Plain tensors step as in torch's Muon."""
+    """`torch.optim.Muon` over FSDP2's row-sharded 2-D parameters; every rank steps together."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
