@@ -249,8 +249,7 @@ class SwarmSync:
         async def accept(ann: StateAnnouncement) -> bool:
             """Try a donor only for the target state or a later one the records vouch for, and in
             a closed run only an admitted one (the stream's peer id is the announcement's)."""
-            if not self.admission.admits(ann.peer_id):
-                self.guard.reject(ann.peer_id, "not-admitted", "it announces a state in a closed run")
+            if self._stranger(ann.peer_id):
                 return False
             state = (ann.round, ann.params_hash)
             if params_hash is None or state in accepted:
@@ -416,6 +415,13 @@ class SwarmSync:
         meta = {"weight": repr(weight), "contributors": json.dumps(result.contributors),
                 "committed_parts": json.dumps(result.committed_parts), "num_parts": str(result.num_parts)}
         self.faults.keep(self.run_dir, round, {"delta": delta, "average": result.average}, meta)
+
+    def _stranger(self, donor: str) -> bool:
+        """A donor this closed run has not admitted: refused (`not-admitted`) before it is asked anything."""
+        if self.admission.admits(donor):
+            return False
+        self.guard.reject(donor, "not-admitted", "it announces a state in a closed run")
+        return True
 
     def _read_or(self, coro, default: Any) -> Any:
         """A DHT read of `vouching`, or `default` if it did not answer in time (bounded: no raise)."""
