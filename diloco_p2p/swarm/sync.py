@@ -466,6 +466,8 @@ class SwarmSync:
 
     def _publish(self, node: NodeState, record: RoundRecord | None) -> None:
         assert self.progress is not None
+        group = self.last_group  # the group our θ last came out of: we vouch its members took part
+        members = sorted(group.members | {self.peer_id}) if group and group.round == self.averaged_round else None
         self.progress.publish(progress_fields(node, record, peer_id=self.peer_id, params_sha256=node.shard_sha256,
                                               config_hash=self.config_hash, config_view=self.swarm_view,
                                               averaged_round=self.averaged_round, excluded=self.guard.excluded(),
@@ -473,13 +475,7 @@ class SwarmSync:
                                               reachability=self.reachability,
                                               away=self.presence.away(get_dht_time()), donor=self.donor,
                                               state_sha256=self._state_hash if record is not None else None,
-                                              members=self._members()))
-
-    def _members(self) -> list[str] | None:
-        """The group whose round our θ last came out of: the peers we vouch took part in it."""
-        if self.last_group is None or self.last_group.round != self.averaged_round:
-            return None
-        return sorted(self.last_group.members | {self.peer_id})
+                                              members=members))
 
     def close(self) -> None:
         """Withdraw our records and stop serving; bounded so a shutdown never hangs."""
