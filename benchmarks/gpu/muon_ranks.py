@@ -17,13 +17,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from diloco_p2p.model.build import PRESETS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.gpu
+from benchmarks.gpu.ranks import run_ranks as launch  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -61,18 +64,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, world: int, threads: int) -> dict:
-    from diloco_p2p.local.launch import free_port
-
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), MUON_BENCH_RANK="1")
-    cmd = [sys.executable, __file__, "--preset", args.preset, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--threads", str(threads)]
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, text=True)
-             for r in range(world)]
-    outs = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a rank failed: {[p.returncode for p in procs]}")
-    return json.loads(outs[0].strip().splitlines()[-1])
+    return launch(__file__, ["--preset", args.preset, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                             "--threads", str(threads)], world, "MUON_BENCH_RANK", threads)
 
 
 def main() -> None:
