@@ -116,8 +116,8 @@ class GroupSettings(Section):
 class RobustSettings(Section):
     """How reducers bound and combine the contributions to a part (`diloco_p2p.swarm.collective.aggregate`)."""
 
-    aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = Field(
-        "mean", description="How a reducer combines the contributions to its part: `mean` (token-weighted), `trimmed_mean` (per coordinate, drop the `trim_fraction` of values farthest from the median: Xie et al. 2018's mean around the median) or `centered_clip` (Karimireddy et al. 2021, around the coordinatewise median); the robust rules count members, not tokens."
+    aggregation: Literal["mean", "trimmed_mean", "centered_clip", "radial"] = Field(
+        "mean", description="How a reducer combines the contributions to its part: `mean` (token-weighted), `trimmed_mean` (per coordinate, drop the `trim_fraction` of values farthest from the median: Xie et al. 2018's mean around the median) or `centered_clip` (Karimireddy et al. 2021, around the coordinatewise median); the robust rules count members, not tokens. `radial`: the token-weighted mean of the contributions' directions at the weighted mean of their norms (Decoupled DiLoCo's radial-directional averaging), which does not shrink as M grows."
     )
     trim_fraction: float = Field(
         0.25, ge=0, lt=0.5, description="`trimmed_mean`: fraction of the contributions dropped per coordinate (rounded down), those farthest from the coordinatewise median."

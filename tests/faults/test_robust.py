@@ -160,7 +160,7 @@ def test_weight_over_the_bound_is_named(peers, caplog):
     assert_named_and_counted(caplog, results, names[3], "weight")
 
 
-@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip", "radial"])
 def test_reducer_that_scales_its_part_is_dropped(peers, caplog, aggregation):
     """Member 3 reduces its part honestly and sends it × 1000 to everyone (the same bytes): the
     digests agree, but the average's norm is beyond what its contributors' stated norms allow."""
@@ -221,7 +221,7 @@ def test_reducer_that_sends_every_member_other_bytes_is_dropped_and_blamed(peers
     assert guard.distrusted() == {names[3]}  # left out of our next groups (matchmaking)
 
 
-@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean", "centered_clip"])
+@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean", "centered_clip", "radial"])
 def test_honest_members_get_the_rule_bit_identically(peers, aggregation):
     """No attack: every member holds the same bits, and they are the pure rule's (`aggregate`)."""
     xs = honest_inputs(6)

@@ -85,6 +85,42 @@ def test_centered_clip_matches_the_formula():
     assert float((got - honest).norm()) <= 2 * tau / 4 + 1e-4
 
 
+def test_radial_keeps_the_weighted_mean_norm_in_the_weighted_mean_direction():
+    """r = (Σ w_i ||x_i|| / Σ w_i) · u / ||u||, u = Σ w_i x_i / ||x_i||, against plain float64 Python."""
+    xs = vectors(3, 40, 11)
+    xs[1] = xs[1] * 4
+    weights = [1.0, 2.0, 0.5]
+    rows = [[float(v) for v in x] for x in xs]
+    norms = [math.sqrt(sum(v * v for v in r)) for r in rows]
+    radius = sum(w * n for w, n in zip(weights, norms, strict=True)) / sum(weights)
+    u = [sum(w * r[i] / n for w, r, n in zip(weights, rows, norms, strict=True)) for i in range(40)]
+    length = math.sqrt(sum(v * v for v in u))
+    got = aggregate.radial(weights, xs)
+    assert max(abs(float(g) - radius * v / length) for g, v in zip(got, u, strict=True)) < 1e-5
+    # members in the same order get the same bits; a zero contribution adds no direction
+    assert torch.equal(got, aggregate.radial(weights, [x.clone() for x in xs]))
+    with_zero = aggregate.radial([*weights, 1.0], [*xs, torch.zeros(40)])
+    assert float(torch.nn.functional.cosine_similarity(with_zero, got, dim=0)) > 1 - 1e-6
+    assert torch.equal(aggregate.radial([1.0], [torch.zeros(5)]), torch.zeros(5))
+
+
+@pytest.mark.parametrize("m", [2, 8, 32])
+def test_radial_does_not_shrink_as_more_directions_cancel(m):
+    """M updates sharing one direction under independent noise: the mean's norm falls towards the shared
+    part's as M grows; the radial average keeps the updates' own norm, and the mean's direction."""
+    g = torch.Generator().manual_seed(m)
+    shared = torch.randn(4000, generator=g)
+    xs = [shared + 2 * torch.randn(4000, generator=g) for _ in range(m)]
+    weights = [1.0] * m
+    mean = aggregate.combine(Robust(), weights, xs)
+    got = aggregate.combine(Robust("radial"), weights, xs)
+    own = statistics.fmean(float(x.norm()) for x in xs)
+    assert float(got.norm()) == pytest.approx(own, rel=1e-5)
+    # E||mean||² = n (1 + 4/m) against E||x||² = n (1 + 4): the mean shrinks with m, radial does not
+    assert float(mean.norm()) / own == pytest.approx(math.sqrt((1 + 4 / m) / 5), rel=0.05)
+    assert float(torch.nn.functional.cosine_similarity(got, mean, dim=0)) > 0.99
+
+
 def test_norm_bound_uses_the_lower_median():
     assert aggregate.accept_norms({0: 1.0, 1: 1.2, 2: 9.7}, 8.0) == ([0, 1], [2])  # 9.7 > 8 × 1.2
     assert aggregate.accept_norms({0: 1.0, 1: 1.2, 2: 9.5}, 8.0) == ([0, 1, 2], [])

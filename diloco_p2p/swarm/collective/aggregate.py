@@ -23,7 +23,7 @@ import torch
 from diloco_p2p.config.sync import RobustSettings
 from diloco_p2p.swarm.collective import wire
 
-AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
+AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip", "radial")
 NORM_TOLERANCE = 1e-4  # relative: a claimed norm vs the one recomputed from the same bytes (fp64 sums)
 # Relative slack of an average's norm after it is encoded once more: fp16 rounds each value within
 # 2^-11; int8 per-block absmax errs by <= absmax/254 per value, <= sqrt(1024)/254 of a block's norm.
@@ -55,7 +55,7 @@ class Robust:
     @property
     def whole_part(self) -> bool:
         """Whether the rule needs every contribution complete before the first value is reduced."""
-        return self.aggregation == "centered_clip"
+        return self.aggregation in ("centered_clip", "radial")
 
 
 MEAN = Robust()
@@ -155,8 +155,23 @@ def centered_clip(values: Sequence[torch.Tensor], clip_radius: float) -> torch.T
     return center + out / float(len(values))
 
 
+def radial(weights: Sequence[float], values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The weighted mean direction at the weighted mean norm (docs/protocol/allreduce.md, `radial`)."""
+    norms = [math.sqrt(sumsq(v)) for v in values]
+    total = float(sum(weights))
+    radius = sum(w * n for w, n in zip(weights, norms, strict=True)) / total
+    direction = torch.zeros_like(values[0])
+    for weight, v, norm in zip(weights, values, norms, strict=True):
+        if norm > 0:
+            direction.add_(v, alpha=weight / norm)
+    length = math.sqrt(sumsq(direction))
+    return direction.mul_(radius / length) if length > 0 else direction
+
+
 def combine(robust: Robust, weights: Sequence[float], values: Sequence[torch.Tensor]) -> torch.Tensor:
     """The rule over decoded contributions in member-index order (weights already capped)."""
+    if robust.aggregation == "radial":
+        return radial(weights, values)
     if robust.aggregation == "trimmed_mean":
         return trimmed_mean(values, robust.trim_fraction)
     if robust.aggregation == "centered_clip":
