@@ -68,12 +68,10 @@ def simulate(cfg: str, keys: list[str], sets: list[str]) -> dict:
     return {"curve": curve, "final": curve[-1][1], "allreduces": allreduces, "seconds": time.perf_counter() - start}
 
 
-def parse_run(spec: str, rounds: int = 16, h: int = 30, optimizer: str = "adamw") -> tuple[int, list[str]]:
+def parse_run(spec: str, rounds: int = 16, h: int = 30) -> tuple[int, list[str]]:
     """`--run`'s M and its overrides. ``recipe=auto`` sets every field the recipe chooses for M nodes over
-    `rounds` rounds of H with the run's inner optimizer (its `opt`, else `optimizer`: the config's), so a
-    config file's own outer step (the tiny preset's) does not mask it."""
+    `rounds` rounds of H, so a config file's own outer step (the tiny preset's) does not mask it."""
     m, *pairs = spec.split(":")
-    optimizer = next((p.partition("=")[2] for p in pairs if p.startswith("opt=")), optimizer)
     sets = []
     for pair in pairs:
         key, _, value = pair.partition("=")
@@ -83,7 +81,7 @@ def parse_run(spec: str, rounds: int = 16, h: int = 30, optimizer: str = "adamw"
         if key == "recipe" and value == "auto":
             from diloco_p2p.config.recipe import recipe
 
-            sets += [f"outer.nodes={m}", *(f"outer.{k}={v}" for k, v in recipe(int(m), rounds, h, optimizer=optimizer).items())]
+            sets += [f"outer.nodes={m}", *(f"outer.{k}={v}" for k, v in recipe(int(m), rounds, h).items())]
     return int(m), sets
 
 
@@ -174,7 +172,7 @@ def train(args: argparse.Namespace, results: dict) -> dict:
     diloco = []
     for seed in args.seeds:
         for spec in args.run:
-            m, sets = parse_run(spec, args.rounds, args.h, base.inner.optimizer)
+            m, sets = parse_run(spec, args.rounds, args.h)
             h = next((int(s.split("=")[1]) for s in sets if s.startswith("outer.inner_steps=")), args.h)
             if steps % h:
                 raise SystemExit(f"--run {spec}: H={h} does not divide the horizon's {steps} steps")

@@ -3,9 +3,8 @@
 A user who changes only the number of nodes (``outer.nodes``) or the run's length
 (``train.max_rounds``) keeps a run tuned for it: for M >= 2, ``qsr`` from the smallest
 ``h_start`` that keeps the run within twice the all-reduces of a constant H; plain averaging
-(η 1, β 0) under 64 rounds, η 1.3 from M = 4 with Muon inside (the best outer lr rises with M:
-the scaling-laws paper; measured here); the DiLoCo paper's Nesterov step (η 0.7, β 0.9, warmed
-up over 16 rounds) from 64 rounds on. The choices come from `benchmarks/quality/quality.py` on the tiny preset.
+(η 1, β 0) under 64 rounds; the DiLoCo paper's Nesterov step (η 0.7, β 0.9, warmed up over 16
+rounds) from 64 rounds on. The choices come from `benchmarks/quality/quality.py` on the tiny preset.
 The table and the measurements behind it: docs/recipes.md
 """
 
@@ -17,20 +16,16 @@ from diloco_p2p.config.schedule import qsr_start
 
 ALLREDUCE_BUDGET = 2.0  # at most this many times the all-reduces of a constant H
 LONG_HORIZON = 64  # rounds from which momentum has time to build up
-MUON_LR_FROM, MUON_LR = 4, 1.3  # the short horizon's outer lr from this many nodes with Muon inside
 
 
-def recipe(nodes: int, max_rounds: int, inner_steps: int, schedules: bool = True,
-           optimizer: str = "adamw") -> dict[str, Any]:
+def recipe(nodes: int, max_rounds: int, inner_steps: int, schedules: bool = True) -> dict[str, Any]:
     """The outer fields (`OuterConfig`) for M = `nodes` planned over `max_rounds` rounds of H = `inner_steps`;
     with `schedules` false (sync.overlap, sync.fragments, delayed Nesterov or dynamic local updates, whose
-    rounds do not start from θ or whose H is their own) a constant H and no outer warmup; `optimizer`
-    is the inner one (`inner.optimizer`)."""
+    rounds do not start from θ or whose H is their own) a constant H and no outer warmup."""
     if nodes == 1:  # no averaging to lose: the lookahead-like outer step of the tiny preset's sweep
         return {"h_schedule": "constant", "lr": 0.7, "momentum": 0.3}
     start = qsr_start(inner_steps, max_rounds, int(ALLREDUCE_BUDGET * max_rounds)) if schedules else inner_steps
     sync = {"h_schedule": "qsr" if start < inner_steps else "constant", "h_start": start}
     if max_rounds < LONG_HORIZON:
-        lr = MUON_LR if optimizer == "muon" and nodes >= MUON_LR_FROM else 1.0
-        return {**sync, "lr": lr, "momentum": 0.0}
+        return {**sync, "lr": 1.0, "momentum": 0.0}
     return {**sync, "lr": 0.7, "momentum": 0.9, "warmup_rounds": 16 if schedules else 0}

@@ -96,7 +96,6 @@ class Config(Section):
 
             train = data.get("train") if isinstance(data.get("train"), dict) else {}
             sync = data.get("sync") if isinstance(data.get("sync"), dict) else {}
-            inner = data.get("inner") if isinstance(data.get("inner"), dict) else {}
             fields = OuterConfig.model_fields
             try:
                 overlap = overlap_modes.MODES.get(sync.get("overlap", SyncConfig.model_fields["overlap"].default))
@@ -104,8 +103,7 @@ class Config(Section):
                              and not outer.get("delayed_nesterov") and not outer.get("dynamic_local_updates"))
                 chosen = recipe(int(outer.get("nodes", fields["nodes"].default)),
                                 int(train.get("max_rounds", TrainConfig.model_fields["max_rounds"].default)),
-                                int(outer.get("inner_steps", fields["inner_steps"].default)), schedules,
-                                str(inner.get("optimizer", InnerConfig.model_fields["optimizer"].default)))
+                                int(outer.get("inner_steps", fields["inner_steps"].default)), schedules)
             except (TypeError, ValueError):
                 return data  # a malformed input: the field's own check names it
             data = {**data, "outer": {**chosen, **outer}}
