@@ -18,14 +18,20 @@ MALFORMED = {"nan": "NaN or Inf in its contribution", "shape": "a contribution o
 
 
 def blame(guard: Guard, round: int, result: AllreduceResult, me: str | None = None) -> None:
-    """Contributions refused (weight, norm, malformed) and reducers caught are refusals of peers
-    (`Guard`); a caught reducer or malformed sender is left out of our next groups. Our own
-    refused contribution is no peer's fault."""
+    """Contributions refused (weight, norm, opposed, malformed) and reducers caught are refusals of
+    peers (`Guard`); a caught reducer or malformed sender is left out of our next groups, and so is
+    an opposed sender when most parts left it out (`AllreduceResult.opposed`: one lying reducer
+    cannot frame a sender). Our own refused contribution is no peer's fault."""
     for peer, reason in sorted(result.rejected.items()):
         if peer == me:
             continue
         if reason in ("weight", "norm"):
             guard.reject(peer, reason, f"its contribution to the all-reduce of round {round}")
+        elif reason == "opposed":
+            most = result.opposed.get(peer)
+            guard.reject(peer, "opposed", f"round {round}: its contribution points against the others' "
+                         + (f"(left out of {most})" if most else "(in a part or a few: not kept out)"),
+                         keep_out=most is not None)
         elif reason in MALFORMED:
             guard.reject(peer, "malformed", f"round {round}: {MALFORMED[reason]}")
     for peer, why in sorted(result.reducers.items()):
