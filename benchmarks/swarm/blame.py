@@ -14,6 +14,8 @@ of the all-reduce's partition (fp16, as the wire carries it), measures:
   parts' ratios (the check drops a part below ``--min-part-ratio``), and the same with the
   references a lying member cannot tilt (its proof); ``shrunk``: rounds where one part × 0.001 is
   dropped and proven on every part tried.
+- **framing** (no training): what a sender that knew the others' contributions before sending
+  could do to an honest member's score (`framed_score`), by how much the honest members agree.
 
     python benchmarks/swarm/blame.py [--ms 3,4,8] [--optimizers adamw,muon] [--seeds 0,1]
         [--rounds 16] [--inner-steps 20] [--threshold T] [--min-part-ratio R] [--set a.b=v ...]
@@ -103,6 +105,40 @@ class Recorder:
             st["shrunk_proven"] += list(caught) == [p] and caught[p].proven
 
 
+def framed_score(m: int, cosine: float, steps: int = 800, restarts: int = 5) -> float:
+    """The lowest score an attacker that knew the other contributions could give honest member 0
+    while scoring no lower itself (so the check would leave member 0 out first): m - 1 honest unit
+    vectors with pairwise `cosine`, the attacker's direction optimised (Adam, a few restarts)."""
+    gen = torch.Generator().manual_seed(0)
+    honest = torch.zeros(m - 1, m + 1, dtype=torch.float64)
+    honest[:, 0] = cosine ** 0.5
+    for i in range(m - 1):
+        honest[i, i + 1] = (1 - cosine) ** 0.5
+
+    def scores(c: torch.Tensor, a: int) -> torch.Tensor:
+        others = [b for b in range(m) if b != a]
+        return c[a, others].sum() / c[others][:, others].sum().clamp_min(len(others)).sqrt()
+
+    best = 1.0
+    for _ in range(restarts):
+        v = torch.randn(m + 1, dtype=torch.float64, generator=gen).requires_grad_()
+        opt = torch.optim.Adam([v], lr=0.05)
+        for _ in range(steps):
+            x = torch.cat([honest, (v / v.norm())[None]])
+            c = x @ x.T
+            victim, attacker = scores(c, 0), scores(c, m - 1)
+            loss = victim + 10 * torch.relu(victim - attacker + 0.01)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            x = torch.cat([honest, (v / v.norm())[None]])
+            got = aggregate.direction_scores(x @ x.T, range(m))
+        if got[0] <= got[m - 1]:
+            best = min(best, got[0])
+    return best
+
+
 def run_one(m: int, optimizer: str, seed: int, args) -> dict:
     from diloco_p2p.config import load_config
     from diloco_p2p.planner import simulate as sim
@@ -163,8 +199,17 @@ def main() -> None:
         s = r["scale"]
         print(f"{name:<12} {len(s):>5} {min(s):>7.3f} {percentile(s, 0.01):>7.3f} {statistics.median(s):>7.3f} "
               f"{min(r['scale_proof']):>9.3f} {r['shrunk_dropped']:>6}/{r['shrunk_tried']:<7} {r['shrunk_proven']:>7}")
+    cosines = (0.1, 0.2, 0.3, 0.4, 0.5)
+    framing = {m: [framed_score(m, c) for c in cosines] for m in args.ms}
+    print(f"\nframing: the lowest score an attacker knowing the others' contributions gives an honest member "
+          f"while scoring above it (left out if below {args.threshold}), by the honest pairwise cosine:")
+    print(f"{'m':<4}" + "".join(f"{c:>8}" for c in cosines))
+    for m, row in framing.items():
+        print(f"{m:<4}" + "".join(f"{v:>8.3f}" for v in row))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+                                     "framing": {str(m): dict(zip(map(str, cosines), row, strict=True))
+                                                 for m, row in framing.items()},
                                      "seconds": time.perf_counter() - start}))
 
 

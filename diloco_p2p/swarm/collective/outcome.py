@@ -27,13 +27,15 @@ def blame(guard: Guard, round: int, result: AllreduceResult, me: str | None = No
             continue
         if reason in ("weight", "norm"):
             guard.reject(peer, reason, f"its contribution to the all-reduce of round {round}")
-        elif reason == "opposed":
-            most = result.opposed.get(peer)
+        elif reason == "opposed" and peer not in result.opposed:
             guard.reject(peer, "opposed", f"round {round}: its contribution points against the others' "
-                         + (f"(left out of {most})" if most else "(in a part or a few: not kept out)"),
-                         keep_out=most is not None)
+                         "(in too few parts to keep it out)", keep_out=False)
         elif reason in MALFORMED:
             guard.reject(peer, "malformed", f"round {round}: {MALFORMED[reason]}")
+    for peer, most in sorted(result.opposed.items()):
+        if peer != me:
+            guard.reject(peer, "opposed", f"round {round}: its contribution points against the others' "
+                         f"(left out of {most})")
     for peer, why in sorted(result.reducers.items()):
         guard.reject(peer, "reducer", f"round {round}: {why}")
 
