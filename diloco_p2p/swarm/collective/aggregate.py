@@ -134,8 +134,7 @@ OPPOSED_MIN = 3  # contributors a part needs before a direction can be told from
 
 
 def gram(values: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The contributions' inner products x_i·x_j (fp64), of one chunk or a whole part: summed in
-    fp32 within it, chunks added in fp64 (`add_gram`), in member order."""
+    """The contributions' inner products x_i·x_j in member order: fp32 within it, fp64 out."""
     stacked = torch.stack(list(values)).float()
     return (stacked @ stacked.T).double()
 
@@ -146,12 +145,8 @@ def chunk_gram(contribs: Sequence[bytes], numel: int, compression: str) -> torch
 
 
 def direction_scores(g: torch.Tensor, members: Sequence[int]) -> dict[int, float]:
-    """Each member's cosine with the mean direction of the others (rows of `g` in `members`): the
-    unit vectors u_i = x_i/||x_i|| summed without i, so neither a claimed weight nor a norm up to
-    the norm bound lets one sender steer the others' reference. The reference counts as at least
-    as long as the sum of orthogonal ones (sqrt(m-1)): others that cancel each other (a sender
-    sending another's -Δ) cannot make a member's small agreement look like opposition. A zero
-    vector scores 0."""
+    """Each member's cosine with the sum of the others' unit vectors (weights and norms steer
+    nothing), that sum counted at least as long as orthogonal ones' (docs/protocol/allreduce.md)."""
     idx = list(members)
     sub = g[idx][:, idx]
     scale = sub.diagonal().clamp_min(0).sqrt()
@@ -167,10 +162,8 @@ def direction_scores(g: torch.Tensor, members: Sequence[int]) -> dict[int, float
 
 
 def opposed(g: torch.Tensor, members: Sequence[int], threshold: float | None) -> list[int]:
-    """Members whose direction opposes the others': while at least `OPPOSED_MIN` remain, the one
-    with the lowest `direction_scores` (ties: the lower index) is left out if it scores below
-    `threshold`, and the rest are scored again. One at a time, so the flip's pull on the honest
-    members' references never takes an honest member out with it. Sorted."""
+    """Members left out, sorted: while `OPPOSED_MIN` remain, the lowest `direction_scores` (ties:
+    lower index) if below `threshold`, then the rest scored again (a flip never takes one along)."""
     out: list[int] = []
     remaining = sorted(members)
     while threshold is not None and len(remaining) >= OPPOSED_MIN:
@@ -399,12 +392,9 @@ def small_parts(
     average_norms: dict[int, float],
     min_ratio: float | None,
 ) -> dict[int, Suspect]:
-    """Parts whose average is implausibly small: a part's ratio ||average|| / (lower median of its
-    contributors' stated norms) below `min_ratio` × the lower median of the other parts' ratios (a
-    reducer that shrank its part). The lower medians keep fewer than half of the liars from moving
-    either side beyond the honest values. Proven (blame the reducer) when at least two other parts
-    vouch for the scale and it holds even for references no liar can tilt against the reducer: this
-    part over its *smallest* stated norm (a lie can only lower it), the others over their *largest*."""
+    """Parts whose ||average|| / (lower median of stated norms) is below `min_ratio` × the other
+    parts' lower median (a reducer shrank it); proven with two other parts and references no liar
+    can tilt against the reducer: its smallest stated norm, the others' largest (docs/protocol/allreduce.md)."""
     if min_ratio is None:
         return {}
     ratios: dict[int, tuple[float, float, float]] = {}  # part -> (ratio, its floor for the proof, its ceiling)

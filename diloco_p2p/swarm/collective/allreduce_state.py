@@ -221,9 +221,8 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
 
 
 def _opposed_by_most(s: Session, committed: list[int]) -> dict[str, str]:
-    """Senders that the reducers of most committed parts other than their own left out as
-    "opposed" (at least two of them): evidence one lying reducer cannot make up, which the node
-    takes to keep the sender out of its next groups (`collective.outcome.blame`)."""
+    """Senders most committed parts but their own (two at least) left out as "opposed": evidence
+    one lying reducer cannot make up, so `collective.outcome.blame` keeps them out of our groups."""
     out: dict[str, str] = {}
     for q in range(s.k):
         named = judged = 0
