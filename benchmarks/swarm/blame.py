@@ -18,7 +18,10 @@ of the all-reduce's partition (fp16, as the wire carries it), measures:
   could do to an honest member's score (`framed_score`), by how much the honest members agree.
 
     python benchmarks/swarm/blame.py [--ms 3,4,8] [--optimizers adamw,muon] [--seeds 0,1]
-        [--rounds 16] [--inner-steps 20] [--threshold T] [--min-part-ratio R] [--set a.b=v ...]
+        [--rounds 16] [--inner-steps 20] [--threshold T] [--min-part-ratio R] [--set a.b=v ...] [--no-train]
+
+It first prints what the direction check adds to a reducer's arithmetic per value, and the
+framing table (neither trains anything: ``--no-train`` stops there, in about a minute).
 
 Prints the table; writes benchmarks/swarm/results/blame.json.
 """
@@ -139,6 +142,25 @@ def framed_score(m: int, cosine: float, steps: int = 800, restarts: int = 5) -> 
     return best
 
 
+def cost(ms: list[int], reps: int = 50) -> dict[int, tuple[float, float]]:
+    """ns per contribution value of one 65,536-value fp16 chunk: the mean's reduce, and the inner
+    products the direction check adds (`aggregate.chunk_gram`), one thread."""
+    n, out = wire.DEFAULT_CHUNK_ELEMENTS, {}
+    for m in ms:
+        gen = torch.Generator().manual_seed(m)
+        chunks = [wire.encode(torch.randn(n, generator=gen), "fp16") for _ in range(m)]
+        timed = []
+        for f in (lambda chunks=chunks: aggregate.reduce_chunk(aggregate.MEAN, [(1.0, c) for c in chunks], n, "fp16"),
+                  lambda chunks=chunks: aggregate.chunk_gram(chunks, n, "fp16")):
+            f()
+            start = time.perf_counter()
+            for _ in range(reps):
+                f()
+            timed.append((time.perf_counter() - start) / reps / (m * n) * 1e9)
+        out[m] = (timed[0], timed[1])
+    return out
+
+
 def run_one(m: int, optimizer: str, seed: int, args) -> dict:
     from diloco_p2p.config import load_config
     from diloco_p2p.planner import simulate as sim
@@ -171,8 +193,23 @@ def main() -> None:
     p.add_argument("--min-part-ratio", type=float, default=defaults.min_part_ratio)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--json", type=Path, default=Path("benchmarks/swarm/results/blame.json"))
+    p.add_argument("--no-train", action="store_true", help="only the tables that need no training: the "
+                   "direction check's cost per value and the framing table")
     args = p.parse_args()
     torch.set_num_threads(1)
+    print("cost, ns per contribution value (one 65,536-value fp16 chunk, one thread): m, the mean's reduce, "
+          "the direction check's inner products")
+    for m, (reduce_ns, gram_ns) in cost(args.ms).items():
+        print(f"{m:<4} {reduce_ns:>8.2f} {gram_ns:>8.2f}")
+    cosines = (0.1, 0.2, 0.3, 0.4, 0.5)
+    framing = {m: [framed_score(m, c) for c in cosines] for m in args.ms}
+    print(f"\nframing: the lowest score an attacker knowing the others' contributions gives an honest member "
+          f"while scoring above it (left out if below {args.threshold}), by the honest pairwise cosine:")
+    print(f"{'m':<4}" + "".join(f"{c:>8}" for c in cosines))
+    for m, row in framing.items():
+        print(f"{m:<4}" + "".join(f"{v:>8.3f}" for v in row))
+    if args.no_train:
+        return
     start, rows = time.perf_counter(), {}
     for m in args.ms:
         for optimizer in args.optimizers:
@@ -199,13 +236,6 @@ def main() -> None:
         s = r["scale"]
         print(f"{name:<12} {len(s):>5} {min(s):>7.3f} {percentile(s, 0.01):>7.3f} {statistics.median(s):>7.3f} "
               f"{min(r['scale_proof']):>9.3f} {r['shrunk_dropped']:>6}/{r['shrunk_tried']:<7} {r['shrunk_proven']:>7}")
-    cosines = (0.1, 0.2, 0.3, 0.4, 0.5)
-    framing = {m: [framed_score(m, c) for c in cosines] for m in args.ms}
-    print(f"\nframing: the lowest score an attacker knowing the others' contributions gives an honest member "
-          f"while scoring above it (left out if below {args.threshold}), by the honest pairwise cosine:")
-    print(f"{'m':<4}" + "".join(f"{c:>8}" for c in cosines))
-    for m, row in framing.items():
-        print(f"{m:<4}" + "".join(f"{v:>8.3f}" for v in row))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
                                      "framing": {str(m): dict(zip(map(str, cosines), row, strict=True))
