@@ -31,10 +31,11 @@ log = logging.getLogger("diloco_p2p.loop.node")
 # or backed by too few peers, a downloaded θ that is not the one the swarm vouched for, a
 # contribution to the all-reduce refused for its weight or norm (`diloco_p2p.swarm.collective.aggregate`),
 # a reducer the members caught (its part dropped), a contribution that is not a vector of this
-# model (NaN or Inf, another length or wire format: "malformed"). The label set of
+# model (NaN or Inf, another length or wire format: "malformed"), one pointing against the
+# others' ("opposed": a sign flip, `aggregate.opposed`). The label set of
 # diloco_rejections_total, and the values of `RoundRecord.rejections`.
 REJECTION_REASONS = ("forged-record", "not-admitted", "past-max-rounds", "unvouched-state", "bad-state",
-                     "weight", "norm", "reducer", "malformed")
+                     "weight", "norm", "reducer", "malformed", "opposed")
 
 
 def view_hash(view: Mapping[str, Any]) -> str:

@@ -3,11 +3,12 @@ group can do as a sender and as a reducer, so that the members' checks meet it o
 
 `LyingAllreduce` is an `AllreduceService` that lies as its `lie` says (None: honest):
 ``understate-norm`` (its scatter streams and masks state 1e-6 of its contributions' norms),
-``scale-output`` (its averaged part × 1000, the same bytes to every member), ``split-output``
+``scale-output`` (its averaged part × 1000, the same bytes to every member), ``shrink-output``
+(× 0.001, likewise), ``split-output``
 (its averaged part changed for one member only, `victim`: a member index; with no victim, each
 other member gets its own changed copy). A node started as ``python -m tests.faults.node``
 uses it when ``DILOCO_P2P_FAULTS`` plans a lie as a reducer (``scale@reduce:R``,
-``split@reduce:R``, `tests.faults.injection`); in-process tests use it directly
+``shrink@reduce:R``, ``split@reduce:R``, `tests.faults.injection`); in-process tests use it directly
 (`tests/faults/hostile.py`). What the members do about each lie is
 `diloco_p2p.swarm.collective.aggregate`'s docstring.
 """
@@ -20,7 +21,7 @@ from diloco_p2p.swarm.collective import wire
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_streams import _frames
 
-SCALE = 1000.0  # scale-output's factor
+SCALES = {"scale-output": 1000.0, "shrink-output": 0.001}  # what each scaling lie multiplies its part by
 NUDGE = 0.01  # split-output: member j gets NUDGE × (1 + j) added to every value
 
 
@@ -34,12 +35,12 @@ class LyingAllreduce(AllreduceService):
 
     def _reduce_chunk(self, s, contribs, numel):
         out = super()._reduce_chunk(s, contribs, numel)
-        return _scaled(out[0], numel, s.compression, SCALE) if out and self.lie == "scale-output" else out
+        return _scaled(out[0], numel, s.compression, SCALES[self.lie]) if out and self.lie in SCALES else out
 
     def _reduce_part(self, s, complete, max_ratio):
         accepted, refused, frames, values = super()._reduce_part(s, complete, max_ratio)
-        if frames and self.lie == "scale-output":
-            pieces = [_scaled(f, b - a, s.compression, SCALE) for f, (a, b) in
+        if frames and self.lie in SCALES:
+            pieces = [_scaled(f, b - a, s.compression, SCALES[self.lie]) for f, (a, b) in
                       zip(frames, wire.chunk_ranges(values.numel(), s.chunk), strict=True)]
             frames, values = [p[0] for p in pieces], torch.cat([p[1] for p in pieces])
         return accepted, refused, frames, values

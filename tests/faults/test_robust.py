@@ -1,8 +1,9 @@
 """Hostile all-reduce members (issue 12 items 5 and 6), in-process on real p2pd daemons.
 
 Four members on loopback, member 3 the attacker (`tests.faults.lying.LyingAllreduce`): a huge
-norm (stated or understated), a sign flip with the largest weight the bound lets through, a
-reducer that scales its part, a reducer that sends one member (or each) other bytes. Each asserts that the
+norm (stated or understated), a sign flip with the largest weight the bound lets through (under
+each rule, and under `mean` with the direction check), a reducer that scales its part up or
+down, a reducer that sends one member (or each) other bytes. Each asserts that the
 honest members end with bit-identical θ (θ0 - average, hashed), that the attack is refused or
 bounded, and that the attacker is named in a log line and counted (`collective.outcome.blame` into a `Guard`,
 as a node does).
@@ -18,6 +19,7 @@ import uuid
 import pytest
 import torch
 
+from diloco_p2p.config import SyncConfig
 from diloco_p2p.swarm.collective import aggregate, wire
 from diloco_p2p.swarm.collective.aggregate import Robust
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
@@ -149,6 +151,42 @@ def test_sign_flip_with_the_largest_weight_allowed(peers, aggregation):
         assert similarity < -0.5  # the attack works on a plain weighted mean
     else:
         assert similarity > 0.9
+
+
+def test_sign_flip_under_mean_is_left_out_by_every_reducer_named_and_kept_out(peers, caplog):
+    """The same flip under `mean` with the direction check (`sync.opposed_cosine`): every reducer,
+    the flipper's own included, leaves it out of its part (`aggregate.opposed`), so the average is
+    the honest members' and, named by every part, the flipper is left out of our next groups."""
+    xs = honest_inputs(2)
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
+    attack = -3 * honest_mean(xs, HONEST_WEIGHTS, 0, N).float()
+    robust = Robust(max_norm_ratio=8.0, weight_cap=4.0, opposed_cosine=SyncConfig().opposed_cosine)
+    results = run(peers, xs + [attack], HONEST_WEIGHTS + [RATIO * 1100.0 * 0.999], robust)
+    assert_honest_agree(results)
+    for r in results[:3]:
+        assert r.status == "ok" and r.rejected == {names[3]: "opposed"} and list(r.opposed) == [names[3]]
+        assert torch.allclose(r.average.double(), honest_mean(xs, HONEST_WEIGHTS, 0, N), atol=3e-3)
+    assert_named_and_counted(caplog, results, names[3], "opposed")
+    guard = Guard()
+    blame(guard, 1, results[0])
+    assert guard.distrusted() == {names[3]}
+
+
+def test_reducer_that_shrinks_its_part_is_dropped_and_blamed(peers, caplog):
+    """Member 3 sends its part × 0.001 to everyone (the same bytes, within every norm bound): its
+    part's average over its contributors' norms is far below the other parts' (`small_parts`), so
+    every member drops it and names its reducer."""
+    xs = honest_inputs(4)
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
+    robust = Robust(max_norm_ratio=8.0, min_part_ratio=SyncConfig().min_part_ratio)
+    results = run(peers, xs + [xs[1].clone()], HONEST_WEIGHTS + [1000.0], robust, lie="shrink-output")
+    assert_honest_agree(results)
+    lo, hi = wire.partition(N, 4)[3]
+    for r in results[:3]:
+        assert r.status == "partial" and r.committed_parts == [0, 1, 2]
+        assert list(r.reducers) == [names[3]] and "scale of the round's other parts" in r.reducers[names[3]]
+        assert torch.equal(r.average[lo:hi], torch.zeros(hi - lo))
+    assert_named_and_counted(caplog, results, names[3], "reducer")
 
 
 def test_weight_over_the_bound_is_named(peers, caplog):

@@ -328,13 +328,145 @@ def test_scatter_norm_frames_and_masks_carry_norms_and_part_digests():
 
 
 def test_config_options_and_their_bounds():
-    cfg = SyncConfig(aggregation="centered_clip", clip_radius=2.0, max_norm_ratio=None)
-    assert aggregate.robust_of(cfg) == Robust("centered_clip", 0.25, 2.0, None, 4.0)
+    cfg = SyncConfig(aggregation="centered_clip", clip_radius=2.0, max_norm_ratio=None, opposed_cosine=-0.5,
+                     min_part_ratio=0.2)
+    assert aggregate.robust_of(cfg) == Robust("centered_clip", 0.25, 2.0, None, 4.0, -0.5, 0.2)
+    assert aggregate.robust_of(SyncConfig(opposed_cosine=None, min_part_ratio=None)).opposed_cosine is None
     assert aggregate.robust_of(SyncConfig()).aggregation == "mean"
     for bad in ({"aggregation": "median"}, {"trim_fraction": 0.5}, {"clip_radius": 0}, {"max_norm_ratio": 0.5},
-                {"weight_cap": 0.9}):
+                {"weight_cap": 0.9}, {"opposed_cosine": -1}, {"opposed_cosine": 1}, {"min_part_ratio": 0},
+                {"min_part_ratio": 1}):
         with pytest.raises(ValueError):
             SyncConfig(**bad)
     with pytest.raises(ValueError):
         Robust("median")
     assert statistics.median([SyncConfig().max_weight_ratio]) <= 16  # one peer no longer carries ~20x
+
+
+# ----------------------------------------------------------------------------- directions and scale
+
+
+def correlated(m: int, n: int, cosine: float, seed: int) -> list[torch.Tensor]:
+    """m honest pseudo-gradients whose pairwise cosines are about `cosine`: a shared direction
+    plus each member's own, with norms differing by up to 1.5x."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, generator=g)
+    return [(math.sqrt(cosine) * base + math.sqrt(1 - cosine) * torch.randn(n, generator=g)) * (1 + 0.5 * i / m)
+            for i in range(m)]
+
+
+OPPOSED = SyncConfig().opposed_cosine
+
+
+@pytest.mark.parametrize("m", [3, 4, 8])
+def test_a_sign_flipped_sender_is_left_out_named_and_the_rest_reduced_as_without_it(m):
+    """The flipper sends -Δ (its honest Δ, norm 7.9x the lower median) with the largest weight the
+    bound lets through: `opposed` leaves it out, and the part is bit for bit the honest members'."""
+    xs = correlated(m, 3000, 0.3, seed=m)
+    xs[-1] = -xs[-1] * 7.9 * statistics.median_low([x.norm().item() for x in xs]) / xs[-1].norm()
+    weights = [1.0 + 0.1 * i for i in range(m - 1)] + [15.9]
+    robust = Robust(max_norm_ratio=8.0, weight_cap=4.0, opposed_cosine=OPPOSED)
+    norms = {i: aggregate.encoded_norm(x, 700, "fp16") for i, x in enumerate(xs)}
+    accepted, refused, frames, values = aggregate.reduce_part(robust, contributions(xs, weights, "fp16", 700), norms,
+                                                              16.0, 3000, 700, "fp16")
+    assert accepted == list(range(m - 1)) and refused == {m - 1: "opposed"}
+    honest = aggregate.reduce_part(robust, contributions(xs[:-1], weights[:-1], "fp16", 700), norms, 16.0, 3000, 700,
+                                   "fp16")
+    assert honest[1] == {} and frames == honest[2] and torch.equal(values, honest[3])
+    off = aggregate.reduce_part(Robust(max_norm_ratio=8.0, weight_cap=4.0), contributions(xs, weights, "fp16", 700),
+                                norms, 16.0, 3000, 700, "fp16")
+    assert off[1] == {} and torch.dot(off[3], honest[3]) < 0  # without the check the flip wins the part
+
+
+@pytest.mark.parametrize("m", [3, 4, 5, 8, 16])
+def test_an_honest_group_is_never_left_out_even_with_little_agreement(m):
+    """Honest members agreeing as little as the benchmark's worst pair of senders (pairwise cosine
+    0.12, benchmarks/swarm/blame.py) score above the threshold over many draws: nobody is left out."""
+    for seed in range(20):
+        xs = correlated(m, 4000, 0.12, seed=100 * m + seed)
+        g = aggregate.gram(xs)
+        assert min(aggregate.direction_scores(g, range(m)).values()) > OPPOSED + 0.08
+        assert aggregate.opposed(g, range(m), OPPOSED) == []
+
+
+def test_direction_scores_are_cosines_with_the_others_mean_direction():
+    xs = correlated(4, 500, 0.3, 11)
+    xs[2] = torch.zeros(500)  # a zero vector has no direction: it scores 0 and adds nothing
+    scores = aggregate.direction_scores(aggregate.gram(xs), range(4))
+    units = [x / x.norm() if x.norm() > 0 else x for x in xs]
+    for i in (0, 1, 3):
+        reference = sum(u.double() for j, u in enumerate(units) if j != i)
+        expected = torch.nn.functional.cosine_similarity(units[i].double(), reference, dim=0)
+        assert scores[i] == pytest.approx(float(expected), abs=1e-5)
+    assert scores[2] == 0.0
+    # others that cancel each other (member 2 sends member 1's -Δ, a little towards -x0): x0's small
+    # agreement is scored against a reference as long as orthogonal others', not the tiny remainder
+    a, b = vectors(2, 500, 12)
+    cancel = aggregate.direction_scores(aggregate.gram([a, b, -b - 0.1 * a]), range(3))
+    assert -0.2 < cancel[0] < 0 and cancel[2] < cancel[0]
+    # chunk by chunk (as the stream sums it) is the whole part's Gram matrix
+    ranges = wire.chunk_ranges(500, 128)
+    chunks = {i: [wire.encode(x[a:b], "fp32") for a, b in ranges] for i, x in enumerate(xs)}
+    assert torch.allclose(aggregate.part_gram(range(4), chunks, ranges, "fp32"), aggregate.gram(xs), rtol=1e-5)
+
+
+def test_two_flippers_of_eight_are_left_out_one_at_a_time():
+    xs = correlated(8, 3000, 0.3, seed=3)
+    xs[5], xs[6] = -xs[5], -xs[6] * 3
+    assert aggregate.opposed(aggregate.gram(xs), range(8), OPPOSED) == [5, 6]
+    assert aggregate.opposed(aggregate.gram(xs), range(8), None) == []
+    assert aggregate.opposed(aggregate.gram(xs[:2] + [-xs[2]])[:2, :2], range(2), OPPOSED) == []  # M = 2: no check
+
+
+MIN_PART = SyncConfig().min_part_ratio
+
+
+def _round_of_parts(k: int, seed: int) -> tuple[dict, dict, dict]:
+    """One honest round of k parts: each member's stated norm per part and each part's average norm
+    (random directions with pairwise cosine 0.3, norms varying by part and member)."""
+    g = torch.Generator().manual_seed(seed)
+    norms, averages = {j: [] for j in range(k)}, {}
+    for p in range(k):
+        xs = [x * (1 + float(torch.rand(1, generator=g))) for x in correlated(k, 2000, 0.3, seed=seed * 100 + p)]
+        for j, x in enumerate(xs):
+            norms[j].append(aggregate.stated(x.norm().item()))
+        averages[p] = (sum(xs) / k).norm().item()
+    return norms, {p: list(range(k)) for p in range(k)}, averages
+
+
+@pytest.mark.parametrize("k", [3, 4, 8])
+def test_a_part_shrunk_by_its_reducer_is_dropped_and_the_reducer_proven(k):
+    for seed in range(10):
+        norms, contributors, averages = _round_of_parts(k, seed)
+        assert aggregate.small_parts(list(range(k)), norms, contributors, averages, MIN_PART) == {}
+        for factor in (1e-3, 0.05):  # x0.05 is dropped; proving it would need the norms' spread (up to 3x here) too
+            caught = aggregate.small_parts(list(range(k)), norms, contributors, {**averages, 1: averages[1] * factor},
+                                           MIN_PART)
+            assert list(caught) == [1] and "scale of the round's other parts" in caught[1].why
+            assert caught[1].proven or factor > 0.01
+    # through `suspect_parts`, as the members call it
+    caught = aggregate.suspect_parts(list(range(k)), {}, norms, contributors, {**averages, 0: 0.0}, 8.0, "fp16",
+                                     MIN_PART)
+    assert list(caught) == [0] and caught[0].proven
+
+
+def test_a_lying_member_cannot_get_an_honest_part_dropped_nor_its_reducer_blamed():
+    """Member 3 of 4 states 1000x (or 1/1000 of) its norms, for one part or for all: the lower
+    medians keep every part's scale within its honest contributors' norms."""
+    norms, contributors, averages = _round_of_parts(4, 7)
+    for factor in (1e3, 1e-3):
+        for parts in ([0], [1, 2, 3], [0, 1, 2, 3]):
+            lying = {**norms, 3: [n * factor if p in parts else n for p, n in enumerate(norms[3])]}
+            assert aggregate.small_parts(list(range(4)), lying, contributors, averages, MIN_PART) == {}
+
+
+def test_two_parts_can_drop_a_shrunk_part_but_not_prove_it():
+    """With one other part, that part's reducer alone would set the scale: the part is dropped on
+    every member, its reducer not blamed. A part with an unstated norm is not judged."""
+    norms = {0: [1.0, 1.0], 1: [1.0, 1.0]}
+    contributors = {0: [0, 1], 1: [0, 1]}
+    caught = aggregate.small_parts([0, 1], norms, contributors, {0: 0.7, 1: 0.7e-3}, MIN_PART)
+    assert list(caught) == [1] and not caught[1].proven
+    assert aggregate.small_parts([0, 1], {0: [1.0, None], 1: [1.0, 1.0]}, contributors, {0: 0.7, 1: 0.7e-3},
+                                 MIN_PART) == {}
+    assert aggregate.small_parts([0, 1], norms, contributors, {0: 0.7, 1: 0.7e-3}, None) == {}

@@ -192,3 +192,13 @@ def test_every_sync_key_the_docs_tests_and_benchmarks_set_is_a_field():
     assert found <= fields, found - fields
     for path in root.glob("configs/*.yaml"):
         assert load_config(path).sync.model_dump() != {}  # loads: every key of its sync section is a field
+
+
+def test_the_blame_checks_join_the_swarm_view_only_off_their_defaults():
+    """Every member must drop the same parts (`sync.min_part_ratio`) and its reducers leave out alike
+    (`sync.opposed_cosine`): both are swarm fields, absent at their defaults so older hashes hold."""
+    base = load_config(None, [])
+    assert "sync.opposed_cosine" not in base.swarm_view() and "sync.min_part_ratio" not in base.swarm_view()
+    for setting in ("sync.opposed_cosine=-0.2", "sync.opposed_cosine=null", "sync.min_part_ratio=0.25"):
+        other = load_config(None, [setting])
+        assert other.swarm_hash() != base.swarm_hash(), setting

@@ -301,4 +301,4 @@ def test_rejections_are_counted_by_reason_from_the_round_record():
     m.observe_round({**ROUND, "rejections": {"QmA": ["forged-record"]}})
     counts = {dict(k[1])["reason"]: v for k, v in samples(m).items() if k[0] == "diloco_rejections_total"}
     assert counts == {"forged-record": 2.0, "not-admitted": 1.0, "past-max-rounds": 0.0, "unvouched-state": 1.0,
-                      "bad-state": 0.0, "weight": 0.0, "norm": 0.0, "reducer": 0.0, "malformed": 0.0}
+                      "bad-state": 0.0, "weight": 0.0, "norm": 0.0, "reducer": 0.0, "malformed": 0.0, "opposed": 0.0}

@@ -67,3 +67,41 @@ def test_malformed_senders_are_refused_by_name_and_kept_out_of_our_groups(caplog
     assert guard.distrusted() == {"c", "d", "e"}
     assert "refused peer c: malformed (round 3: NaN or Inf in its contribution)" in caplog.text
     assert "refused peer d: malformed (round 3: a contribution of another length)" in caplog.text
+
+
+def test_an_opposed_sender_is_named_and_kept_out_only_on_most_parts_evidence(caplog):
+    """`opposed` from one reducer names the sender; only `AllreduceResult.opposed` (most parts
+    named it) keeps it out of our groups, whatever reason `rejected` kept for it."""
+    from diloco_p2p.swarm.collective.outcome import blame
+    from diloco_p2p.swarm.trust.guard import Guard
+
+    result = _result("ok", torch.zeros(4))
+    result.rejected = {"one": "opposed", "most": "norm", "me": "opposed"}
+    result.opposed = {"most": "3 of 3 parts", "me": "3 of 3 parts"}
+    guard = Guard()
+    with caplog.at_level("WARNING"):
+        blame(guard, 5, result, me="me")
+    assert guard.drain() == {"one": ["opposed"], "most": ["norm", "opposed"]}
+    assert guard.distrusted() == {"most"}
+    assert "refused peer most: opposed (round 5: its contribution points against the others' (left out of 3 of 3 parts))" \
+        in caplog.text
+
+
+def test_one_lying_reducer_cannot_make_an_opposed_sender_proven():
+    """Four members: reducer 3 names member 0 `opposed` in its part's header; the other reducers
+    took member 0's contribution. Not enough to keep member 0 out; a flip that reducers 0, 1, 2
+    all name (member 3, part 3 its own) is."""
+    from types import SimpleNamespace
+
+    from diloco_p2p.swarm.collective.allreduce_state import _opposed_by_most
+
+    def part(contributors, rejected):
+        return {"contributors": contributors, "rejected": rejected}
+
+    lying = SimpleNamespace(k=4, names=list("abcd"), gathered={
+        0: part([0, 1, 2, 3], {}), 1: part([0, 1, 2, 3], {}), 2: part([0, 1, 2, 3], {}), 3: part([1, 2, 3], {"0": "opposed"})})
+    assert _opposed_by_most(lying, [0, 1, 2, 3]) == {}
+    flip = SimpleNamespace(k=4, names=list("abcd"), gathered={
+        p: part([0, 1, 2], {"3": "opposed"}) for p in range(4)})
+    assert _opposed_by_most(flip, [0, 1, 2, 3]) == {"d": "3 of 3 parts"}
+    assert _opposed_by_most(flip, [0, 3]) == {}  # one other committed part: not "several"

@@ -4,9 +4,10 @@ Pure functions of tensors and bytes: the all-reduce and the replica simulator
 (`diloco_p2p.planner.simulate`) both reduce through `reduce_part` / `reduce_chunk`, so what a
 benchmark measures in-process is what the swarm computes. A reducer bounds and caps token
 weights, holds each sender to the norm it stated, and reduces by the rule of `sync.aggregation`
-(`mean`, `trimmed_mean`, `centered_clip`), in fp32 in member order. Members exchange digests and
-norms of what they gathered (`suspect_parts`): a part a reducer forged is dropped on every member
-and the reducer named, on evidence a minority of liars cannot make up.
+(`mean`, `trimmed_mean`, `centered_clip`), in fp32 in member order, leaving out a contribution that
+points against the others' (`opposed`: a sign flip). Members exchange digests and norms of what
+they gathered (`suspect_parts`): a part a reducer forged, scaled up or shrank is dropped on every
+member and the reducer named, on evidence a minority of liars cannot make up.
 The rules, their papers and measurements: docs/protocol/allreduce.md
 """
 
@@ -41,6 +42,8 @@ class Robust:
     clip_radius: float = 1.0
     max_norm_ratio: float | None = None
     weight_cap: float | None = None
+    opposed_cosine: float | None = None  # `opposed`: None leaves every direction in
+    min_part_ratio: float | None = None  # `small_parts`: None believes every part's scale
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
@@ -51,6 +54,10 @@ class Robust:
             value = getattr(self, name)
             if value is not None and not value >= 1:
                 raise ValueError(f"{name} must be >= 1 or None")
+        if self.opposed_cosine is not None and not -1 < self.opposed_cosine < 1:
+            raise ValueError("opposed_cosine must be in (-1, 1) or None")
+        if self.min_part_ratio is not None and not 0 < self.min_part_ratio < 1:
+            raise ValueError("min_part_ratio must be in (0, 1) or None")
 
     @property
     def whole_part(self) -> bool:
@@ -63,7 +70,8 @@ MEAN = Robust()
 
 def robust_of(sync: RobustSettings) -> Robust:
     """The rule and bounds of the config's robust aggregation (``sync.aggregation``, ``trim_fraction``, ...)."""
-    return Robust(sync.aggregation, sync.trim_fraction, sync.clip_radius, sync.max_norm_ratio, sync.weight_cap)
+    return Robust(sync.aggregation, sync.trim_fraction, sync.clip_radius, sync.max_norm_ratio, sync.weight_cap,
+                  sync.opposed_cosine, sync.min_part_ratio)
 
 
 # ----------------------------------------------------------------------------- norms
@@ -117,6 +125,55 @@ def capped_weights(weights: dict[int, float], cap: float | None) -> dict[int, fl
         return dict(weights)
     ceiling = cap * wire.lower_median(list(weights.values()))
     return {j: min(w, ceiling) for j, w in weights.items()}
+
+
+# ----------------------------------------------------------------------------- directions
+
+
+OPPOSED_MIN = 3  # contributors a part needs before a direction can be told from its victim's
+
+
+def gram(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The contributions' inner products x_i·x_j in member order: fp32 within it, fp64 out."""
+    stacked = torch.stack(list(values)).float()
+    return (stacked @ stacked.T).double()
+
+
+def chunk_gram(contribs: Sequence[bytes], numel: int, compression: str) -> torch.Tensor:
+    """`gram` of one chunk's encoded contributions, in member order, as the reducer decodes them."""
+    return gram([wire.decode(data, numel, compression) for data in contribs])
+
+
+def direction_scores(g: torch.Tensor, members: Sequence[int]) -> dict[int, float]:
+    """Each member's cosine with the sum of the others' unit vectors (weights and norms steer
+    nothing), that sum counted at least as long as orthogonal ones' (docs/protocol/allreduce.md)."""
+    idx = list(members)
+    sub = g[idx][:, idx]
+    scale = sub.diagonal().clamp_min(0).sqrt()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    c = torch.where((scale[:, None] > 0) & (scale[None, :] > 0), sub / safe[:, None] / safe[None, :], 0)
+    scores = {}
+    for a, i in enumerate(idx):
+        others = [b for b in range(len(idx)) if b != a]
+        dot = float(c[a, others].sum())
+        ref = max(float(c[others][:, others].sum()), float(sum(bool(scale[b] > 0) for b in others)))
+        scores[i] = dot / math.sqrt(ref) if scale[a] > 0 else 0.0
+    return scores
+
+
+def opposed(g: torch.Tensor, members: Sequence[int], threshold: float | None) -> list[int]:
+    """Members left out, sorted: while `OPPOSED_MIN` remain, the lowest `direction_scores` (ties:
+    lower index) if below `threshold`, then the rest scored again (a flip never takes one along)."""
+    out: list[int] = []
+    remaining = sorted(members)
+    while threshold is not None and len(remaining) >= OPPOSED_MIN:
+        scores = direction_scores(g, remaining)
+        worst = min(remaining, key=lambda j: (scores[j], j))
+        if not scores[worst] < threshold:
+            break
+        out.append(worst)
+        remaining.remove(worst)
+    return sorted(out)
 
 
 # ----------------------------------------------------------------------------- rules
@@ -202,6 +259,15 @@ def reduce_chunk(
     return _finish(combine(robust, [w for w, _ in contribs], values), compression)
 
 
+def part_gram(members: Sequence[int], chunks: dict[int, list[bytes]], ranges: Sequence[tuple[int, int]],
+              compression: str) -> torch.Tensor:
+    """`gram` of whole parts (rows in `members` order), summed chunk by chunk as the stream sums it."""
+    g = torch.zeros(len(members), len(members), dtype=torch.float64)
+    for c, (a, b) in enumerate(ranges):
+        g += chunk_gram([chunks[j][c] for j in members], b - a, compression)
+    return g
+
+
 def reduce_part(
     robust: Robust,
     contribs: dict[int, tuple[float, list[bytes]]],
@@ -218,10 +284,15 @@ def reduce_part(
     refused = {j: "weight" for j in heavy}
     accepted, far = accept_norms({j: norms.get(j) for j in accepted}, robust.max_norm_ratio)
     refused.update({j: "norm" for j in far})
+    ranges = wire.chunk_ranges(numel, chunk)
+    if robust.opposed_cosine is not None and len(accepted) >= OPPOSED_MIN:
+        g = part_gram(accepted, {j: contribs[j][1] for j in accepted}, ranges, compression)
+        flipped = opposed(g, list(range(len(accepted))), robust.opposed_cosine)
+        refused.update({accepted[i]: "opposed" for i in flipped})
+        accepted = [j for i, j in enumerate(accepted) if i not in flipped]
     if not accepted:
         return [], refused, None, None
     weights = capped_weights({j: contribs[j][0] for j in accepted}, robust.weight_cap)
-    ranges = wire.chunk_ranges(numel, chunk)
     encoded, values = [], torch.zeros(numel, dtype=torch.float32)
     if robust.whole_part:
         whole = [torch.cat([wire.decode(d, b - a, compression) for (a, b), d in zip(ranges, contribs[j][1],
@@ -282,10 +353,12 @@ def suspect_parts(
     average_norms: dict[int, float],
     max_norm_ratio: float | None,
     compression: str,
+    min_part_ratio: float | None = None,
 ) -> dict[int, Suspect]:
     """Parts to drop, with why, from the masks' `digests` and `norms` (ours included), the
-    `contributors` each reducer announced and our `average_norms`; blaming a reducer
-    (`Suspect.proven`) takes evidence fewer than half of the members could not make up."""
+    `contributors` each reducer announced and our `average_norms`: other bytes to other members, an
+    average larger than its contributors allow, or (`small_parts`) one implausibly small; blaming a
+    reducer (`Suspect.proven`) takes evidence fewer than half of the members could not make up."""
     caught: dict[int, Suspect] = {}
     for p in parts:
         stated_digests = {j: d[p] for j, d in digests.items() if p < len(d) and d[p] is not None}
@@ -307,4 +380,41 @@ def suspect_parts(
             proof = norm_bound([raised] * liars + values[liars:], None, compression)
             caught[p] = Suspect(f"its average of part {p} has norm {average_norms[p]:.4g} > {bound:.4g} its "
                                 f"contributors allow", average_norms[p] > proof)
+    left = [p for p in parts if p not in caught]
+    caught.update(small_parts(left, norms, {p: contributors.get(p, []) for p in left}, average_norms, min_part_ratio))
+    return caught
+
+
+def small_parts(
+    parts: Sequence[int],
+    norms: dict[int, Sequence[float | None]],
+    contributors: dict[int, Sequence[int]],
+    average_norms: dict[int, float],
+    min_ratio: float | None,
+) -> dict[int, Suspect]:
+    """Parts whose ||average|| / (lower median of stated norms) is below `min_ratio` × the other
+    parts' lower median (a reducer shrank it); proven with two other parts and references no liar
+    can tilt against the reducer: its smallest stated norm, the others' largest (docs/protocol/allreduce.md)."""
+    if min_ratio is None:
+        return {}
+    ratios: dict[int, tuple[float, float, float]] = {}  # part -> (ratio, its floor for the proof, its ceiling)
+    for p in parts:
+        stated = [norms[c][p] if c in norms and p < len(norms[c]) else None for c in contributors.get(p, [])]
+        if not stated or any(n is None or not math.isfinite(n) for n in stated):
+            continue
+        values = sorted(float(n) for n in stated if n is not None)
+        if values[0] <= 0 or not math.isfinite(average_norms.get(p, math.nan)):
+            continue
+        ratios[p] = (average_norms[p] / wire.lower_median(values), average_norms[p] / values[0],
+                     average_norms[p] / values[-1])
+    caught: dict[int, Suspect] = {}
+    for p, (ratio, floor, _) in ratios.items():
+        others = [q for q in ratios if q != p]
+        if not others:
+            continue
+        reference = wire.lower_median([ratios[q][0] for q in others])
+        if ratio < min_ratio * reference:
+            proven = len(others) >= 2 and floor < min_ratio * wire.lower_median([ratios[q][2] for q in others])
+            caught[p] = Suspect(f"its average of part {p} is {ratio / reference:.3g} of the scale of the round's other "
+                                f"parts (||average|| over its contributors' norms; below {min_ratio:g})", proven)
     return caught

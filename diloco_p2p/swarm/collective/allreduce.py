@@ -294,6 +294,10 @@ class AllreduceService(AllreduceStreams):
             far = aggregate.accept_norms({j: s.norms.get(j) for j in candidates if ok}, s.robust.max_norm_ratio)[1]
             s.failed.update({j: "norm" for j in far})
             ok = ok and not far  # (when one failed, `reduce_part` bounds the complete ones)
+        if ok and s.gram is not None:  # a direction against the others' (a sign flip) voids the part too
+            flipped = [candidates[i] for i in aggregate.opposed(s.gram, range(len(candidates)), s.robust.opposed_cosine)]
+            s.failed.update({j: "opposed" for j in flipped})
+            ok = not flipped
         if ok:
             s.gathered[s.me] = s.gather_header
         else:  # reduce again over the complete contributions, without those that failed
@@ -323,10 +327,13 @@ class AllreduceService(AllreduceStreams):
         await s.notify()
 
     async def _reduce_streamed(self, s: Session, candidates: list[int], weights: dict[int, float]) -> bool:
-        """Reduce and queue our part chunk by chunk, summing its digest and squares as it goes; False
-        when a contributor failed or a chunk did not reduce to finite values."""
+        """Reduce and queue our part chunk by chunk, summing its digest, squares and (with a direction
+        check) the contributions' inner products as it goes; False when a contributor failed or a
+        chunk did not reduce to finite values."""
         lo, hi = s.bounds[s.me]
         digest, squares = aggregate.part_digest(candidates), 0.0
+        directions = s.robust.opposed_cosine is not None and len(candidates) >= aggregate.OPPOSED_MIN
+        s.gram = torch.zeros(len(candidates), len(candidates), dtype=torch.float64) if directions else None
         for c, (a, b) in enumerate(wire.chunk_ranges(hi - lo, s.chunk)):
 
             def missing(c=c) -> list[int]:
@@ -339,6 +346,8 @@ class AllreduceService(AllreduceStreams):
             )
             if out is None or s.result is None:
                 return False
+            if s.gram is not None:  # the contributions' inner products, for `aggregate.opposed` at the end
+                s.gram += aggregate.chunk_gram([s.contribs[j][1][c] for j in candidates], b - a, s.compression)
             s.out.append(out[0])
             s.result[lo + a : lo + b] = out[1]
             digest.update(out[0])

@@ -35,7 +35,7 @@ class AllreduceResult:
     committed_parts: list[int]
     num_parts: int
     contributors: list[str]  # base58 ids whose contributions entered at least one committed part
-    rejected: dict[str, str]  # base58 id -> nan | shape | weight | timeout | compression | group
+    rejected: dict[str, str]  # base58 id -> nan | shape | weight | timeout | compression | group | norm | opposed
     bytes_sent: int  # frame bytes written to streams by the time the call returned
     bytes_received: int  # frame bytes parsed for this group
     seconds: float
@@ -43,6 +43,7 @@ class AllreduceResult:
     agreed_with: list[str] = field(default_factory=list)  # members whose masks entered the intersection
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds since the start, when it ended
     reducers: dict[str, str] = field(default_factory=dict)  # reducer caught by the members' checks -> what it did
+    opposed: dict[str, str] = field(default_factory=dict)  # sender most parts left out as "opposed" -> how many
 
 
 class Session:
@@ -110,6 +111,7 @@ class Session:
         self.own_norms: list[float | None] = []  # the norms our mask states, per part
         self.part_digests: dict[int, str] = {}  # part -> sha256 of its gathered bytes (ours included)
         self.part_sumsq: dict[int, float] = {}  # part -> Σx² of its gathered values, summed as they landed
+        self.gram: torch.Tensor | None = None  # our part's contributions' inner products (`aggregate.opposed`)
         self.mask_lists: dict[int, tuple[list, list]] = {}  # member -> its mask's (part_digests, norms)
         self.relayed: dict[int, dict[int, list]] = {}  # public member -> private member -> norms it relayed
         self.started.set()
@@ -198,6 +200,7 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
         for j, reason in s.gathered[p]["rejected"].items():
             if rejected.get(s.names[int(j)], "timeout") == "timeout":  # a specific reason beats "timeout"
                 rejected[s.names[int(j)]] = reason
+    opposed = _opposed_by_most(s, committed)
     log.debug("allreduce %s: %s, parts %s/%d, rejected %s", s.group_id, status, committed, s.k, rejected)
     return AllreduceResult(
         average=average,
@@ -213,7 +216,25 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
         agreed_with=[s.names[j] for j in agreed],
         phases=dict(s.phases),
         reducers=blamed,
+        opposed=opposed,
     )
+
+
+def _opposed_by_most(s: Session, committed: list[int]) -> dict[str, str]:
+    """Senders most committed parts but their own (two at least) left out as "opposed": evidence
+    one lying reducer cannot make up, so `collective.outcome.blame` keeps them out of our groups."""
+    out: dict[str, str] = {}
+    for q in range(s.k):
+        named = judged = 0
+        for p in committed:
+            if p == q:
+                continue
+            says = s.gathered[p]["rejected"].get(str(q))
+            named += says == "opposed"
+            judged += says == "opposed" or q in s.gathered[p]["contributors"]
+        if named >= 2 and 2 * named > judged:
+            out[s.names[q]] = f"{named} of {judged} parts"
+    return out
 
 
 def _check_reducers(s: Session, committed: list[int], masks: dict[int, list[int]]) -> dict[int, aggregate.Suspect]:
@@ -233,6 +254,7 @@ def _check_reducers(s: Session, committed: list[int], masks: dict[int, list[int]
     caught = aggregate.suspect_parts(
         committed, {j: d for j, (d, _) in lists.items()}, stated,
         {p: s.gathered[p]["contributors"] for p in committed}, norms, s.robust.max_norm_ratio, s.compression,
+        s.robust.min_part_ratio,
     )
     for p, (why, proven) in caught.items():
         log.warning("allreduce %s: dropped part %d: reducer %s %s%s", s.group_id, p, s.names[p], why,

@@ -189,7 +189,7 @@ def _result(grid: Grid, row: AllreduceResult, levels: list[AllreduceResult], vot
     levels = [row, *levels]
     return AllreduceResult(
         average=average, status=status, committed_parts=committed, num_parts=m,
-        contributors=sorted(contributors), rejected=row.rejected,
+        contributors=sorted(contributors), rejected=row.rejected, opposed=row.opposed,
         bytes_sent=sum(x.bytes_sent for x in levels), bytes_received=sum(x.bytes_received for x in levels),
         seconds=seconds, part_contributors={}, agreed_with=row.agreed_with,
         phases=dict(row.phases, agreed=seconds),

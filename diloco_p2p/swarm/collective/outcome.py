@@ -18,16 +18,23 @@ MALFORMED = {"nan": "NaN or Inf in its contribution", "shape": "a contribution o
 
 
 def blame(guard: Guard, round: int, result: AllreduceResult, me: str | None = None) -> None:
-    """Contributions refused (weight, norm, malformed) and reducers caught are refusals of peers
-    (`Guard`); a caught reducer or malformed sender is left out of our next groups. Our own
-    refused contribution is no peer's fault."""
+    """Contributions refused (weight, norm, opposed, malformed) and reducers caught are refusals of
+    peers (`Guard`); a caught reducer, malformed sender or one most parts left out as opposed
+    (`AllreduceResult.opposed`) is left out of our next groups. Our own refusal is no peer's fault."""
     for peer, reason in sorted(result.rejected.items()):
         if peer == me:
             continue
         if reason in ("weight", "norm"):
             guard.reject(peer, reason, f"its contribution to the all-reduce of round {round}")
+        elif reason == "opposed" and peer not in result.opposed:
+            guard.reject(peer, "opposed", f"round {round}: its contribution points against the others' "
+                         "(in too few parts to keep it out)", keep_out=False)
         elif reason in MALFORMED:
             guard.reject(peer, "malformed", f"round {round}: {MALFORMED[reason]}")
+    for peer, most in sorted(result.opposed.items()):
+        if peer != me:
+            guard.reject(peer, "opposed", f"round {round}: its contribution points against the others' "
+                         f"(left out of {most})")
     for peer, why in sorted(result.reducers.items()):
         guard.reject(peer, "reducer", f"round {round}: {why}")
 

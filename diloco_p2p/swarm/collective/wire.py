@@ -30,10 +30,11 @@ INT8_BLOCK = compression_codecs.INT8_BLOCK
 DEFAULT_CHUNK_ELEMENTS = 1 << 16  # 256 KiB of fp32, 128 KiB of fp16, ~64 KiB of int8 per frame: the pipeline's step
 MAX_CHUNK_ELEMENTS = 1 << 24
 MAX_HEADER_BYTES = 1 << 16
-PROTOCOL_VERSION = 3  # 2: pipelined gather (stream flag, trailer frame); 3: a scatter's norm as its last frame
+# 2: pipelined gather (stream flag, trailer frame); 3: a scatter's norm as its last frame; 4: "opposed"
+PROTOCOL_VERSION = 4
 TRAILER_OK, TRAILER_VOID = b"\x01", b"\x00"  # the last frame of a streamed gather
 NORM_FRAME_BYTES = 8  # the last frame of a scatter: the sender's norm of the part, float64 (NaN: none stated)
-REJECT_REASONS = ("nan", "shape", "weight", "timeout", "compression", "group", "norm")
+REJECT_REASONS = ("nan", "shape", "weight", "timeout", "compression", "group", "norm", "opposed")
 KINDS = ("scatter", "gather", "mask", "ping", "contrib")
 
 

@@ -28,8 +28,9 @@ EXCLUDED_FOR = 600.0
 # swarm that does not wait for us; nor the all-reduce's `weight` and `norm`.
 NO_STATE_FROM = frozenset({"forged-record", "not-admitted", "bad-state", "reducer"})
 # Refusals after which matchmaking keeps the peer out of our groups: a caught reducer, a sender of
-# a malformed contribution (each costs its group a part, or its share, of every round it joins).
-KEPT_OUT = frozenset({"reducer", "malformed"})
+# a malformed contribution (each costs its group a part, or its share, of every round it joins);
+# an `opposed` sender only on the evidence of most parts (`Guard.reject`'s keep_out).
+KEPT_OUT = frozenset({"reducer", "malformed", "opposed"})
 
 
 class Guard:
@@ -45,8 +46,9 @@ class Guard:
         self._no_state: dict[str, float] = {}  # peer -> when it was last refused for a reason in NO_STATE_FROM
         self._lock = threading.Lock()
 
-    def reject(self, peer: str, reason: str, detail: str) -> None:
-        """Refuse `peer` for `reason` (one of `REJECTION_REASONS`); `detail` says what it did."""
+    def reject(self, peer: str, reason: str, detail: str, keep_out: bool = True) -> None:
+        """Refuse `peer` for `reason` (one of `REJECTION_REASONS`); `detail` says what it did.
+        `keep_out` False: named and counted, but not left out of our groups whatever the reason."""
         if reason not in REJECTION_REASONS:
             raise ValueError(f"unknown rejection reason {reason!r}")
         with self._lock:
@@ -54,7 +56,7 @@ class Guard:
             self._logged.add((peer, reason, detail))
             self._round.setdefault(peer, set()).add(reason)
             self._last[peer] = (reason, self.clock())
-            if reason in KEPT_OUT:
+            if reason in KEPT_OUT and keep_out:
                 self._caught[peer] = self._last[peer][1]
             if reason in NO_STATE_FROM:
                 self._no_state[peer] = self._last[peer][1]
