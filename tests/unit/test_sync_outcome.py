@@ -69,9 +69,10 @@ def test_malformed_senders_are_refused_by_name_and_kept_out_of_our_groups(caplog
     assert "refused peer d: malformed (round 3: a contribution of another length)" in caplog.text
 
 
-def test_an_opposed_sender_is_named_and_kept_out_only_on_most_parts_evidence(caplog):
-    """`opposed` from one reducer names the sender; only `AllreduceResult.opposed` (most parts
-    named it) keeps it out of our groups, whatever reason `rejected` kept for it."""
+def test_an_opposed_sender_is_named_with_most_parts_evidence_and_never_kept_out(caplog):
+    """`opposed` from one reducer names the sender; `AllreduceResult.opposed` (most parts named it)
+    names it with that evidence, whatever reason `rejected` kept for it. Neither keeps it out of our
+    groups: an honest Δ at a small H can point against the others'."""
     from diloco_p2p.swarm.collective.outcome import blame
     from diloco_p2p.swarm.trust.guard import Guard
 
@@ -82,7 +83,7 @@ def test_an_opposed_sender_is_named_and_kept_out_only_on_most_parts_evidence(cap
     with caplog.at_level("WARNING"):
         blame(guard, 5, result, me="me")
     assert guard.drain() == {"one": ["opposed"], "most": ["norm", "opposed"]}
-    assert guard.distrusted() == {"most"}
+    assert guard.distrusted() == set()
     assert "refused peer most: opposed (round 5: its contribution points against the others' (left out of 3 of 3 parts))" \
         in caplog.text
 

@@ -19,8 +19,8 @@ MALFORMED = {"nan": "NaN or Inf in its contribution", "shape": "a contribution o
 
 def blame(guard: Guard, round: int, result: AllreduceResult, me: str | None = None) -> None:
     """Contributions refused (weight, norm, opposed, malformed) and reducers caught are refusals of
-    peers (`Guard`); a caught reducer, malformed sender or one most parts left out as opposed
-    (`AllreduceResult.opposed`) is left out of our next groups. Our own refusal is no peer's fault."""
+    peers (`Guard`); a caught reducer or malformed sender is left out of our next groups, an opposed
+    one named with the parts that left it out (`AllreduceResult.opposed`). Our own is no peer's fault."""
     for peer, reason in sorted(result.rejected.items()):
         if peer == me:
             continue

@@ -28,9 +28,10 @@ EXCLUDED_FOR = 600.0
 # swarm that does not wait for us; nor the all-reduce's `weight` and `norm`.
 NO_STATE_FROM = frozenset({"forged-record", "not-admitted", "bad-state", "reducer"})
 # Refusals after which matchmaking keeps the peer out of our groups: a caught reducer, a sender of
-# a malformed contribution (each costs its group a part, or its share, of every round it joins);
-# an `opposed` sender only on the evidence of most parts (`Guard.reject`'s keep_out).
-KEPT_OUT = frozenset({"reducer", "malformed", "opposed"})
+# a malformed contribution (each costs its group a part, or its share, of every round it joins).
+# Not `opposed`: honest Δs at a small H can point against the others' (an honest node of a group of
+# 3 at H = 4 was, and was kept out for the rest of its run); left out of the part, it loses a round.
+KEPT_OUT = frozenset({"reducer", "malformed"})
 
 
 class Guard:
