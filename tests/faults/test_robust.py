@@ -133,6 +133,18 @@ def test_huge_norm_is_refused(peers, caplog, lie):
         assert_named_and_counted(caplog, results, names[3], "reducer")
 
 
+def assert_part_3_dropped_and_its_reducer_named(caplog, results, names, why: str) -> None:
+    """Member 3 lied as the reducer of part 3: the honest members agree, committed parts 0-2 only
+    (part 3 zero), and name member 3 a `reducer` for `why`."""
+    assert_honest_agree(results)
+    lo, hi = wire.partition(N, 4)[3]
+    for r in results[:3]:
+        assert r.status == "partial" and r.committed_parts == [0, 1, 2]
+        assert list(r.reducers) == [names[3]] and why in r.reducers[names[3]]
+        assert torch.equal(r.average[lo:hi], torch.zeros(hi - lo))
+    assert_named_and_counted(caplog, results, names[3], "reducer")
+
+
 @pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean", "centered_clip"])
 def test_sign_flip_with_the_largest_weight_allowed(peers, aggregation):
     """Member 3 sends -3 × the honest mean with a weight just under the bound. Under `mean` with
@@ -181,13 +193,7 @@ def test_reducer_that_shrinks_its_part_is_dropped_and_blamed(peers, caplog):
     names = [p.peer_id.to_base58() for p in peers.p2ps]
     robust = Robust(max_norm_ratio=8.0, min_part_ratio=SyncConfig().min_part_ratio)
     results = run(peers, xs + [xs[1].clone()], HONEST_WEIGHTS + [1000.0], robust, lie="shrink-output")
-    assert_honest_agree(results)
-    lo, hi = wire.partition(N, 4)[3]
-    for r in results[:3]:
-        assert r.status == "partial" and r.committed_parts == [0, 1, 2]
-        assert list(r.reducers) == [names[3]] and "scale of the round's other parts" in r.reducers[names[3]]
-        assert torch.equal(r.average[lo:hi], torch.zeros(hi - lo))
-    assert_named_and_counted(caplog, results, names[3], "reducer")
+    assert_part_3_dropped_and_its_reducer_named(caplog, results, names, "scale of the round's other parts")
 
 
 def test_weight_over_the_bound_is_named(peers, caplog):
@@ -207,13 +213,7 @@ def test_reducer_that_scales_its_part_is_dropped(peers, caplog, aggregation):
     names = [p.peer_id.to_base58() for p in peers.p2ps]
     robust = Robust(aggregation, max_norm_ratio=8.0)  # the bound proves the reducer lied (`suspect_parts`)
     results = run(peers, xs + [xs[1].clone()], HONEST_WEIGHTS + [1000.0], robust, lie="scale-output")
-    assert_honest_agree(results)
-    lo, hi = wire.partition(N, 4)[3]
-    for r in results[:3]:
-        assert r.status == "partial" and r.committed_parts == [0, 1, 2]
-        assert list(r.reducers) == [names[3]] and "norm" in r.reducers[names[3]]
-        assert torch.equal(r.average[lo:hi], torch.zeros(hi - lo))
-    assert_named_and_counted(caplog, results, names[3], "reducer")
+    assert_part_3_dropped_and_its_reducer_named(caplog, results, names, "norm")
 
 
 def test_private_members_check_a_scaled_part_with_the_norms_public_members_relay(peers, caplog):

@@ -5,7 +5,7 @@ eager's) with ``sync.fragments: 2`` (each round averages half of the parameters,
 DiLoCo) a node that joins mid-run takes the average in flight (of its round's half) with the state
 and ends every round with the members' θ.
 
-Node `fast` does 1/32 of `slow`'s work per inner step, so in every round it reaches the
+Node `fast` does 1/128 of `slow`'s work per inner step, so in every round it reaches the
 all-reduce long before `slow` and its averaging (waiting for `slow` in matchmaking, then the
 all-reduce) is still under way when its next round's inner steps start: the phase timestamps of
 its round records show the overlap structurally, with no threshold on seconds.
@@ -27,7 +27,9 @@ def swarm(tmp_path_factory):
         common = [f"train.max_rounds={ROUNDS}", "sync.overlap=eager", "sync.target_group_size=2",
                   "sync.matchmaking_timeout=20", "outer.inner_steps=4"]
         fast = swarm.node("fast", [*common, "inner.batch_size=1"])
-        slow = swarm.node("slow", [*common, "inner.batch_size=8", "inner.grad_accum=4"])  # 32x the work
+        # 128x the work: at 32x a loaded machine once let `slow` reach the all-reduce before `fast` had
+        # finished its round's eval, so the average was done before the next inner steps began.
+        slow = swarm.node("slow", [*common, "inner.batch_size=16", "inner.grad_accum=8"])
         swarm.wait_joined(fast, slow)
         swarm.release(fast, slow)
         for node in (fast, slow):
