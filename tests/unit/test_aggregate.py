@@ -102,6 +102,10 @@ def test_radial_keeps_the_weighted_mean_norm_in_the_weighted_mean_direction():
     with_zero = aggregate.radial([*weights, 1.0], [*xs, torch.zeros(40)])
     assert float(torch.nn.functional.cosine_similarity(with_zero, got, dim=0)) > 1 - 1e-6
     assert torch.equal(aggregate.radial([1.0], [torch.zeros(5)]), torch.zeros(5))
+    # directions that cancel give zero, not their rounding noise blown up to the mean norm
+    for n in (50, 5000):
+        x = vectors(1, n, 12)[0]
+        assert torch.equal(aggregate.radial([1.0, 1.0], [x, -x]), torch.zeros(n))
 
 
 @pytest.mark.parametrize("m", [2, 8, 32])

@@ -31,6 +31,7 @@ NORM_TOLERANCE = 1e-4  # relative: a claimed norm vs the one recomputed from the
 # A wire format not listed (e.g. a coarser one added later) gets the loosest slack.
 NORM_SLACK = {"fp32": 1e-6, "fp16": 1e-3, "int8": 0.13}
 DEFAULT_SLACK = 1.0
+NO_DIRECTION = 1e-5  # `radial`: unit directions summing to under this x their total weight have cancelled
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,9 @@ def radial(weights: Sequence[float], values: Sequence[torch.Tensor]) -> torch.Te
         if norm > 0:
             direction.add_(v, alpha=weight / norm)
     length = math.sqrt(sumsq(direction))
-    return direction.mul_(radius / length) if length > 0 else direction
+    # Directions that cancel leave fp32 rounding noise (an add with alpha may fuse multiply and add):
+    # scaled up to the radius it would be a full-size step in a random direction, so it is zero.
+    return direction.mul_(radius / length) if length > NO_DIRECTION * total else direction.zero_()
 
 
 def combine(robust: Robust, weights: Sequence[float], values: Sequence[torch.Tensor]) -> torch.Tensor:
