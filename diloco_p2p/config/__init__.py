@@ -24,10 +24,10 @@ from diloco_p2p.config.model import ModelConfig
 from diloco_p2p.config.node import LogConfig, MetricsConfig, P2PConfig
 from diloco_p2p.config.sync import AdmissionConfig, SyncConfig
 from diloco_p2p.config.training import InnerConfig, OuterConfig, TrainConfig
-from diloco_p2p.config.tree import Config, diff_swarm_fields
+from diloco_p2p.config.tree import Config, config_fields, diff_swarm_fields
 
 __all__ = [
     "SWARM_PREFIX", "AdmissionConfig", "Config", "DataConfig", "InnerConfig", "LogConfig", "MetricsConfig",
     "ModelConfig", "OuterConfig", "P2PConfig", "SyncConfig", "TrainConfig", "apply_override", "config_reference",
-    "config_tree", "diff_swarm_fields", "load_config", "parse_override", "save_config", "validate_config",
+    "config_fields", "config_tree", "diff_swarm_fields", "load_config", "parse_override", "save_config", "validate_config",
 ]

@@ -20,6 +20,11 @@ from diloco_p2p.config.section import Section
 from diloco_p2p.config.sync import SyncConfig
 from diloco_p2p.config.training import InnerConfig, OuterConfig, TrainConfig
 
+# The all-reduce's wire protocol (`swarm.collective.wire`), in every swarm view: nodes that cannot
+# average with each other do not match (a checkpoint resumes across it: `loop.checkpoint`).
+ALLREDUCE_PROTOCOL = 5
+PROTOCOL_KEY = "protocol"
+
 
 class Config(Section):
     run_id: str = Field(
@@ -116,12 +121,18 @@ class Config(Section):
                 and not (k == "data.dataset_id" and v is None) and not (k == "sync.overlap" and v == "none")
                 and not (k == "sync.target_group_size" and v == 16) and not (k == "sync.fragments" and v == 1)
                 and not (k in self._VIEW_DEFAULTS and v == self._VIEW_DEFAULTS[k]) and k not in self._VIEW_INPUTS
-                and not (k == "sync.topk_density" and not CODECS[self.sync.compression].sparse)}
+                and not (k == "sync.topk_density" and not CODECS[self.sync.compression].sparse)} | {
+            PROTOCOL_KEY: ALLREDUCE_PROTOCOL}
 
     def swarm_hash(self) -> str:
         """sha256 over `swarm_view()`; peers with a different hash are refused."""
         blob = json.dumps(self.swarm_view(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+def config_fields(view: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A swarm view without the protocol: the config's own fields (what a checkpoint must match)."""
+    return None if view is None else {k: v for k, v in view.items() if k != PROTOCOL_KEY}
 
 
 def diff_swarm_fields(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from diloco_p2p.config import diff_swarm_fields
+from diloco_p2p.config import config_fields, diff_swarm_fields
 from diloco_p2p.errors import UserError
 
 FORMAT = "diloco-p2p/checkpoint-v1"
@@ -212,7 +212,7 @@ def load_checkpoint(
         meta, tensor_path = _verified(meta_path)
     except _Damaged as e:
         raise _damaged_error(directory, str(e), below=_round_of(meta_path)) from None
-    if swarm_view is not None and meta.get("swarm_view") != swarm_view:
+    if swarm_view is not None and config_fields(meta.get("swarm_view")) != config_fields(swarm_view):
         diffs = diff_swarm_fields(swarm_view, meta.get("swarm_view") or {})
         raise UserError(
             f"checkpoint {meta_path} was written with a different config ({'; '.join(diffs[:4])}); "

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from diloco_p2p.config import Config, apply_override, load_config, save_config, validate_config
+from diloco_p2p.config import Config, apply_override, config_fields, load_config, save_config, validate_config
 from diloco_p2p.errors import UserError
 from diloco_p2p.hashing import tensor_sha256
 from diloco_p2p.loop.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -121,7 +121,7 @@ def fetch_dataset(initial_peers: Sequence[str], dataset: str, out: Path, timeout
 def config_from_view(view: dict[str, Any]) -> Config:
     """A config holding the swarm's fields (dotted paths, as in a progress record); defaults elsewhere."""
     tree: dict[str, Any] = {}
-    for path, value in view.items():
+    for path, value in config_fields(view).items():
         apply_override(tree, path.split("."), value)
     return validate_config(tree, source="the swarm's config view")
 

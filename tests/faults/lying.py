@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from diloco_p2p.swarm.collective import wire
+from diloco_p2p.swarm.collective import aggregate, samples, wire
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_streams import _frames
 
-SCALES = {"scale-output": 1000.0, "shrink-output": 0.001}  # what each scaling lie multiplies its part by
+# What each scaling lie multiplies its part by. ``nudge-output`` stays within the norm checks: its quotes
+# refute it; ``misquote-output`` also quotes its contributors so that they agree with it (all of them,
+# or only `victim`'s row), which those contributors see (`diloco_p2p.swarm.collective.samples`).
+SCALES = {"scale-output": 1000.0, "shrink-output": 0.001, "nudge-output": 0.8, "misquote-output": 0.8}
 NUDGE = 0.01  # split-output: member j gets NUDGE × (1 + j) added to every value
 
 
@@ -45,6 +48,21 @@ class LyingAllreduce(AllreduceService):
             frames, values = [p[0] for p in pieces], torch.cat([p[1] for p in pieces])
         return accepted, refused, frames, values
 
+    def _quote(self, s, contributors, contribs, chunks_digest):
+        frame = super()._quote(s, contributors, contribs, chunks_digest)
+        if self.lie != "misquote-output":
+            return frame
+        lo, hi = s.bounds[s.me]
+        weights, rows = samples.unpack(frame, len(contributors), hi - lo)
+        if self.victim is None:
+            return samples.pack(weights, rows * SCALES[self.lie])
+        w = list(aggregate.capped_weights(dict(enumerate(weights)), s.robust.weight_cap).values())
+        v = contributors.index(self.victim)
+        ours = s.result[lo:hi][torch.from_numpy(samples.places(s.group_id, s.me, chunks_digest, hi - lo))]
+        others = sum(w[i] * rows[i] for i in range(len(rows)) if i != v)
+        rows[v] = (ours * sum(w) - others) / w[v]  # the victim's row absorbs the whole scale
+        return samples.pack(weights, rows)
+
     async def _send(self, s, j, header, frames, deadline):
         if self.lie == "split-output" and header["kind"] == "gather" and self.victim in (None, j):
             frames = _perturbed(frames, header["numel"], header["chunk"], s.compression, NUDGE * (1 + j))
@@ -57,11 +75,11 @@ def _scaled(data: bytes, numel: int, compression: str, factor: float) -> tuple[b
 
 
 async def _perturbed(frames, numel: int, chunk: int, compression: str, nudge: float):
-    """The gather's chunk frames with `nudge` added to every value (trailers pass as they are)."""
+    """The gather's chunk frames with `nudge` added to every value (trailers and quotes pass as they are)."""
     sizes = iter(b - a for a, b in wire.chunk_ranges(numel, chunk))
     async for data in _frames(frames):
-        if len(data) == 1:
+        size = next(sizes, None)
+        if len(data) == 1 or size is None:
             yield data
         else:
-            size = next(sizes)
             yield wire.encode(wire.decode(data, size, compression) + nudge, compression)

@@ -216,6 +216,35 @@ def test_reducer_that_scales_its_part_is_dropped(peers, caplog, aggregation):
     assert_part_3_dropped_and_its_reducer_named(caplog, results, names, "norm")
 
 
+@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean"])
+def test_reducer_that_scales_its_part_by_a_small_factor_is_refuted_by_its_quotes(peers, caplog, aggregation):
+    """Member 3 sends its part × 0.8, inside the norm and scale checks (and the same bytes to all):
+    the contributions it quoted (`samples`) average to something else there, so every member drops
+    the part and names its reducer on its own bytes."""
+    xs = honest_inputs(4)
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
+    robust = Robust(aggregation, max_norm_ratio=8.0, min_part_ratio=SyncConfig().min_part_ratio)
+    results = run(peers, xs + [xs[1].clone()], HONEST_WEIGHTS + [1000.0], robust, lie="nudge-output")
+    assert_part_3_dropped_and_its_reducer_named(caplog, results, names, "quoted at 128 of 128 places (its values ~0.8")
+
+
+@pytest.mark.parametrize("victim", [None, 0])
+def test_reducer_that_misquotes_its_contributors_to_hide_a_scale_is_dropped(peers, caplog, victim):
+    """Member 3 sends its part × 0.8 and quotes its contributors so that they average to it: all of
+    them scaled (each sees its own values misquoted: blamed, more than half said so), or only member
+    0's row bent to absorb the scale (one word against the rest: dropped, not blamed)."""
+    xs = honest_inputs(7)
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
+    results = run(peers, xs + [xs[1].clone()], HONEST_WEIGHTS + [1000.0], Robust(max_norm_ratio=8.0),
+                  lie="misquote-output", victim=victim)
+    if victim is None:
+        assert_part_3_dropped_and_its_reducer_named(caplog, results, names, "quoted 3 of its 3 other contributors")
+        return
+    assert_honest_agree(results)
+    for r in results[:3]:
+        assert r.committed_parts == [0, 1, 2] and r.reducers == {}
+
+
 def test_private_members_check_a_scaled_part_with_the_norms_public_members_relay(peers, caplog):
     """Members 0 and 1 behind NAT (they never talk to each other), member 3 a public reducer that
     scales its part. Without the norms of member 1 a private member 0 could not check part 3
@@ -231,15 +260,16 @@ def test_private_members_check_a_scaled_part_with_the_norms_public_members_relay
 
 
 def test_reducer_that_sends_one_member_other_bytes_is_dropped_everywhere_but_not_blamed(peers, caplog):
-    """Member 3 sends member 0 a changed part: the digests in the masks differ, so every member
-    (member 0 included) drops that part, and θ stays identical. One member's digest against the
-    rest is also what a member lying in its mask would show: the reducer is not blamed."""
+    """Member 3 sends member 0 a changed part: member 0 finds its own values quoted at other places
+    than it sent (the changed bytes pick other places), says so in its mask, and every member drops
+    the part (with honest quotes the digests would differ: the same drop). One member's word against
+    the rest is also what a member lying in its mask would show: the reducer is not blamed."""
     xs = honest_inputs(5)
     names = [p.peer_id.to_base58() for p in peers.p2ps]
     with caplog.at_level(logging.WARNING, logger="diloco_p2p.swarm.collective.allreduce"):
         results = run(peers, xs + [xs[2].clone()], HONEST_WEIGHTS + [1000.0], Robust(), lie="split-output", victim=0)
-    dropped = [m for m in caplog.messages if f"reducer {names[3]} sent different bytes" in m]
-    assert len(dropped) >= 3 and all("not blamed" in m for m in dropped)
+    dropped = [m for m in caplog.messages if f"dropped part 3: reducer {names[3]}" in m]
+    assert len(dropped) >= 3 and all("not blamed" in m or "quoted 1 of its 3" in m for m in dropped)
     assert_honest_agree(results)
     for r in results[:3]:
         assert r.committed_parts == [0, 1, 2] and r.reducers == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 
 import pytest
@@ -36,6 +37,16 @@ def test_check_config_lists_differing_fields():
     msg = str(e.value)
     assert msg.startswith("config differs from the swarm's (3 peers): outer.lr: 0.7 != 0.5")
     assert "\n" not in msg
+
+
+def test_a_node_of_another_all_reduce_protocol_is_refused_by_name():
+    """Nodes that cannot average with each other differ in their views' protocol and say so."""
+    ours = Config(run_id="r")
+    older = {**ours.swarm_view(), "protocol": 4}
+    record = make(PEERS[0], config_view=older, config_hash=hashlib.sha256(
+        json.dumps(older, sort_keys=True).encode()).hexdigest())
+    with pytest.raises(UserError, match=r"protocol: 5 != 4"):
+        check_config({PEERS[0]: record}, ours.swarm_view(), ours.swarm_hash(), PEERS[6])
 
 
 def test_check_config_lists_every_differing_field():

@@ -22,7 +22,7 @@ from contextlib import suppress
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from diloco_p2p.swarm.collective import aggregate, allgather, wire
+from diloco_p2p.swarm.collective import aggregate, allgather, samples, wire
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult, Session, conclude
 from diloco_p2p.swarm.collective.allreduce_streams import AllreduceStreams
 from diloco_p2p.swarm.transport import streams
@@ -134,7 +134,7 @@ class AllreduceService(AllreduceStreams):
         me, n = names.index(own), tensor.numel()
         s.start(list(peers), me, n, compression, self.chunk_elements, loop.time(), timeout,
                 None if compression in wire.SPARSE else public)
-        s.part_hook, s.robust = part_hook, robust
+        s.part_hook, s.robust, s.own, s.own_weight = part_hook, robust, tensor.detach(), float(weight)
         if compression in wire.SPARSE:  # topk2 keeping `density` of the values: `allgather` on this session
             return await allgather.run(self, s, tensor, float(weight), density, max_weight_ratio, on_phase, on_scattered)
         tasks: list[asyncio.Task] = []
@@ -178,15 +178,17 @@ class AllreduceService(AllreduceStreams):
                               s.own_norms)
         relayed = {str(j): norms for j, (_, norms) in sorted(s.mask_lists.items()) if not s.public[j]
                    and j in s.masks and j not in s.excluded} if s.public[s.me] else {}
+        s.mask_misquoted[s.me] = set(s.misquoted)
         mask = s.header("mask", mask=s.masks[s.me], part_digests=s.mask_lists[s.me][0], norms=s.own_norms,
-                        **({"relayed_norms": relayed} if relayed else {}))
+                        **({"relayed_norms": relayed} if relayed else {}),
+                        **({"misquoted": sorted(s.misquoted)} if s.misquoted else {}))
         tasks += [self._spawn(self._send(s, j, mask, [], s.d_end)) for j in set(s.others) - s.gone - s.silent]
         await self._wait(s, lambda: s.pending(s.masks, only_heard=heard), s.d_end)
 
     async def _relay_masks(self, s: Session) -> list[int]:
         """The mask we send: the parts we hold, ANDed by a public member with the masks of the private
         members it heard by `d_relay` (they cannot reach each other); a later private mask is refused."""
-        own = [int(p in s.gathered and not s.gathered[p]["empty"]) for p in range(s.k)]
+        own = [int(p in s.gathered and not s.gathered[p]["empty"] and p not in s.misquoted) for p in range(s.k)]
         if s.public[s.me] and not all(s.public):
             await self._wait(s, lambda: [j for j in s.pending(s.masks, True) if not s.public[j]], s.d_relay)
             for j, mask in list(s.masks.items()):
@@ -284,6 +286,7 @@ class AllreduceService(AllreduceStreams):
             s.gather_header = s.header(
                 "gather", **fields, empty=not candidates, stream=True, contributors=candidates,
                 rejected={str(j): r for j, r in sorted(s.rejected.items())},
+                samples=samples.quoted(s.robust, hooked, hi - lo, len(candidates)),
             )
             tasks += [self._spawn(self._gather_to(s, j)) for j in s.others]
         ok = bool(candidates) and not whole and await self._reduce_streamed(s, candidates, weights)
@@ -314,12 +317,14 @@ class AllreduceService(AllreduceStreams):
                 s.result[lo:hi] = values
                 s.part_sumsq[s.me] = aggregate.part_sumsq(values, s.chunk)
             rejected = {str(j): r for j, r in sorted(s.rejected.items())}
-            header = s.header(
-                "gather", **fields, empty=frames is None, stream=False, contributors=accepted, rejected=rejected
-            )
-            s.fallback = (header, frames or [])
+            quoted = frames is not None and samples.quoted(s.robust, hooked, hi - lo, len(accepted))
+            header = s.header("gather", **fields, empty=frames is None, stream=False, contributors=accepted,
+                              rejected=rejected, samples=quoted)
+            chunks_digest = _digest(accepted, frames or [])
+            quotes = self._quote(s, accepted, complete, chunks_digest) if quoted else None
+            s.fallback = (header, (frames or []) + ([quotes] if quotes else []))
             s.gathered[s.me] = header
-            s.part_digests[s.me] = _digest(accepted, frames or [])
+            s.part_digests[s.me] = samples.digest(chunks_digest, quotes)
             if whole:
                 tasks += [self._spawn(self._gather_to(s, j)) for j in s.others]
             log.debug("allreduce %s: part %d reduced again without %s", s.group_id, s.me, sorted(s.failed))
@@ -353,8 +358,19 @@ class AllreduceService(AllreduceStreams):
             digest.update(out[0])
             squares += aggregate.sumsq(out[1])
             await s.notify()
-        s.part_digests[s.me], s.part_sumsq[s.me] = digest.hexdigest()[: aggregate.DIGEST_HEX], squares
+        chunks_digest = digest.hexdigest()[: aggregate.DIGEST_HEX]
+        s.quotes = self._quote(s, candidates, s.contribs, chunks_digest) if s.gather_header["samples"] else None
+        s.part_digests[s.me], s.part_sumsq[s.me] = samples.digest(chunks_digest, s.quotes), squares
         return True
+
+    def _quote(self, s: Session, contributors: list[int], contribs: dict[int, tuple[float, list[bytes]]],
+               chunks_digest: str) -> bytes:
+        """Our part's quoted samples (`samples`): each contributor's weight and values at the places
+        the part's digest picks (a hostile test reducer overrides it)."""
+        lo, hi = s.bounds[s.me]
+        offsets = samples.places(s.group_id, s.me, chunks_digest, hi - lo)
+        rows = [samples.at(contribs[j][1], hi - lo, s.chunk, s.compression, offsets) for j in contributors]
+        return samples.pack([contribs[j][0] for j in contributors], torch.stack(rows))
 
     async def _next_level(self, s: Session, values: torch.Tensor, weights: list[float]):
         """(compression, encoded chunks, decoded values) of what `s.part_hook` makes of our reduced
@@ -386,6 +402,8 @@ class AllreduceService(AllreduceStreams):
                 yield s.out[i - 1]
             elif s.out_final is not None:
                 yield s.out_final
+                if s.out_final == wire.TRAILER_OK and s.quotes is not None:
+                    yield s.quotes
                 return
             else:
                 raise TimeoutError("our part was not reduced in time")

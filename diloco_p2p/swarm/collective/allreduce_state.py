@@ -114,6 +114,12 @@ class Session:
         self.gram: torch.Tensor | None = None  # our part's contributions' inner products (`aggregate.opposed`)
         self.mask_lists: dict[int, tuple[list, list]] = {}  # member -> its mask's (part_digests, norms)
         self.relayed: dict[int, dict[int, list]] = {}  # public member -> private member -> norms it relayed
+        # Quoted samples (`samples`): ours to send, parts whose quotes refute them, parts that misquoted us.
+        self.own, self.own_weight = torch.empty(0), 0.0  # our contribution, set by allreduce()
+        self.quotes: bytes | None = None
+        self.refuted: dict[int, str] = {}
+        self.misquoted: set[int] = set()
+        self.mask_misquoted: dict[int, set[int]] = {}  # member -> the parts its mask says misquoted it
         self.started.set()
 
     def mark(self, phase: str, started: float) -> None:
@@ -186,7 +192,7 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
     average = s.result
     caught = _check_reducers(s, committed, masks)
     committed = [p for p in committed if p not in caught]
-    blamed = {s.names[p]: why for p, (why, proven) in caught.items() if proven}
+    blamed = {s.names[p]: why for p, (why, proven) in {**_misquoting(s, masks), **caught}.items() if proven}
     if len(agreed) < 2 or not committed:  # nobody confirmed anything with us
         status, committed, average = "failed", [], torch.zeros(s.n, dtype=torch.float32)
     else:
@@ -237,6 +243,20 @@ def _opposed_by_most(s: Session, committed: list[int]) -> dict[str, str]:
     return out
 
 
+def _misquoting(s: Session, masks: dict[int, list[int]]) -> dict[int, aggregate.Suspect]:
+    """Parts whose contributors said (in their masks, which drop the part) that its reducer quoted
+    them otherwise than they sent: proven when more than half of the others did (`samples`)."""
+    out: dict[int, aggregate.Suspect] = {}
+    for p, h in s.gathered.items():
+        others = [c for c in h["contributors"] if c != p]
+        said = [c for c in others if c in masks and p in s.mask_misquoted.get(c, ())]
+        if said:
+            out[p] = aggregate.Suspect(f"quoted {len(said)} of its {len(others)} other contributors to part {p} "
+                                       "otherwise than they sent", 2 * len(said) > len(others))
+            log.warning("allreduce %s: dropped part %d: reducer %s %s", s.group_id, p, s.names[p], out[p].why)
+    return out
+
+
 def _check_reducers(s: Session, committed: list[int], masks: dict[int, list[int]]) -> dict[int, aggregate.Suspect]:
     """Committed parts the masks heard make suspect (`aggregate.suspect_parts`), logged: each is
     dropped; its reducer is blamed only when proven."""
@@ -256,6 +276,9 @@ def _check_reducers(s: Session, committed: list[int], masks: dict[int, list[int]
         {p: s.gathered[p]["contributors"] for p in committed}, norms, s.robust.max_norm_ratio, s.compression,
         s.robust.min_part_ratio,
     )
+    for p in committed:  # the same quotes on every member (they are in the digests): proven by its own bytes
+        if p in s.refuted and p not in caught:
+            caught[p] = aggregate.Suspect(f"its average of part {p} {s.refuted[p]}", True)
     for p, (why, proven) in caught.items():
         log.warning("allreduce %s: dropped part %d: reducer %s %s%s", s.group_id, p, s.names[p], why,
                     "" if proven else " (not blamed: fewer than half of the members lying in their masks could cause it)")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from diloco_p2p.swarm.collective import aggregate, allgather, wire
+from diloco_p2p.swarm.collective import aggregate, allgather, samples, wire
 from diloco_p2p.swarm.collective.allreduce_state import Session
 from diloco_p2p.swarm.transport import streams
 from diloco_p2p.swarm.transport.streams import NETWORK_ERRORS
@@ -206,8 +206,36 @@ class AllreduceStreams:
                 reason = None if trailer == wire.TRAILER_OK else "void"
             if reason is not None or s.mask_fixed or s.finished:
                 return False
+        chunks_digest, quotes = digest.hexdigest()[: aggregate.DIGEST_HEX], None
+        if h.get("samples") and not h["empty"]:
+            quotes = await streams.read_frame(reader, samples.frame_size(len(h["contributors"]), h["numel"]))
+            s.bytes_received += streams.LENGTH_PREFIX + len(quotes)
+            if h["comp"] != s.compression or not self._check_quotes(s, j, h, chunks_digest, quotes):
+                return False
         s.gathered[j] = h
-        s.part_digests[j], s.part_sumsq[j] = digest.hexdigest()[: aggregate.DIGEST_HEX], squares[0]
+        s.part_digests[j], s.part_sumsq[j] = samples.digest(chunks_digest, quotes), squares[0]
+        return True
+
+    def _check_quotes(self, s: Session, j: int, h: dict, chunks_digest: str, quotes: bytes) -> bool:
+        """Hold part j to the samples its reducer quoted (`samples`): a part the quotes refute goes to
+        `s.refuted`, one that misquoted us to `s.misquoted`; False when the frame is malformed."""
+        lo, hi = s.bounds[j]
+        try:
+            weights, rows = samples.unpack(quotes, len(h["contributors"]), hi - lo)
+        except wire.WireError:
+            return False
+        assert s.result is not None
+        offsets, part = samples.places(s.group_id, j, chunks_digest, hi - lo), s.result[lo:hi]
+        allowed = samples.quantum(part, h["chunk"], s.compression, offsets)
+        why = samples.refuted(s.robust, weights, rows, part[torch.from_numpy(offsets)], allowed)
+        if why is not None:
+            s.refuted[j] = why
+        if s.me in h["contributors"]:
+            values = samples.sent(s.own[lo:hi], s.chunk, s.compression, offsets)
+            if samples.misquoted(weights, rows, h["contributors"].index(s.me), s.own_weight, values):
+                s.misquoted.add(j)
+                log.warning("allreduce %s: reducer %s quoted our contribution to part %d otherwise than we sent it",
+                            s.group_id, s.names[j], j)
         return True
 
     async def _recv_mask(self, s: Session, j: int, h: dict, reader: asyncio.StreamReader, writer) -> bool:
@@ -222,6 +250,7 @@ class AllreduceStreams:
             if s.public[j]:  # the private members' norms, as public member j heard them
                 s.relayed[j] = {int(q): v for q, v in (h.get("relayed_norms") or {}).items() if not s.public[int(q)]}
             s.mask_digests[j] = h.get("contrib_digests", [])
+            s.mask_misquoted[j] = set(h.get("misquoted", []))
         return accepted
 
     async def _read_norm(self, s: Session, j: int, reader: asyncio.StreamReader, sumsq: float) -> str | None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from diloco_p2p.config import compression as compression_codecs
+from diloco_p2p.config.tree import ALLREDUCE_PROTOCOL
 from diloco_p2p.swarm.collective import codecs
 from diloco_p2p.swarm.transport.streams import WireError, dump_json, load_json
 
@@ -30,8 +31,9 @@ INT8_BLOCK = compression_codecs.INT8_BLOCK
 DEFAULT_CHUNK_ELEMENTS = 1 << 16  # 256 KiB of fp32, 128 KiB of fp16, ~64 KiB of int8 per frame: the pipeline's step
 MAX_CHUNK_ELEMENTS = 1 << 24
 MAX_HEADER_BYTES = 1 << 16
-# 2: pipelined gather (stream flag, trailer frame); 3: a scatter's norm as its last frame; 4: "opposed"
-PROTOCOL_VERSION = 4
+# 2: pipelined gather (stream flag, trailer frame); 3: a scatter's norm as its last frame; 4: "opposed";
+# 5: a gather's quoted samples (`samples`) and a mask's "misquoted". In the swarm view: see config.tree
+PROTOCOL_VERSION = ALLREDUCE_PROTOCOL
 TRAILER_OK, TRAILER_VOID = b"\x01", b"\x00"  # the last frame of a streamed gather
 NORM_FRAME_BYTES = 8  # the last frame of a scatter: the sender's norm of the part, float64 (NaN: none stated)
 REJECT_REASONS = ("nan", "shape", "weight", "timeout", "compression", "group", "norm", "opposed")
@@ -128,9 +130,12 @@ def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if math.isfinite(float(scale.sum())) and math.isfinite(float(inverse.sum())):
         # x · (127 / absmax) is at most 127 · (1 + 2^-23): it rounds to 127, no clamp needed
         return scale, torch.mul(padded, inverse[:, None]).round_()
-    # a block with NaN/inf, or values so small (< 4e-37) that 127 / absmax overflows: by the division
+    # a block with NaN/inf, or values so small (< 4e-37) that 127 / absmax overflows: by the division.
+    # Every other block as above: a block's codes never depend on its chunk (`samples.sent` re-encodes one)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return scale, torch.div(padded, safe[:, None]).round_().clamp_(-127, 127).nan_to_num_(nan=0.0)
+    fast = (torch.isfinite(inverse) & torch.isfinite(scale))[:, None]
+    codes = torch.where(fast, padded * torch.where(fast[:, 0], inverse, 0.0)[:, None], padded / safe[:, None])
+    return scale, codes.round_().clamp_(-127, 127).nan_to_num_(nan=0.0)
 
 
 def encode_sumsq(x: torch.Tensor, compression: str) -> tuple[bytes, float]:
@@ -288,6 +293,9 @@ def _check_part_lists(h: dict[str, Any], k: int) -> None:
         isinstance(norms, list) and len(norms) == k and all(n is None or _is_norm(n) for n in norms)
     ):
         raise WireError("norms must list one finite number >= 0 (or null) per part")
+    misquoted = h.get("misquoted", [])  # parts whose reducer quoted our contribution otherwise (`samples`)
+    if not (isinstance(misquoted, list) and len(misquoted) <= k and all(_is_int(p) and 0 <= p < k for p in misquoted)):
+        raise WireError("misquoted must list part indexes")
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
@@ -342,8 +350,9 @@ def parse_header(raw: bytes) -> dict[str, Any]:
         and isinstance(h.get("stream"), bool)
         and isinstance(contributors, list)
         and isinstance(rejected, dict)
+        and isinstance(h.get("samples", False), bool)
     ):
-        raise WireError("gather header needs empty, stream, contributors, rejected")
+        raise WireError("gather header needs empty, stream, contributors, rejected (and a boolean samples)")
     if not all(_is_int(c) and c >= 0 for c in contributors):
         raise WireError("contributors must be member indices")
     if not all(isinstance(p, str) and p.isdigit() and r in REJECT_REASONS for p, r in rejected.items()):
