@@ -135,7 +135,7 @@ class RobustSettings(Section):
         4.0, ge=1, description="Cap each accepted weight at this multiple of the lower median of the weights offered for the same part before averaging (one peer carries at most this many members' say); null: weights as claimed."
     )
     opposed_cosine: float | None = Field(
-        0.0, gt=-1, lt=1, description="A reducer leaves out of its part a contribution whose cosine with the other contributions' mean direction is below this (a sign-flipped pseudo-gradient), the lowest first, while the part has at least 3; the sender is named (`opposed`) and left out of our groups when most parts name it (the rule and its measured margins: docs/protocol/allreduce.md); null: no direction check."
+        0.0, gt=-1, lt=1, description="A reducer leaves out of its part a contribution whose cosine with the other contributions' mean direction is below this (a sign-flipped pseudo-gradient), the lowest first, while the part has at least 3; the sender is named (`opposed`), and counted when most parts name it, but not kept out of later groups (the rule and its measured margins: docs/protocol/allreduce.md); null: no direction check."
     )
     min_part_ratio: float | None = Field(
         0.5, gt=0, lt=1, description="Every member drops a part whose average is smaller, relative to its contributors' norms, than this fraction of the round's other parts (a reducer that shrank its part) and names its reducer (the rule and its measured margins: docs/protocol/allreduce.md); null: no check."

@@ -18,7 +18,7 @@ mean itself; ``keep@average`` with no round means every round, saved as safetens
 Lies of a hostile member (issue 12), each for one round: ``flip@delta`` (send -Δ with a token weight
 of 0.999 × ``sync.max_weight_ratio`` × its own: the largest the bound lets through),
 ``scale@delta`` (send Δ × 1000: a huge norm, finite in fp16), ``scale@reduce`` (as a reducer,
-send its averaged part × 1000 to every member), ``shrink@reduce`` (× 0.001) and ``split@reduce`` (as a reducer, send each
+send its averaged part × 1000 to every member), ``shrink@reduce`` (× 0.001), ``nudge@reduce`` (× 0.8) and ``split@reduce`` (as a reducer, send each
 member its own altered copy of its part); the reducer lies reduce with `tests.faults.lying`.
 Points: ``delta`` (the round's pseudo-gradient is computed, before matchmaking), ``group`` (a
 group formed), ``allreduce`` (our parts are sent), ``reduce`` (we reduce our part), and in a
@@ -55,10 +55,10 @@ log = logging.getLogger(__name__)
 ENV = "DILOCO_P2P_FAULTS"
 GATE_ENV = "DILOCO_P2P_START_GATE"
 CORRUPT_SHARDS_ENV = "DILOCO_P2P_CORRUPT_SHARDS"
-ACTIONS = ("kill", "stop", "hold", "nan", "exit", "keep", "flip", "scale", "shrink", "split")
+ACTIONS = ("kill", "stop", "hold", "nan", "exit", "keep", "flip", "scale", "shrink", "nudge", "split")
 POINT = re.compile(r"delta|group|allreduce|reduce|rank\d+\.step")
 LIE_POINTS = {"nan": ("delta",), "flip": ("delta",), "scale": ("delta", "reduce"), "shrink": ("reduce",),
-              "split": ("reduce",)}
+              "nudge": ("reduce",), "split": ("reduce",)}
 SCALE = 1000.0  # scale@delta's factor
 EVERY_ROUND = -1
 
@@ -114,7 +114,7 @@ class PlannedFaults(faults.Faults):
             if action in LIE_POINTS and point not in LIE_POINTS[action]:
                 raise ValueError(f"{ENV}: bad item {item!r}; {action} lies at {' or '.join(LIE_POINTS[action])}")
             if action not in LIE_POINTS and point == "reduce":
-                raise ValueError(f"{ENV}: bad item {item!r}; reduce is a point of the lies scale, shrink and split")
+                raise ValueError(f"{ENV}: bad item {item!r}; reduce is a point of the lies scale, shrink, nudge and split")
             self.pending.add((action, point, int(round_)))
 
     def start_gate(self) -> None:
@@ -190,8 +190,9 @@ class PlannedFaults(faults.Faults):
         return delta * SCALE, weight
 
     def reducer_lie(self, round_: int) -> str | None:
-        """`LyingAllreduce.lie` for this round: ``scale-output`` / ``shrink-output`` / ``split-output`` when planned."""
-        action = self._take("reduce", round_, ("scale", "shrink", "split"))
+        """`LyingAllreduce.lie` for this round: ``scale-output`` / ``shrink-output`` / ``nudge-output`` /
+        ``split-output`` when planned."""
+        action = self._take("reduce", round_, ("scale", "shrink", "nudge", "split"))
         if action is not None:
             log.warning("fault injection: %s at reduce of round %d", action, round_)
-        return {"scale": "scale-output", "shrink": "shrink-output", "split": "split-output"}.get(action or "")
+        return f"{action}-output" if action else None

@@ -8,7 +8,8 @@ group can do as a sender and as a reducer, so that the members' checks meet it o
 (its averaged part changed for one member only, `victim`: a member index; with no victim, each
 other member gets its own changed copy). A node started as ``python -m tests.faults.node``
 uses it when ``DILOCO_P2P_FAULTS`` plans a lie as a reducer (``scale@reduce:R``,
-``shrink@reduce:R``, ``split@reduce:R``, `tests.faults.injection`); in-process tests use it directly
+``shrink@reduce:R``, ``split@reduce:R``, `tests.faults.injection`); ``name-nan`` (its gather header
+says member `victim` sent a NaN), ``nan-quotes`` (a NaN among its quotes); in-process tests use it directly
 (`tests/faults/hostile.py`). What the members do about each lie is
 `diloco_p2p.swarm.collective.aggregate`'s docstring.
 """
@@ -50,6 +51,8 @@ class LyingAllreduce(AllreduceService):
 
     def _quote(self, s, contributors, contribs, chunks_digest):
         frame = super()._quote(s, contributors, contribs, chunks_digest)
+        if self.lie == "nan-quotes":  # a malformed frame: what the members refuse before using any of it
+            return frame[:-4] + b"\xff\xff\xff\x7f"
         if self.lie != "misquote-output":
             return frame
         lo, hi = s.bounds[s.me]
@@ -64,6 +67,8 @@ class LyingAllreduce(AllreduceService):
         return samples.pack(weights, rows)
 
     async def _send(self, s, j, header, frames, deadline):
+        if self.lie == "name-nan" and header["kind"] == "gather":  # says `victim` sent a NaN (it did not)
+            header = {**header, "rejected": {**header["rejected"], str(self.victim): "nan"}}
         if self.lie == "split-output" and header["kind"] == "gather" and self.victim in (None, j):
             frames = _perturbed(frames, header["numel"], header["chunk"], s.compression, NUDGE * (1 + j))
         return await super()._send(s, j, header, frames, deadline)

@@ -172,7 +172,7 @@ def test_lying_members_and_reducers_in_a_real_swarm_are_left_out_or_dropped_and_
     (`tests.faults.injection`). Round 1: x sends -Δ at the largest weight the bound lets through and
     reduces its part × 1000, y sends Δ × 1000, z sends each member its own altered copy of its part.
     Round 2 (x and z, caught in round 1, are out of the honest nodes' groups): y reduces its part ×
-    0.001. Every round ends with the members' θ identical; the flip is left out by every honest
+    0.8, inside the norm and scale checks (its quoted samples refute it). Every round ends with the members' θ identical; the flip is left out by every honest
     reducer (the direction check), so round 1 averages what the honest senders sent; every liar is
     named in a log line and counted in the round records of everyone else."""
     keep = "keep@average"
@@ -180,7 +180,7 @@ def test_lying_members_and_reducers_in_a_real_swarm_are_left_out_or_dropped_and_
     with ProcessSwarm(tmp_path) as swarm:
         a, b = (swarm.node(name, opts, env={"DILOCO_P2P_FAULTS": keep}) for name in "ab")
         x = swarm.node("x", opts, env={"DILOCO_P2P_FAULTS": f"{keep},flip@delta:1,scale@reduce:1"})
-        y = swarm.node("y", opts, env={"DILOCO_P2P_FAULTS": f"{keep},scale@delta:1,shrink@reduce:2"})
+        y = swarm.node("y", opts, env={"DILOCO_P2P_FAULTS": f"{keep},scale@delta:1,nudge@reduce:2"})
         z = swarm.node("z", opts, env={"DILOCO_P2P_FAULTS": f"{keep},split@reduce:1"})
         swarm.release(a, b, x, y, z)
         for node in (a, b, x, y, z):
@@ -212,7 +212,7 @@ def test_lying_members_and_reducers_in_a_real_swarm_are_left_out_or_dropped_and_
         honest = (kept["a"]["delta"] + kept["b"]["delta"] + kept["z"]["delta"])[held] / 3
         assert 0.25 < held.float().mean() < 0.75  # 3 of 5 parts
         assert _cosine(kept["a"]["average"][held], honest) > 0.99
-        # Round 2: x and z are out of the honest nodes' group; y shrank its part, which is dropped.
+        # Round 2: x and z are out of the honest nodes' group; y scaled its part by 0.8, which is dropped.
         for n, record in members(2, "aby").items():
             if n != "y":
                 assert "reducer" in refused(record, "y"), (n, record)

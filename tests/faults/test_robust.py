@@ -51,7 +51,7 @@ def honest_inputs(seed: int) -> list[torch.Tensor]:
 
 
 def run(peers, xs, weights, robust: Robust, lie: str | None = None, victim: int | None = None,
-        public: list[bool] | None = None):
+        public: list[bool] | None = None, timeout: float = T):
     """One all-reduce of 4 members (member 3 a `LyingAllreduce` with `lie`); their results."""
     prefix = f"robust-{uuid.uuid4().hex[:8]}"
     services = [AllreduceService(p2p, prefix=prefix, chunk_elements=CHUNK) for p2p in peers.p2ps[:3]]
@@ -65,7 +65,7 @@ def run(peers, xs, weights, robust: Robust, lie: str | None = None, victim: int 
             await svc.start()
         try:
             return await asyncio.gather(*(
-                svc.allreduce("g", members, x, w, timeout=T, max_weight_ratio=RATIO, robust=robust, public=public)
+                svc.allreduce("g", members, x, w, timeout=timeout, max_weight_ratio=RATIO, robust=robust, public=public)
                 for svc, x, w in zip(services, xs, weights, strict=True)
             ))
         finally:
@@ -196,6 +196,22 @@ def test_reducer_that_shrinks_its_part_is_dropped_and_blamed(peers, caplog):
     assert_part_3_dropped_and_its_reducer_named(caplog, results, names, "scale of the round's other parts")
 
 
+def test_one_reducer_saying_a_member_sent_a_nan_keeps_nobody_out(peers, caplog):
+    """Member 3 claims in its gather header that member 0 sent a NaN: named by one part only, which
+    any reducer could make up, so member 0 is named malformed but kept in our groups."""
+    xs = honest_inputs(8)
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
+    results = run(peers, xs + [xs[1].clone()], HONEST_WEIGHTS + [1000.0], Robust(), lie="name-nan", victim=0)
+    assert_honest_agree(results)
+    for r in results[1:3]:
+        assert r.rejected.get(names[0]) == "nan" and r.proven_malformed == []
+        guard = Guard()
+        with caplog.at_level(logging.WARNING):
+            blame(guard, 1, r)
+        assert guard.drain() == {names[0]: ["malformed"]} and guard.distrusted() == set()
+        assert "said by one part's reducer only" in caplog.text
+
+
 def test_weight_over_the_bound_is_named(peers, caplog):
     xs = honest_inputs(3)
     names = [p.peer_id.to_base58() for p in peers.p2ps]
@@ -243,6 +259,15 @@ def test_reducer_that_misquotes_its_contributors_to_hide_a_scale_is_dropped(peer
     assert_honest_agree(results)
     for r in results[:3]:
         assert r.committed_parts == [0, 1, 2] and r.reducers == {}
+
+
+def test_malformed_quotes_are_refused_and_the_part_dropped_everywhere(peers):
+    """Member 3's quotes hold a NaN: no member takes its part (nor raises), so every member drops it."""
+    xs = honest_inputs(9)
+    results = run(peers, xs + [xs[1].clone()], HONEST_WEIGHTS + [1000.0], Robust(), lie="nan-quotes", timeout=8.0)
+    assert_honest_agree(results)
+    for r in results[:3]:
+        assert r.status == "partial" and r.committed_parts == [0, 1, 2]
 
 
 def test_private_members_check_a_scaled_part_with_the_norms_public_members_relay(peers, caplog):

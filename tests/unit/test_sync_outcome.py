@@ -59,14 +59,19 @@ def test_malformed_senders_are_refused_by_name_and_kept_out_of_our_groups(caplog
     from diloco_p2p.swarm.trust.guard import Guard
 
     result = _result("ok", torch.zeros(4))
-    result.rejected = {"c": "nan", "d": "shape", "e": "compression", "f": "timeout", "g": "weight", "me": "nan"}
+    result.rejected = {"c": "nan", "d": "shape", "e": "compression", "f": "timeout", "g": "weight", "me": "nan",
+                       "h": "nan"}
+    result.proven_malformed = ["c", "d", "e", "me"]  # "h": one part's reducer said so, which a liar can
     guard = Guard()
     with caplog.at_level("WARNING"):
         blame(guard, 3, result, me="me")
-    assert guard.drain() == {"c": ["malformed"], "d": ["malformed"], "e": ["malformed"], "g": ["weight"]}
+    assert guard.drain() == {"c": ["malformed"], "d": ["malformed"], "e": ["malformed"], "g": ["weight"],
+                             "h": ["malformed"]}
     assert guard.distrusted() == {"c", "d", "e"}
     assert "refused peer c: malformed (round 3: NaN or Inf in its contribution)" in caplog.text
     assert "refused peer d: malformed (round 3: a contribution of another length)" in caplog.text
+    assert "refused peer h: malformed (round 3: NaN or Inf in its contribution (said by one part's reducer only" \
+        in caplog.text
 
 
 def test_an_opposed_sender_is_named_with_most_parts_evidence_and_never_kept_out(caplog):
@@ -88,13 +93,16 @@ def test_an_opposed_sender_is_named_with_most_parts_evidence_and_never_kept_out(
         in caplog.text
 
 
-def test_one_lying_reducer_cannot_make_an_opposed_sender_proven():
+def test_one_lying_reducer_cannot_make_an_opposed_or_malformed_sender_proven():
     """Four members: reducer 3 names member 0 `opposed` in its part's header; the other reducers
     took member 0's contribution. Not enough to keep member 0 out; a flip that reducers 0, 1, 2
     all name (member 3, part 3 its own) is."""
     from types import SimpleNamespace
 
-    from diloco_p2p.swarm.collective.allreduce_state import _opposed_by_most
+    from diloco_p2p.swarm.collective.allreduce_state import MALFORMED_REASONS, _named_by_most
+
+    def _opposed_by_most(s, committed):
+        return _named_by_most(s, committed, ("opposed",))
 
     def part(contributors, rejected):
         return {"contributors": contributors, "rejected": rejected}
@@ -106,3 +114,8 @@ def test_one_lying_reducer_cannot_make_an_opposed_sender_proven():
         p: part([0, 1, 2], {"3": "opposed"}) for p in range(4)})
     assert _opposed_by_most(flip, [0, 1, 2, 3]) == {"d": "3 of 3 parts"}
     assert _opposed_by_most(flip, [0, 3]) == {}  # one other committed part: not "several"
+    # the same rule for a NaN, another length or format: one lying reducer's "nan" keeps nobody out
+    nan = SimpleNamespace(k=4, names=list("abcd"), gathered={**lying.gathered, 3: part([1, 2, 3], {"0": "nan"})})
+    assert _named_by_most(nan, [0, 1, 2, 3], MALFORMED_REASONS) == {}
+    real = SimpleNamespace(k=4, names=list("abcd"), gathered={p: part([0, 1, 2], {"3": "nan"}) for p in range(4)})
+    assert _named_by_most(real, [0, 1, 2, 3], MALFORMED_REASONS) == {"d": "3 of 3 parts"}

@@ -322,6 +322,10 @@ class AllreduceService(AllreduceStreams):
                               rejected=rejected, samples=quoted)
             chunks_digest = _digest(accepted, frames or [])
             quotes = self._quote(s, accepted, complete, chunks_digest) if quoted else None
+            s.refuted.pop(s.me, None)  # what the void streamed part's quotes said no longer holds
+            s.misquoted.discard(s.me)
+            if quotes is not None:  # every member checks every part, ours too: the same drops everywhere
+                self._check_quotes(s, s.me, header, chunks_digest, quotes)
             s.fallback = (header, (frames or []) + ([quotes] if quotes else []))
             s.gathered[s.me] = header
             s.part_digests[s.me] = samples.digest(chunks_digest, quotes)
@@ -360,6 +364,8 @@ class AllreduceService(AllreduceStreams):
             await s.notify()
         chunks_digest = digest.hexdigest()[: aggregate.DIGEST_HEX]
         s.quotes = self._quote(s, candidates, s.contribs, chunks_digest) if s.gather_header["samples"] else None
+        if s.quotes is not None:
+            self._check_quotes(s, s.me, s.gather_header, chunks_digest, s.quotes)
         s.part_digests[s.me], s.part_sumsq[s.me] = samples.digest(chunks_digest, s.quotes), squares
         return True
 

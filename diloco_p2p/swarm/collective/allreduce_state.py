@@ -44,6 +44,7 @@ class AllreduceResult:
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds since the start, when it ended
     reducers: dict[str, str] = field(default_factory=dict)  # reducer caught by the members' checks -> what it did
     opposed: dict[str, str] = field(default_factory=dict)  # sender most parts left out as "opposed" -> how many
+    proven_malformed: list[str] = field(default_factory=list)  # malformed by our own part, or most parts'
 
 
 class Session:
@@ -206,7 +207,9 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
         for j, reason in s.gathered[p]["rejected"].items():
             if rejected.get(s.names[int(j)], "timeout") == "timeout":  # a specific reason beats "timeout"
                 rejected[s.names[int(j)]] = reason
-    opposed = _opposed_by_most(s, committed)
+    opposed = _named_by_most(s, committed, ("opposed",))
+    malformed = _named_by_most(s, committed, MALFORMED_REASONS)
+    malformed.update({s.names[j]: "ours" for j, why in s.rejected.items() if why in MALFORMED_REASONS and j != s.me})
     log.debug("allreduce %s: %s, parts %s/%d, rejected %s", s.group_id, status, committed, s.k, rejected)
     return AllreduceResult(
         average=average,
@@ -223,12 +226,16 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
         phases=dict(s.phases),
         reducers=blamed,
         opposed=opposed,
+        proven_malformed=sorted(name for name in malformed if name in rejected),
     )
 
 
-def _opposed_by_most(s: Session, committed: list[int]) -> dict[str, str]:
-    """Senders most committed parts but their own (two at least) left out as "opposed": evidence
-    one lying reducer cannot make up, so `collective.outcome.blame` keeps them out of our groups."""
+MALFORMED_REASONS = ("nan", "shape", "compression")
+
+
+def _named_by_most(s: Session, committed: list[int], reasons: tuple[str, ...]) -> dict[str, str]:
+    """Senders that most committed parts but their own (two at least) refused for one of `reasons`:
+    evidence one lying reducer cannot make up (`collective.outcome.blame` weighs it)."""
     out: dict[str, str] = {}
     for q in range(s.k):
         named = judged = 0
@@ -236,8 +243,8 @@ def _opposed_by_most(s: Session, committed: list[int]) -> dict[str, str]:
             if p == q:
                 continue
             says = s.gathered[p]["rejected"].get(str(q))
-            named += says == "opposed"
-            judged += says == "opposed" or q in s.gathered[p]["contributors"]
+            named += says in reasons
+            judged += says in reasons or q in s.gathered[p]["contributors"]
         if named >= 2 and 2 * named > judged:
             out[s.names[q]] = f"{named} of {judged} parts"
     return out

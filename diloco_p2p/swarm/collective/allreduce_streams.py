@@ -182,6 +182,7 @@ class AllreduceStreams:
             and h["numel"] == hi - lo
             and h["comp"] in (s.compression, "fp32")  # fp32: a level of a hierarchy, exact (`part_hook`)
             and all(c < s.k for c in h["contributors"])
+            and len(set(h["contributors"])) == len(h["contributors"])  # bounds the quotes' frame too
             and all(int(p) < s.k for p in h["rejected"])
         )
         if not valid:

@@ -19,7 +19,8 @@ MALFORMED = {"nan": "NaN or Inf in its contribution", "shape": "a contribution o
 
 def blame(guard: Guard, round: int, result: AllreduceResult, me: str | None = None) -> None:
     """Contributions refused (weight, norm, opposed, malformed) and reducers caught are refusals of
-    peers (`Guard`); a caught reducer or malformed sender is left out of our next groups, an opposed
+    peers (`Guard`); a caught reducer is left out of our next groups, and so is a malformed sender
+    that our own part or most parts refused (one lying reducer cannot name anyone so), an opposed
     one named with the parts that left it out (`AllreduceResult.opposed`). Our own is no peer's fault."""
     for peer, reason in sorted(result.rejected.items()):
         if peer == me:
@@ -30,7 +31,9 @@ def blame(guard: Guard, round: int, result: AllreduceResult, me: str | None = No
             guard.reject(peer, "opposed", f"round {round}: its contribution points against the others' "
                          "(in too few parts to keep it out)", keep_out=False)
         elif reason in MALFORMED:
-            guard.reject(peer, "malformed", f"round {round}: {MALFORMED[reason]}")
+            proven = peer in result.proven_malformed
+            guard.reject(peer, "malformed", f"round {round}: {MALFORMED[reason]}"
+                         + ("" if proven else " (said by one part's reducer only: not kept out)"), keep_out=proven)
     for peer, most in sorted(result.opposed.items()):
         if peer != me:
             guard.reject(peer, "opposed", f"round {round}: its contribution points against the others' "

@@ -60,11 +60,10 @@ def unpack(data: bytes, contributors: int, numel: int) -> tuple[list[float], tor
 
 def at(chunks: Sequence[bytes], numel: int, chunk: int, compression: str, offsets: np.ndarray) -> torch.Tensor:
     """The decoded values at `offsets` of a part sent as encoded `chunks`, decoding only what they need."""
-    out = torch.empty(len(offsets), dtype=torch.float32)
-    for c, (a, b) in enumerate(wire.chunk_ranges(numel, chunk)):
-        mine = np.nonzero((offsets >= a) & (offsets < b))[0]
-        if len(mine):
-            out[torch.from_numpy(mine)] = _decode_at(chunks[c], b - a, compression, offsets[mine] - a)
+    out, which = torch.empty(len(offsets), dtype=torch.float32), offsets // chunk
+    for c in np.unique(which):
+        mine, a = np.nonzero(which == c)[0], int(c) * chunk
+        out[torch.from_numpy(mine)] = _decode_at(chunks[c], min(a + chunk, numel) - a, compression, offsets[mine] - a)
     return out
 
 
