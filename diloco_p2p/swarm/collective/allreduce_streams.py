@@ -211,7 +211,8 @@ class AllreduceStreams:
         if h.get("samples") and not h["empty"]:
             quotes = await streams.read_frame(reader, samples.frame_size(len(h["contributors"]), h["numel"]))
             s.bytes_received += streams.LENGTH_PREFIX + len(quotes)
-            if h["comp"] != s.compression or not self._check_quotes(s, j, h, chunks_digest, quotes):
+            if h["comp"] != s.compression or s.mask_fixed or s.finished or not self._check_quotes(
+                    s, j, h, chunks_digest, quotes):  # no await from here to the part being held
                 return False
         s.gathered[j] = h
         s.part_digests[j], s.part_sumsq[j] = samples.digest(chunks_digest, quotes), squares[0]
