@@ -262,12 +262,15 @@ def test_reducer_that_misquotes_its_contributors_to_hide_a_scale_is_dropped(peer
 
 
 def test_malformed_quotes_are_refused_and_the_part_dropped_everywhere(peers):
-    """Member 3's quotes hold a NaN: no member takes its part (nor raises), so every member drops it."""
+    """Member 3's quotes hold a NaN: no member takes its part (nor raises), so every member drops it,
+    and names its reducer (its own bytes to each member)."""
     xs = honest_inputs(9)
+    names = [p.peer_id.to_base58() for p in peers.p2ps]
     results = run(peers, xs + [xs[1].clone()], HONEST_WEIGHTS + [1000.0], Robust(), lie="nan-quotes", timeout=8.0)
     assert_honest_agree(results)
     for r in results[:3]:
         assert r.status == "partial" and r.committed_parts == [0, 1, 2]
+        assert list(r.reducers) == [names[3]] and "malformed" in r.reducers[names[3]]
 
 
 def test_private_members_check_a_scaled_part_with_the_norms_public_members_relay(peers, caplog):

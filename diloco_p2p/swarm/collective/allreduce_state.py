@@ -119,6 +119,7 @@ class Session:
         self.own, self.own_weight = torch.empty(0), 0.0  # our contribution, set by allreduce()
         self.quotes: bytes | None = None
         self.refuted: dict[int, str] = {}
+        self.bad_quotes: dict[int, str] = {}  # reducer -> why its quotes to us did not parse
         self.misquoted: set[int] = set()
         self.mask_misquoted: dict[int, set[int]] = {}  # member -> the parts its mask says misquoted it
         self.started.set()
@@ -194,6 +195,7 @@ def conclude(s: Session, seconds: float) -> AllreduceResult:
     caught = _check_reducers(s, committed, masks)
     committed = [p for p in committed if p not in caught]
     blamed = {s.names[p]: why for p, (why, proven) in {**_misquoting(s, masks), **caught}.items() if proven}
+    blamed.update({s.names[p]: why for p, why in s.bad_quotes.items()})
     if len(agreed) < 2 or not committed:  # nobody confirmed anything with us
         status, committed, average = "failed", [], torch.zeros(s.n, dtype=torch.float32)
     else:

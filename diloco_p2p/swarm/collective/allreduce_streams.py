@@ -224,7 +224,8 @@ class AllreduceStreams:
         lo, hi = s.bounds[j]
         try:
             weights, rows = samples.unpack(quotes, len(h["contributors"]), hi - lo)
-        except wire.WireError:
+        except wire.WireError as e:  # its own bytes to us, proven by p2pd's peer id: no one else can frame it
+            s.bad_quotes[j] = f"sent quotes of part {j} that are malformed ({e})"
             return False
         assert s.result is not None
         offsets, part = samples.places(s.group_id, j, chunks_digest, hi - lo), s.result[lo:hi]
