@@ -100,3 +100,13 @@ def test_an_int8_block_encodes_alike_alone_and_in_its_chunk():
     whole = wire.decode(wire.encode(x, "int8"), 3000, "int8")
     for a, b in ((0, 1024), (1024, 2048), (2048, 3000)):
         assert torch.equal(whole[a:b], wire.decode(wire.encode(x[a:b], "int8"), b - a, "int8"))
+
+
+def test_quoted_weights_near_the_float_limit_are_judged_like_any_others():
+    """Without a weight cap, quoted weights near the float limit would overflow an fp32 sum: the
+    recomputation neither raises nor lets the part pass unchecked."""
+    rows, output = torch.ones(3, 8), torch.ones(8)
+    robust = aggregate.Robust(weight_cap=None)
+    for weights in ([1.0, 1.0, 1.0], [1e308, 1e308, 1e308], [1e308, 1e308, 1.0]):
+        assert samples.refuted(robust, weights, rows, output, torch.zeros(8)) is None
+        assert samples.refuted(robust, weights, rows, 2 * output, torch.zeros(8)) is not None

@@ -272,6 +272,13 @@ V = wire.PROTOCOL_VERSION
         json.dumps(
             {"v": V, **scatter_header(kind="gather", empty=False, stream=True, contributors=[-1], rejected={})}
         ).encode(),
+        json.dumps(  # the quotes' flag (protocol 5) is a boolean
+            {"v": V, **scatter_header(kind="gather", empty=False, stream=True, contributors=[0], rejected={},
+                                      samples="yes")}
+        ).encode(),
+        # a mask's misquoted parts are part indexes of this group
+        json.dumps({"v": V, "kind": "mask", "group": "g", "digest": "d", "mask": [1, 1], "misquoted": [2]}).encode(),
+        json.dumps({"v": V, "kind": "mask", "group": "g", "digest": "d", "mask": [1, 1], "misquoted": "0"}).encode(),
     ],
 )
 def test_parse_header_rejects_malformed(raw):

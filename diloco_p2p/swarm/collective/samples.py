@@ -117,11 +117,12 @@ def refuted(robust: aggregate.Robust, weights: Sequence[float], rows: torch.Tens
             allowed: torch.Tensor) -> str | None:
     """Why the output at the quoted places is not the rule over the quotes (None: it is)."""
     capped = aggregate.capped_weights(dict(enumerate(weights)), robust.weight_cap)
-    w = [capped[i] for i in range(len(weights))]
+    top = max(capped.values())  # the same mean on a scale no quoted weight can overflow in fp32
+    w = [capped[i] / top for i in range(len(weights))]
     expected = aggregate.combine(robust, w, list(rows))
     spread = sum(wi * r.abs() for wi, r in zip(w, rows, strict=True)) / math.fsum(w)
     off = (output - expected).abs()
-    wrong = off > allowed + ACCUMULATION * len(w) * spread
+    wrong = ~(off <= allowed + ACCUMULATION * len(w) * spread)  # NaN refutes too
     if not bool(wrong.any()):
         return None
     ratio = float((output.double() @ expected.double()) / max(float(expected.double().square().sum()), 1e-300))
