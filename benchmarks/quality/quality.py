@@ -62,10 +62,15 @@ def simulate(cfg: str, keys: list[str], sets: list[str]) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        records = [json.loads(line) for line in (Path(tmp) / keys[0] / "metrics.jsonl").read_text().splitlines()]
-    curve = [(r["tokens"] * len(keys), r["eval_loss"]) for r in records if r["eval_loss"] is not None]
+        return {**outcome(Path(tmp) / keys[0], len(keys)), "seconds": time.perf_counter() - start}
+
+
+def outcome(run_dir: Path, m: int) -> dict:
+    """A run's eval curve (tokens of all `m` replicas, loss) and all-reduces, from one replica's records."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    curve = [(r["tokens"] * m, r["eval_loss"]) for r in records if r["eval_loss"] is not None]
     allreduces = sum(1 for r in records if r.get("status") == "committed")
-    return {"curve": curve, "final": curve[-1][1], "allreduces": allreduces, "seconds": time.perf_counter() - start}
+    return {"curve": curve, "final": curve[-1][1], "allreduces": allreduces}
 
 
 def parse_run(spec: str, rounds: int = 16, h: int = 30) -> tuple[int, list[str]]:
@@ -81,7 +86,8 @@ def parse_run(spec: str, rounds: int = 16, h: int = 30) -> tuple[int, list[str]]
         if key == "recipe" and value == "auto":
             from diloco_p2p.config.recipe import recipe
 
-            sets += [f"outer.nodes={m}", *(f"outer.{k}={v}" for k, v in recipe(int(m), rounds, h).items())]
+            chosen = recipe(int(m), rounds, h)
+            sets += [f"outer.nodes={m}", *(f"outer.{k}={v}" for k, v in chosen.items())]
     return int(m), sets
 
 
@@ -154,9 +160,8 @@ def train(args: argparse.Namespace, results: dict) -> dict:
 
     def one(job: tuple[str, int, int, list[str], dict]) -> None:
         name, m, seed, sets, info = job
-        keys = [f"s{seed}-replica-{i}" for i in range(m)]
-        common = [f"seed={seed}", f"inner.batch_size={batch}", "train.num_threads=1", *args.overrides]
-        save(name, {**simulate(args.config, keys, [*common, *sets]), **info, "M": m, "seed": seed})
+        keys = replica_keys(m, seed)
+        save(name, {**simulate(args.config, keys, [*common(args, seed, batch), *sets]), **info, "M": m, "seed": seed})
 
     dp_rounds = [f"train.max_rounds={steps // eval_steps}", f"outer.inner_steps={eval_steps}", "train.eval_every=1",
                  f"train.checkpoint_every={steps // eval_steps}", "outer.lr=1.0", "outer.momentum=0.0",
@@ -169,16 +174,7 @@ def train(args: argparse.Namespace, results: dict) -> dict:
 
     ms = sorted({parse_run(s)[0] for s in args.run} | {1, *args.dp_ms})
     lrs = args.dp_lr or [base.inner.lr, 2 * base.inner.lr]
-    diloco = []
-    for seed in args.seeds:
-        for spec in args.run:
-            m, sets = parse_run(spec, args.rounds, args.h)
-            h = next((int(s.split("=")[1]) for s in sets if s.startswith("outer.inner_steps=")), args.h)
-            if steps % h:
-                raise SystemExit(f"--run {spec}: H={h} does not divide the horizon's {steps} steps")
-            horizon = [f"train.max_rounds={steps // h}", f"outer.inner_steps={h}",
-                       f"train.eval_every={max(1, eval_steps // h)}", f"train.checkpoint_every={10**6}"]
-            diloco.append((f"{spec}@s{seed}", m, seed, [*horizon, *sets], {"kind": "diloco", "spec": spec}))
+    diloco = [diloco_job(args, spec, seed) for seed in args.seeds for spec in args.run]
 
     # One pool: the data-parallel runs at M = 1 first, then the DiLoCo runs, which need nothing; each
     # seed's data-parallel runs at M > 1 (at its best lr γ* from M = 1) join the queue once γ* is known.
@@ -195,6 +191,27 @@ def train(args: argparse.Namespace, results: dict) -> dict:
         for f in rest:
             f.result()
     return state
+
+
+def replica_keys(m: int, seed: int) -> list[str]:
+    return [f"s{seed}-replica-{i}" for i in range(m)]
+
+
+def common(args: argparse.Namespace, seed: int, batch: int) -> list[str]:
+    """The overrides every run of a seed shares."""
+    return [f"seed={seed}", f"inner.batch_size={batch}", "train.num_threads=1", *args.overrides]
+
+
+def diloco_job(args: argparse.Namespace, spec: str, seed: int) -> tuple[str, int, int, list[str], dict]:
+    """A DiLoCo `--run` at `seed`: its name, M, seed, overrides over the horizon, and result fields."""
+    m, sets = parse_run(spec, args.rounds, args.h)
+    steps, eval_steps = args.rounds * args.h, args.eval_steps or args.h
+    h = next((int(s.split("=")[1]) for s in sets if s.startswith("outer.inner_steps=")), args.h)
+    if steps % h:
+        raise SystemExit(f"--run {spec}: H={h} does not divide the horizon's {steps} steps")
+    horizon = [f"train.max_rounds={steps // h}", f"outer.inner_steps={h}",
+               f"train.eval_every={max(1, eval_steps // h)}", f"train.checkpoint_every={10**6}"]
+    return f"{spec}@s{seed}", m, seed, [*horizon, *sets], {"kind": "diloco", "spec": spec}
 
 
 def warm_start(args: argparse.Namespace, batch: int) -> Path:

@@ -138,15 +138,19 @@ class _ReplicaFlight(InFlight):
 
 
 def simulate(config: Config, root: Path, keys: Sequence[str],
-             make_sync: Callable[[str, Rendezvous], ReplicaSync] = ReplicaSync) -> dict[str, list[RoundRecord]]:
+             make_sync: Callable[[str, Rendezvous], ReplicaSync] = ReplicaSync,
+             on_nodes: Callable[[dict], None] | None = None) -> dict[str, list[RoundRecord]]:
     """Train len(keys) replicas of `config` under `root/<key>`; each replica's round records.
-    `make_sync` builds each replica's `Sync` (a benchmark's attacker replica alters its Δ there)."""
+    `make_sync` builds each replica's `Sync` (a benchmark's attacker replica alters its Δ there);
+    `on_nodes` sees the built nodes by key before they train (a benchmark's prototype reaches in)."""
     from diloco_p2p.loop.node import Node
 
     if len(set(keys)) != len(keys) or not keys:
         raise ValueError("replica keys must be distinct and at least one")
     rendezvous = Rendezvous(keys, config.sync)
     nodes = {key: Node(config, root / key, make_sync(key, rendezvous), progress=False) for key in keys}
+    if on_nodes is not None:
+        on_nodes(nodes)
     records: dict[str, list[RoundRecord]] = {}
     errors: list[BaseException] = []
 
