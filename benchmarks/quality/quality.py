@@ -73,10 +73,12 @@ def outcome(run_dir: Path, m: int) -> dict:
     return {"curve": curve, "final": curve[-1][1], "allreduces": allreduces}
 
 
-def parse_run(spec: str, rounds: int = 16, h: int = 30) -> tuple[int, list[str]]:
+def parse_run(spec: str, rounds: int = 16, h: int = 30, optimizer: str = "adamw") -> tuple[int, list[str]]:
     """`--run`'s M and its overrides. ``recipe=auto`` sets every field the recipe chooses for M nodes over
-    `rounds` rounds of H, so a config file's own outer step (the tiny preset's) does not mask it."""
+    `rounds` rounds of H with the run's inner optimizer (its `opt`, else `optimizer`), so a config file's
+    own outer step (the tiny preset's) does not mask it."""
     m, *pairs = spec.split(":")
+    optimizer = dict(pair.partition("=")[::2] for pair in pairs).get("opt", optimizer)
     sets = []
     for pair in pairs:
         key, _, value = pair.partition("=")
@@ -86,7 +88,7 @@ def parse_run(spec: str, rounds: int = 16, h: int = 30) -> tuple[int, list[str]]
         if key == "recipe" and value == "auto":
             from diloco_p2p.config.recipe import recipe
 
-            chosen = recipe(int(m), rounds, h)
+            chosen = recipe(int(m), rounds, h, optimizer=optimizer)
             sets += [f"outer.nodes={m}", *(f"outer.{k}={v}" for k, v in chosen.items())]
     return int(m), sets
 
@@ -204,7 +206,9 @@ def common(args: argparse.Namespace, seed: int, batch: int) -> list[str]:
 
 def diloco_job(args: argparse.Namespace, spec: str, seed: int) -> tuple[str, int, int, list[str], dict]:
     """A DiLoCo `--run` at `seed`: its name, M, seed, overrides over the horizon, and result fields."""
-    m, sets = parse_run(spec, args.rounds, args.h)
+    from diloco_p2p.config import load_config
+
+    m, sets = parse_run(spec, args.rounds, args.h, load_config(args.config, args.overrides).inner.optimizer)
     steps, eval_steps = args.rounds * args.h, args.eval_steps or args.h
     h = next((int(s.split("=")[1]) for s in sets if s.startswith("outer.inner_steps=")), args.h)
     if steps % h:

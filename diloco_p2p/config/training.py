@@ -61,7 +61,7 @@ class OuterConfig(Section):
     recipe: Literal["manual", "auto"] = Field(
         "manual",
         description="`auto` sets every outer field below that the config leaves unset (H's schedule, its start, "
-        "outer.lr, outer.momentum, the outer warmup) from outer.nodes and train.max_rounds, by the table that "
+        "outer.lr, outer.momentum, the outer warmup) from outer.nodes, train.max_rounds and inner.optimizer, by the table that "
         "benchmarks/quality/quality.py measured (`diloco_p2p.config.recipe`); `manual` uses the fields as given.",
     )
     nodes: int = Field(

@@ -99,8 +99,7 @@ class Config(Section):
         if isinstance(outer, dict) and outer.get("recipe") == "auto":
             from diloco_p2p.config.recipe import recipe
 
-            train = data.get("train") if isinstance(data.get("train"), dict) else {}
-            sync = data.get("sync") if isinstance(data.get("sync"), dict) else {}
+            train, sync, inner = (data.get(k) if isinstance(data.get(k), dict) else {} for k in ("train", "sync", "inner"))
             fields = OuterConfig.model_fields
             try:
                 overlap = overlap_modes.MODES.get(sync.get("overlap", SyncConfig.model_fields["overlap"].default))
@@ -108,7 +107,8 @@ class Config(Section):
                              and not outer.get("delayed_nesterov") and not outer.get("dynamic_local_updates"))
                 chosen = recipe(int(outer.get("nodes", fields["nodes"].default)),
                                 int(train.get("max_rounds", TrainConfig.model_fields["max_rounds"].default)),
-                                int(outer.get("inner_steps", fields["inner_steps"].default)), schedules)
+                                int(outer.get("inner_steps", fields["inner_steps"].default)), schedules,
+                                str(inner.get("optimizer", InnerConfig.model_fields["optimizer"].default)))
             except (TypeError, ValueError):
                 return data  # a malformed input: the field's own check names it
             data = {**data, "outer": {**chosen, **outer}}

@@ -118,6 +118,26 @@ def test_the_recipe_keeps_h_constant_where_rounds_do_not_start_from_theta():
     assert (long.outer.h_schedule, long.outer.momentum, long.outer.warmup_rounds) == ("qsr", 0.9, 16)
 
 
+def test_the_recipe_follows_the_inner_optimizer():
+    """With Muon inside: η 1 at every length (the long row lost there), a slow momentum from 4 nodes;
+    with AdamW inside the rows of before. A node of the other optimizer chooses another step, so
+    it does not match the swarm's hash (refused at start, the field named)."""
+    def outer(nodes: int, rounds: int, optimizer: str) -> tuple:
+        cfg = load_config(None, ["outer.recipe=auto", f"outer.nodes={nodes}", f"train.max_rounds={rounds}",
+                                 "outer.inner_steps=30", f"inner.optimizer={optimizer}"])
+        return cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov, cfg.outer.warmup_rounds, cfg.outer.h_schedule
+
+    assert outer(2, 16, "muon") == outer(2, 16, "adamw") == (1.0, 0.0, True, 0, "qsr")
+    assert outer(4, 16, "muon") == (1.0, 0.5, True, 0, "qsr") and outer(4, 16, "adamw")[:2] == (1.0, 0.0)
+    assert outer(2, 100, "muon") == (1.0, 0.0, True, 0, "qsr") and outer(2, 100, "adamw")[:2] == (0.7, 0.9)
+    assert outer(16, 700, "muon")[:2] == (1.0, 0.5) and outer(1, 16, "muon") == outer(1, 16, "adamw")
+
+    def swarm(optimizer: str) -> str:
+        return load_config(None, ["outer.recipe=auto", "outer.nodes=8", f"inner.optimizer={optimizer}"]).swarm_hash()
+
+    assert swarm("muon") != swarm("adamw")
+
+
 def test_a_malformed_value_under_the_recipe_is_named_by_its_own_field():
     with pytest.raises(UserError, match="field 'train.max_rounds'"):
         load_config(None, ["outer.recipe=auto", "train.max_rounds=abc"])
