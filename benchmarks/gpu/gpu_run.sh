@@ -3,7 +3,8 @@
 # present, and the GPU benchmarks. Logs go to $OUT (default ./gpu-out), one file per stage.
 #
 #   bash benchmarks/gpu/gpu_run.sh info tests inner outer swarm mixed suite quality quality-small
-#   bash benchmarks/gpu/gpu_run.sh issue49   # issue 49's checks, under 9 minutes (i49-m16: 12 more)
+#   bash benchmarks/gpu/gpu_run.sh issue49   # issue 49's checks, under 9 minutes (i49-m16: 12 more;
+#                                            # i49-ilr: the AdamW part's lr under Muon at 35m, 8 more)
 #
 # A machine without our dependencies can take them as wheels in .whl/ (bash benchmarks/gpu/wheels.sh);
 # they are installed into /tmp/site first.
@@ -103,6 +104,16 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
                 --dp-lr 0.0015 --dp-scales 0.7071 --jobs ${I49_JOBS:-8} --set inner.optimizer=muon \
                 --set inner.muon_lr=0.006 --json "$OUT/i49_long_small.json" --run 4:recipe=auto:opt=muon:mlr=0.006 &
             wait ;;
+        # The AdamW part's lr under Muon (inner.lr: embeddings, head, norms) at the 35m shape: on tiny its best was
+        # 32x the preset's (0.048 against 0.0015) for data-parallel and DiLoCo alike. Data-parallel Muon at M = 1
+        # over a 4x grid, then M = 8 at the square-root rule from its best, and DiLoCo M = 8 (the recipe) at
+        # inner.lr 16x. About 8 minutes on an H200 (estimated from issue49's runs; not run on a GPU yet).
+        i49-ilr) mlr=${QUALITY_MLR:-0.008}
+            stage i49-35m-ilr "${I49_ILR_S:-540}" python3 benchmarks/quality/quality.py --config \
+                ${I49_CONFIG:-configs/35m.yaml} --rounds ${I49_ROUNDS:-16} --h ${I49_H:-30} --batch 8 \
+                --dp-lr ${I49_ILR_GRID:-0.002 0.008 0.032} --dp-scales 0.5 --jobs ${I49_JOBS:-8} \
+                --set inner.optimizer=muon --set inner.muon_lr=$mlr --json "$OUT/i49_35m_ilr.json" \
+                --run "8:recipe=auto:opt=muon:mlr=$mlr:ilr=${I49_ILR:-0.032}" ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac
 done
