@@ -5,8 +5,8 @@ A user who changes only the number of nodes (``outer.nodes``), the run's length
 the smallest ``h_start`` that keeps the run within twice the all-reduces of a constant H. With
 AdamW inside, plain averaging (η 1, β 0) under 64 rounds and the DiLoCo paper's Nesterov step
 (η 0.7, β 0.9, warmed up over 16 rounds) from 64 rounds on. With Muon inside (MuLoCo) η 1 at any
-length, and from 4 nodes a slow Nesterov momentum (β 0.5, MT-DAO's short outer memory; at 2 nodes
-it lost, and with AdamW inside it was far worse). The choices come from `benchmarks/quality/quality.py` on the
+length, and from 8 nodes a slow Nesterov momentum (β 0.5, MT-DAO's short outer memory; at 2 nodes
+it lost, at 4 it won or lost with the AdamW part's lr, and with AdamW inside it was far worse). The choices come from `benchmarks/quality/quality.py` on the
 tiny preset. The table and the measurements behind it: docs/recipes.md
 """
 
@@ -18,7 +18,7 @@ from diloco_p2p.config.schedule import qsr_start
 
 ALLREDUCE_BUDGET = 2.0  # at most this many times the all-reduces of a constant H
 LONG_HORIZON = 64  # rounds from which momentum has time to build up
-SLOW_MOMENTUM_NODES = 4  # with Muon inside, the swarm size from which β 0.5 beat plain averaging
+SLOW_MOMENTUM_NODES = 8  # with Muon inside, the swarm size from which β 0.5 beat plain averaging
 
 
 def recipe(nodes: int, max_rounds: int, inner_steps: int, schedules: bool = True,

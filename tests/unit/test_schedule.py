@@ -119,7 +119,7 @@ def test_the_recipe_keeps_h_constant_where_rounds_do_not_start_from_theta():
 
 
 def test_the_recipe_follows_the_inner_optimizer():
-    """With Muon inside: η 1 at every length (the long row lost there), a slow momentum from 4 nodes;
+    """With Muon inside: η 1 at every length (the long row lost there), a slow momentum from 8 nodes;
     with AdamW inside the rows of before. A node of the other optimizer chooses another step, so
     it does not match the swarm's hash (refused at start, the field named)."""
     def outer(nodes: int, rounds: int, optimizer: str) -> tuple:
@@ -127,9 +127,9 @@ def test_the_recipe_follows_the_inner_optimizer():
                                  "outer.inner_steps=30", f"inner.optimizer={optimizer}"])
         return cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov, cfg.outer.warmup_rounds, cfg.outer.h_schedule
 
-    assert outer(2, 16, "muon") == outer(2, 16, "adamw") == (1.0, 0.0, True, 0, "qsr")
-    assert outer(4, 16, "muon") == (1.0, 0.5, True, 0, "qsr") and outer(4, 16, "adamw")[:2] == (1.0, 0.0)
-    assert outer(2, 100, "muon") == (1.0, 0.0, True, 0, "qsr") and outer(2, 100, "adamw")[:2] == (0.7, 0.9)
+    assert outer(4, 16, "muon") == outer(4, 16, "adamw") == (1.0, 0.0, True, 0, "qsr")
+    assert outer(8, 16, "muon") == (1.0, 0.5, True, 0, "qsr") and outer(8, 16, "adamw")[:2] == (1.0, 0.0)
+    assert outer(4, 100, "muon") == (1.0, 0.0, True, 0, "qsr") and outer(4, 100, "adamw")[:2] == (0.7, 0.9)
     assert outer(16, 700, "muon")[:2] == (1.0, 0.5) and outer(1, 16, "muon") == outer(1, 16, "adamw")
 
     def swarm(optimizer: str) -> str:
