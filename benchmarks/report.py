@@ -78,7 +78,8 @@ def quality_report(name: str) -> str:
 
 # The quality tables, one per stored run of benchmarks/quality/quality.py (block name = file stem).
 QUALITY = ("quality_tiny", "quality_tiny_dp_muon", "quality_tiny_muon_outer", "quality_tiny_sweep", "quality_tiny_warm",
-           "quality_tiny_32", "quality_small", "quality_small_dp_muon", "quality_35m", "quality_35m_dp_muon")
+           "quality_tiny_32", "quality_small", "quality_small_dp_muon", "quality_35m", "quality_35m_dp_muon",
+           "quality_tiny_muon_ilr", "quality_tiny_moments")
 
 
 # --- wires ----------------------------------------------------------------------------------
@@ -404,13 +405,19 @@ def quality_sync() -> str:
     return code(sync.report(sync.collect()))
 
 
+def gap_by_m() -> str:
+    from benchmarks.quality import gap_by_m as by_m
+
+    return code(by_m.report(by_m.gaps([f for f in by_m.DEFAULT if f.exists()])))
+
+
 TABLES: dict[str, Callable[[], str]] = {name: functools.partial(quality_report, f"{name}.json") for name in QUALITY}
 TABLES |= {f.__name__: f for f in (
     compression_wires, topk_carry, topk_carry_m3, topk_carry_d010, topk_seeds,
     swarm_matches_simulate, overlap_link, overlap_link_fragments, overlap_fragments, overlap_sweep_seed0,
     allreduce_paced, allreduce_ceiling, allreduce_paced_cubic, wan_line_rate, wan_topk, wan_256x4, hivemind, scale,
     nat, planner, robust, data_fetch, data_scale, churn_4n_before, churn_4n, churn_8n, join_stripes,
-    quality_sync)}
+    quality_sync, gap_by_m)}
 
 
 def render(doc: str) -> str:
@@ -426,13 +433,14 @@ def plots() -> None:
     """Redraw the PNGs with the benchmarks' own plotting functions, from the same results."""
     from benchmarks.overlap import overlap_sweep
     from benchmarks.planner import plan_check
-    from benchmarks.quality import quality, quality_sync
+    from benchmarks.quality import gap_by_m, quality, quality_sync
     from benchmarks.swarm import robust
     from benchmarks.wire import allreduce_wan, compression, compression_decay
 
     for name in QUALITY:
         quality.report(load("quality", f"{name}.json"), result("quality", f"{name}.png"))
     quality_sync.plot(quality_sync.collect(), result("quality", "quality_sync.png"))
+    gap_by_m.plot(gap_by_m.gaps([f for f in gap_by_m.DEFAULT if f.exists()]), result("quality", "gap_by_m.png"))
     compression.plot(load("wire", "compression.json")["results"], result("wire", "compression.png"))
     for name in ("compression_topk_carry", "compression_topk_seeds"):
         compression_decay.plot(load("wire", f"{name}.json")["results"], result("wire", f"{name}.png"))
