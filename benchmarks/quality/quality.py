@@ -251,8 +251,9 @@ def report(state: dict, png: Path) -> None:
           f"per replica, b={args['batch']}{warm}; {len(results)} runs, "
           f"{sum(r['seconds'] for r in results.values()) / 60:.0f} min of runs")
     rows = {}
+    compared = {(r["dp_M"], r["seed"]) for r in results.values() if r.get("kind") == "dp"}
     for r in results.values():
-        if r.get("kind") == "diloco":
+        if r.get("kind") == "diloco" and (r["M"], r["seed"]) in compared:  # a run still waiting for its dp: later
             rows.setdefault(r["spec"], []).append(r)
     print(f"{'DiLoCo run':<44} {'seeds':>5} {'eval':>7} {'gap vs dp':>10} {'efficiency':>10} {'all-reduces':>11}   "
           "gap per seed")
