@@ -24,7 +24,7 @@ RESULTS = Path(__file__).parent / "results"
 DEFAULT = [*(RESULTS / f"quality_{f}.json" for f in ("tiny_levers", "tiny_m16_32", "tiny_moments", "tiny_muon_ilr", "small",
                                                        "small_dp_muon", "35m", "35m_dp_muon")),
            Path(__file__).parents[1] / "gpu" / "results" / "h200_35m_m8.json"]
-# a row's spec (its M stripped) -> its series; rows that match none (other H, inner lrs, rules) are left out
+# a row's spec (its M, Muon lr and inner.lr stripped) -> its series; rows that match none (other H, rules) are left out
 SERIES = [
     (r"(recipe=auto|sched=qsr:h0=8:lr=1\.0:mom=0)", "η 1, β 0"),
     (r"sched=qsr:h0=8:lr=1\.3:mom=0", "η 1.3, β 0"),
@@ -41,7 +41,7 @@ def series_of(spec: str) -> str | None:
 
 def gaps(paths: list[Path]) -> dict[tuple[str, str, int], list[float]]:
     """(model, series, M) -> the gap of each seed's run that had Muon inside, against the best
-    data-parallel Muon run of its M and seed in any file of the same model and horizon."""
+    data-parallel Muon run of its M and seed in any file of the same `horizon` (model, length, inner.lr)."""
     states = [json.loads(path.read_text()) for path in paths]
     dp: dict[tuple, list[dict]] = {}
     for state in states:
