@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.plots import finish  # noqa: E402
 from benchmarks.quality.quality import best_dp, mean  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -122,11 +123,7 @@ def plot(table: dict, png: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("M, nodes (each replica batch b; data-parallel at batch M·b, equal tokens)")
     ax.set_ylabel("final eval loss above data-parallel Muon (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    finish(fig, ax, png)
 
 
 if __name__ == "__main__":

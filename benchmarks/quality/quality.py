@@ -47,6 +47,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.*
+
+from benchmarks.plots import finish  # noqa: E402
+
 KEYS = {"lr": "outer.lr", "mom": "outer.momentum", "nest": "outer.nesterov", "H": "outer.inner_steps",
         "sched": "outer.h_schedule", "h0": "outer.h_start", "warm": "outer.warmup_rounds", "lr0": "outer.lr_start",
         "ilr": "inner.lr", "opt": "inner.optimizer", "mlr": "inner.muon_lr", "recipe": "outer.recipe",
@@ -304,11 +308,7 @@ def plot(results: dict, rows: dict, png: Path) -> None:
     ax.set_ylabel("eval loss")
     finals = [r["final"] for r in results.values()]
     ax.set_ylim(min(finals) * 0.97, max(finals) * 1.4)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    finish(fig, ax, png, legend_size=7)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.*
 
+from benchmarks.plots import finish  # noqa: E402
 from benchmarks.quality.quality import best_dp  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -101,11 +102,7 @@ def plot(groups: dict, png: Path, m: int = 4, seed: int = 0) -> None:
     ax.set_xlabel("all-reduces over the run (480 inner steps per replica)")
     ax.set_ylabel("eval loss above data-parallel, same optimizer (%)")
     ax.set_title(f"M = {m}, seed {seed}: the gap against how often the replicas average", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    finish(fig, ax, png, legend_size=7)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.*
+
+from benchmarks.plots import finish  # noqa: E402
 from diloco_p2p.swarm.collective import codecs, wire
 
 CONFIG = "configs/tiny-cpu.yaml"
@@ -138,11 +141,7 @@ def plot(results: dict, png: Path) -> None:
     ax.set_xlabel("round (equal tokens per round)")
     ax.set_ylabel("eval loss")
     ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    finish(fig, ax, png)
 
 
 if __name__ == "__main__":

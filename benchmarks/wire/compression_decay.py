@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.*
 
+from benchmarks.plots import finish  # noqa: E402
 from benchmarks.wire.compression import payload_bytes, run  # noqa: E402
 
 DEFAULT = ["fp32:-:0.7:0.3", "fp32:-:0.7:0", "fp32:-:1.0:0", "fp32:-:1.0:0.3",
@@ -155,11 +156,7 @@ def plot(results: dict, png: Path, goal: float = 0.02) -> None:
     ax.axvline(0, color="black", lw=0.5)
     ax.set_yticks(range(len(diffs)), [f"{s} @ {b} ({len(r)} seeds)" for (s, b), r in diffs.items()], fontsize=7)
     ax.set_xlabel(f"eval loss vs {REFERENCE} of the same seed (%): dots = seeds, bar = mean")
-    ax.legend(fontsize=8)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    finish(fig, ax, png, grid_axis="x")
 
 
 if __name__ == "__main__":
