@@ -35,8 +35,12 @@ SERIES = [
 ]
 
 
-def series_of(spec: str) -> str | None:
+def series_of(spec: str, outer: dict | None = None) -> str | None:
+    """A row's series. A `recipe=auto` row is labelled by the outer step it ran (`outer`, which quality.py
+    records), else by η 1, β 0: what the recipe chose with Muon inside before the slow momentum."""
     rest = spec.split(":", 1)[1] if ":" in spec else ""
+    if rest == "recipe=auto" and outer:
+        rest = f"sched=qsr:h0=8:lr={outer['lr']:.1f}:mom={outer['momentum']:g}"
     return next((label for pattern, label in SERIES if re.fullmatch(pattern, rest)), None)
 
 
@@ -61,7 +65,7 @@ def gaps(paths: list[Path]) -> dict[tuple[str, str, int], list[float]]:
             own = re.search(r":ilr=([0-9.e-]+)", spec)  # the row's own inner.lr, else its file's
             ilr = own[1] if own else horizon(a)[-1]
             spec = re.sub(r":opt=muon(:mlr=[0-9.e-]+)?|:ilr=[0-9.e-]+", "", spec)
-            label = series_of(spec) if r.get("kind") == "diloco" else None
+            label = series_of(spec, r.get("outer")) if r.get("kind") == "diloco" else None
             if not muon or label is None or not any(d["dp_M"] == r["M"] and d["seed"] == r["seed"]
                                                     for d in pool.values()):
                 continue

@@ -123,8 +123,9 @@ def main() -> None:
     p.add_argument("--eval-steps", type=int, help="data-parallel runs evaluate every this many steps (default: h)")
     p.add_argument("--dp-lr", type=float, nargs="+", help="data-parallel lrs at M = 1 (default: the config's inner.lr "
                    "and 2x it)")
-    p.add_argument("--dp-scales", type=float, nargs="+", default=[0.5, 1 / math.sqrt(2), 1.0],
-                   help="at M > 1 the data-parallel lrs are γ* · √M · each of these (γ* the best at M = 1)")
+    p.add_argument("--dp-scales", type=float, nargs="*", default=[0.5, 1 / math.sqrt(2), 1.0],
+                   help="at M > 1 the data-parallel lrs are γ* · √M · each of these (γ* the best at M = 1); none: "
+                        "no data-parallel runs above M = 1 (another file of the study has them)")
     p.add_argument("--dp-ms", type=int, nargs="*", default=[],
                    help="data-parallel at these M too, besides M = 1 and the M of every --run")
     p.add_argument("--run", nargs="*", default=[], help="DiLoCo settings M[:key=value...], see the docstring")
@@ -219,7 +220,8 @@ def diloco_job(args: argparse.Namespace, spec: str, seed: int) -> tuple[str, int
         raise SystemExit(f"--run {spec}: H={h} does not divide the horizon's {steps} steps")
     horizon = [f"train.max_rounds={steps // h}", f"outer.inner_steps={h}",
                f"train.eval_every={max(1, eval_steps // h)}", f"train.checkpoint_every={10**6}"]
-    return f"{spec}@s{seed}", m, seed, [*horizon, *sets], {"kind": "diloco", "spec": spec}
+    ran = {k: float(v) for k, _, v in (s.removeprefix("outer.").partition("=") for s in sets) if k in ("lr", "momentum")}
+    return f"{spec}@s{seed}", m, seed, [*horizon, *sets], {"kind": "diloco", "spec": spec, "outer": ran}
 
 
 def warm_start(args: argparse.Namespace, batch: int) -> Path:
