@@ -79,7 +79,7 @@ def quality_report(name: str) -> str:
 # The quality tables, one per stored run of benchmarks/quality/quality.py (block name = file stem).
 QUALITY = ("quality_tiny", "quality_tiny_dp_muon", "quality_tiny_muon_outer", "quality_tiny_sweep", "quality_tiny_warm",
            "quality_tiny_32", "quality_small", "quality_small_dp_muon", "quality_35m", "quality_35m_dp_muon",
-           "quality_tiny_muon_ilr", "quality_tiny_moments")
+           "quality_tiny_muon_ilr", "quality_tiny_moments", "quality_tiny_m64", "quality_small_muon_ilr")
 
 
 # --- wires ----------------------------------------------------------------------------------

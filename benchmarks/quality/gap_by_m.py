@@ -22,7 +22,7 @@ from benchmarks.plots import finish  # noqa: E402
 from benchmarks.quality.quality import best_dp, mean  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-DEFAULT = [*(RESULTS / f"quality_{f}.json" for f in ("tiny_levers", "tiny_m16_32", "tiny_moments", "tiny_muon_ilr", "small",
+DEFAULT = [*(RESULTS / f"quality_{f}.json" for f in ("tiny_levers", "tiny_m16_32", "tiny_m64", "tiny_moments", "tiny_muon_ilr", "small", "small_muon_ilr",
                                                        "small_dp_muon", "35m", "35m_dp_muon")),
            Path(__file__).parents[1] / "gpu" / "results" / "h200_35m_m8.json"]
 # a row's spec (its M, Muon lr and inner.lr stripped) -> its series; rows that match none (other H, rules) are left out
