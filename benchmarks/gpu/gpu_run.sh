@@ -73,7 +73,7 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
         # QUALITY_SMALL_MS (default 4) and QUALITY_SMALL_ROUNDS (16), each part in the time left (--resume).
         quality-small) end=$((SECONDS + ${QUALITY_SMALL_S:-240})) ms=${QUALITY_SMALL_MS:-4}
             q="python3 benchmarks/quality/quality.py --config configs/small-cpu.yaml --rounds ${QUALITY_SMALL_ROUNDS:-16} --h ${QUALITY_SMALL_H:-30}
-               --dp-lr 0.0015 --jobs ${QUALITY_JOBS:-16} --seeds ${QUALITY_SEEDS:-0 1 2} --dp-ms $ms"
+               --dp-lr 0.0015 --set inner.lr=0.0015 --jobs ${QUALITY_JOBS:-16} --seeds ${QUALITY_SEEDS:-0 1 2} --dp-ms $ms"
             runs=$(for m in $ms; do echo "$m:recipe=auto:opt=muon:mlr=0.006 $m:recipe=auto"; done)
             stage quality-small $((end - SECONDS)) $q --set inner.optimizer=adamw --dp-scales 0.25 0.3536 0.5 0.7071 \
                 --json "$OUT/quality_small_seeds.json" --run $runs
@@ -102,7 +102,7 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
             stage i49-long-small "$limit" python3 benchmarks/quality/quality.py --config \
                 ${I49_LONG_CONFIG:-configs/small-cpu.yaml} --rounds ${I49_LONG_ROUNDS:-64} --h ${I49_LONG_H:-10} \
                 --dp-lr 0.0015 --dp-scales 0.7071 --jobs ${I49_JOBS:-8} --set inner.optimizer=muon \
-                --set inner.muon_lr=0.006 --json "$OUT/i49_long_small.json" --run 4:recipe=auto:opt=muon:mlr=0.006 &
+                --set inner.muon_lr=0.006 --set inner.lr=0.0015 --json "$OUT/i49_long_small.json" --run 4:recipe=auto:opt=muon:mlr=0.006 &
             wait ;;
         # The AdamW part's lr under Muon (inner.lr: embeddings, head, norms) at the 35m shape: on tiny its best was
         # 32x the preset's (0.048 against 0.0015) for data-parallel and DiLoCo alike. Data-parallel Muon at M = 1
