@@ -220,6 +220,7 @@ def diloco_job(args: argparse.Namespace, spec: str, seed: int) -> tuple[str, int
         raise SystemExit(f"--run {spec}: H={h} does not divide the horizon's {steps} steps")
     horizon = [f"train.max_rounds={steps // h}", f"outer.inner_steps={h}",
                f"train.eval_every={max(1, eval_steps // h)}", f"train.checkpoint_every={10**6}"]
+    # the outer lr and momentum the run's own overrides set (every recipe=auto run sets both); {}: the config's
     ran = {k: float(v) for k, _, v in (s.removeprefix("outer.").partition("=") for s in sets) if k in ("lr", "momentum")}
     return f"{spec}@s{seed}", m, seed, [*horizon, *sets], {"kind": "diloco", "spec": spec, "outer": ran}
 
