@@ -90,6 +90,9 @@ class RoundOutcome:
     away: dict[str, dict[str, Any]] | None = None
     matchmaking_deadline: float | None = None
     allreduce_deadline: float | None = None
+    # sync.average_moments (`diloco_p2p.loop.moments`): how the inner first moments' all-reduce
+    # after a committed round ended, "ok" (applied), "partial" or "failed" (the node kept its own); None: not run.
+    moments: str | None = None
 
 
 @dataclass
@@ -141,6 +144,7 @@ class RoundRecord:
     away: dict[str, dict[str, Any]] | None = None
     matchmaking_deadline: float | None = None
     allreduce_deadline: float | None = None
+    moments: str | None = None  # sync.average_moments (`RoundOutcome`)
     first_commit_seconds: float | None = None  # the process's first committed round: seconds since it started
     compute_seconds: float | None = None  # inner steps of the round (the work a volunteer's GPU does)
     exposed_seconds: float | None = None  # the loop stood still for the swarm: matchmaking + all-reduce
@@ -188,6 +192,10 @@ class Sync(Protocol):
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
         """Average Δ with the round's group; never raises for a network fault."""
 
+    def average_moments(self, round: int, moments: torch.Tensor, weight: float) -> RoundOutcome:
+        """sync.average_moments: average the inner first moments with the group that just committed
+        `round` (``committed``: the outcome's `average` is theirs); never raises for a network fault."""
+
     def after_round(self, node: NodeState, record: RoundRecord) -> None:
         """Publish the round's record and serve the new state."""
 
@@ -212,6 +220,9 @@ class SoloSync:
 
     def average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> RoundOutcome:
         return RoundOutcome(status="alone", average=delta, group_size=1)
+
+    def average_moments(self, round: int, moments: torch.Tensor, weight: float) -> RoundOutcome:
+        return RoundOutcome(status="alone", group_size=1)
 
     def after_round(self, node: NodeState, record: RoundRecord) -> None:
         pass

@@ -30,8 +30,9 @@ class Faults:
         """The pseudo-gradient the round averages: `tensor`."""
         return tensor
 
-    def lie(self, round_: int, delta: torch.Tensor, weight: float, max_weight_ratio: float) -> tuple[torch.Tensor, float]:
-        """The contribution this node sends: its own `delta` with its own `weight`."""
+    def lie(self, round_: int, delta: torch.Tensor, weight: float, max_weight_ratio: float,
+            point: str = "delta") -> tuple[torch.Tensor, float]:
+        """The contribution this node sends at `point` (``delta``, ``moments``): its own with its own `weight`."""
         return delta, weight
 
     def reducer(self, honest: type) -> type:

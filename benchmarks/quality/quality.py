@@ -54,7 +54,8 @@ from benchmarks.plots import finish  # noqa: E402
 KEYS = {"lr": "outer.lr", "mom": "outer.momentum", "nest": "outer.nesterov", "H": "outer.inner_steps",
         "sched": "outer.h_schedule", "h0": "outer.h_start", "warm": "outer.warmup_rounds", "lr0": "outer.lr_start",
         "ilr": "inner.lr", "opt": "inner.optimizer", "mlr": "inner.muon_lr", "recipe": "outer.recipe",
-        "agg": "sync.aggregation"}
+        "agg": "sync.aggregation", "moments": "sync.average_moments"}
+FLAGS = {"moments": "true"}  # keys that may stand alone: ``8:...:moments`` is ``moments=true``
 
 
 def simulate(cfg: str, keys: list[str], sets: list[str]) -> dict:
@@ -86,6 +87,7 @@ def parse_run(spec: str, rounds: int = 16, h: int = 30, optimizer: str = "adamw"
     sets = []
     for pair in pairs:
         key, _, value = pair.partition("=")
+        value = value or FLAGS.get(key, "")
         if key not in KEYS or not value:
             raise SystemExit(f"--run {spec}: {pair!r} is not key=value with a key of {sorted(KEYS)}")
         sets.append(f"{KEYS[key]}={value}")

@@ -55,10 +55,12 @@ class Config(Section):
         # How reducers aggregate and bound contributions (`swarm.collective.aggregate`); absent at the defaults.
         "sync.aggregation", "sync.trim_fraction", "sync.clip_radius", "sync.max_norm_ratio", "sync.weight_cap",
         "sync.max_weight_ratio", "sync.opposed_cosine", "sync.min_part_ratio",
+        "sync.average_moments",  # a second all-reduce each round; absent when off
     )
     _VIEW_DEFAULTS: ClassVar[dict[str, Any]] = {
         "sync.aggregation": "mean", "sync.trim_fraction": 0.25, "sync.clip_radius": 1.0, "sync.max_norm_ratio": 8.0,
         "sync.weight_cap": 4.0, "sync.max_weight_ratio": 16.0, "sync.opposed_cosine": 0.0, "sync.min_part_ratio": 0.5,
+        "sync.average_moments": False,
         # The outer schedules (`diloco_p2p.config.schedule`): absent while off, so runs from before keep their hash.
         "outer.h_schedule": "constant", "outer.h_start": 1, "outer.warmup_rounds": 0, "outer.lr_start": None,
     }

@@ -43,6 +43,7 @@ from diloco_p2p.loop.error_feedback import ErrorFeedback
 from diloco_p2p.loop.fragments import Fragments
 from diloco_p2p.loop.inner import InnerTrainer, StepStats
 from diloco_p2p.loop.metrics import process_start_time
+from diloco_p2p.loop.moments import MomentAveraging
 from diloco_p2p.loop.node_checkpoint import checkpoint_of, resume
 from diloco_p2p.loop.outer import OuterOptimizer
 from diloco_p2p.loop.round_log import RoundLog
@@ -112,7 +113,9 @@ class Node:
         # how a round ends under sync.overlap: its average now, or behind the next round's steps
         self.rounds = rounds_for(LoopParts(cfg, self.outer, self.layout, self.fragments, self.feedback, self.sync,
                                            ranks, self.last_round, self._stopping, self._shard_sha256,
-                                           self._outer_timer, self._serve))
+                                           self._outer_timer, self._serve,
+                                           MomentAveraging(self.trainer, self.sync) if cfg.sync.average_moments
+                                           else None))
         sharding = (f" sharded over {ranks.world_size} local ranks ({self.outer.numel:,} outer-state values on "
                     "this rank)" if ranks.sharded else "")
         log.info("model: %s parameters%s on %s; data: %s; run dir %s",

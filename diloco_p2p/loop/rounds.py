@@ -28,6 +28,7 @@ from diloco_p2p.local.ranks import Ranks
 from diloco_p2p.loop.checkpoint import Checkpoint
 from diloco_p2p.loop.error_feedback import ErrorFeedback
 from diloco_p2p.loop.fragments import Fragments
+from diloco_p2p.loop.moments import MomentAveraging
 from diloco_p2p.loop.outer import OuterOptimizer
 from diloco_p2p.loop.overlap import Pipeline
 
@@ -49,6 +50,7 @@ class LoopParts:
     shard_sha256: Callable[[], str]
     timer: Callable[[], AbstractContextManager[None]]
     serve: Callable[[RoundRecord], None]
+    moments: MomentAveraging | None = None  # sync.average_moments
 
 
 class Landing(NamedTuple):
@@ -123,6 +125,8 @@ class Blocking:
         loop.feedback.settle(delta, outcome, part)
         self._drained()
         self.apply(outcome, round)
+        if loop.moments is not None:  # sync.average_moments (overlap none): the group's moments too
+            loop.moments.after(round, weight, outcome)
         if part is not None:  # sync.fragments: the part's trained weights take its new θ
             loop.outer.copy_into(loop.layout.local_views(), part=part)
         return outcome, round

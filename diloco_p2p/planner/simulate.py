@@ -52,9 +52,12 @@ def wire_average(deltas: Sequence[torch.Tensor], weights: Sequence[float], compr
 class Rendezvous:
     """Where the replicas' Δ meet each round, and the baton they take turns with."""
 
-    def __init__(self, keys: Sequence[str], cfg: SyncConfig):
+    def __init__(self, keys: Sequence[str], cfg: SyncConfig, baton: threading.Lock | None = None):
         self.keys, self.cfg = sorted(keys), cfg
-        self.baton = threading.Lock()
+        self.baton = baton or threading.Lock()
+        # sync.average_moments: the moments' own meeting, on the same baton
+        self.moments = Rendezvous(keys, cfg.model_copy(update={"average_moments": False}), self.baton) \
+            if cfg.average_moments else None
         self._cond = threading.Condition()
         self._pending: dict[str, tuple[torch.Tensor, float]] = {}
         self._results: dict[int, torch.Tensor] = {}
@@ -97,6 +100,8 @@ class Rendezvous:
         with self._cond:
             self._failed = True
             self._cond.notify_all()
+        if self.moments is not None:
+            self.moments.fail()
 
 
 class ReplicaSync(SoloSync):
@@ -112,6 +117,12 @@ class ReplicaSync(SoloSync):
             return RoundOutcome(status="failed", group_size=len(self.rendezvous.keys))
         size = len(self.rendezvous.keys)
         return RoundOutcome(status="committed" if size > 1 else "alone", average=average, group_size=size)
+
+    def average_moments(self, round: int, moments: torch.Tensor, weight: float) -> RoundOutcome:
+        """sync.average_moments: the moments averaged as Δ is, at their own meeting."""
+        average = self.rendezvous.moments.average(self.peer_id, round, moments, weight)
+        size = len(self.rendezvous.keys)
+        return RoundOutcome(status="failed" if average is None else "committed", average=average, group_size=size)
 
     def begin_average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> InFlight:
         """sync.overlap: hand in Δ now; the wait (baton released) comes when the loop asks for it."""

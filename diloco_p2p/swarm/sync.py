@@ -31,7 +31,7 @@ from diloco_p2p.swarm.collective import hierarchy
 from diloco_p2p.swarm.collective.aggregate import robust_of
 from diloco_p2p.swarm.collective.allreduce import AllreduceService
 from diloco_p2p.swarm.collective.allreduce_state import AllreduceResult
-from diloco_p2p.swarm.collective.outcome import blame, round_outcome
+from diloco_p2p.swarm.collective.outcome import blame, kept, round_outcome
 from diloco_p2p.swarm.datashare import DataShare
 from diloco_p2p.swarm.membership import liveness, resync
 from diloco_p2p.swarm.membership.grouping import LATE
@@ -53,7 +53,7 @@ from diloco_p2p.swarm.state.client import StateUnavailable, fetch_state
 from diloco_p2p.swarm.state.codec import THETA, Layout, StateCheck, pack_state, state_sha256
 from diloco_p2p.swarm.state.server import StateServer
 from diloco_p2p.swarm.transport.dht import dht_peer_count, start_dht, validate_maddrs
-from diloco_p2p.swarm.transport.reach import PRIVATE, ReachServer, resolve, shortage
+from diloco_p2p.swarm.transport.reach import PRIVATE, ReachServer, log_shortage, resolve
 from diloco_p2p.swarm.transport.runner import BackgroundLoop
 from diloco_p2p.swarm.trust.admission import Admission
 from diloco_p2p.swarm.trust.guard import Guard
@@ -98,6 +98,7 @@ class SwarmSync:
         # whom this round's matchmaking waits for; (round, those it did without) of our last committed one
         self._expected, self._missing = frozenset[str](), (-1, frozenset[str]())
         self._late = -1  # the last round we ended alone because its group had formed without us
+        self._committed: tuple[int, Any] | None = None  # (round, group) of our last committed all-reduce
         self.donor: str | None = None  # whose state we adopted, until we next commit a round (a tie: follow it)
         self._layout: Layout | None = None  # what a state of our model may hold (`codec.Layout`), from our own
         self._state_hash: str | None = None  # the whole state we serve, hashed (`codec.state_sha256`)
@@ -249,7 +250,7 @@ class SwarmSync:
         async def accept(ann: StateAnnouncement) -> bool:
             """Try a donor only for the target state or a later one the records vouch for, and in
             a closed run only an admitted one (the stream's peer id is the announcement's)."""
-            if self._stranger(ann.peer_id):
+            if self.admission.refuses_donor(ann.peer_id):
                 return False
             state = (ann.round, ann.params_hash)
             if params_hash is None or state in accepted:
@@ -313,7 +314,8 @@ class SwarmSync:
         except Interrupted as e:
             log.warning("round %d: averaging interrupted (%s)", round, e)
             return self._seen(round_outcome(delta, None, 1, self.cfg.alone_policy, self.agreement, interrupted=True))
-        self._keep(round, delta, weight, result)
+        self.faults.keep(self.run_dir, round, *kept(delta, weight, result))  # tests (``keep@average``)
+        self._committed = (round, group) if result.status != "failed" else None  # sync.average_moments' group
         one_butterfly = len(group.peers) <= self.cfg.target_group_size  # else a grid (`hierarchy`)
         if result.status != "failed":
             peers = [p.to_base58() for p in group.peers]
@@ -329,14 +331,34 @@ class SwarmSync:
         blame(self.guard, round, result, me=self.peer_id)
         return self._seen(round_outcome(delta, result, len(group.peers), self.cfg.alone_policy, self.agreement))
 
+    def average_moments(self, round: int, moments: torch.Tensor, weight: float) -> RoundOutcome:
+        """sync.average_moments: a second all-reduce, of the inner first moments, in the group that
+        just committed `round`, under the same wire and checks; its refusals of peers are its own."""
+        if self._committed is None or self._committed[0] != round:
+            return RoundOutcome(status="alone")
+        group, (moments, weight) = self._committed[1], self.faults.lie(
+            round, self.faults.poison("moments", round, moments), weight, self.cfg.max_weight_ratio, point="moments")
+        timeout = self.allreduce_deadline.current()
+        try:
+            result = self._interruptible(self._average(round, group, moments, weight, timeout, ".moments"),
+                                         timeout=timeout + 30)
+        except Interrupted as e:
+            log.warning("round %d: the moments' all-reduce was interrupted (%s)", round, e)
+            return RoundOutcome(status="failed", rejections=self.guard.drain())
+        blame(self.guard, round, result, me=self.peer_id)
+        self.faults.keep(self.run_dir / "moments", round, *kept(moments, weight, result))  # tests
+        outcome = round_outcome(moments, result, len(group.peers), "skip", {})
+        outcome.rejections = self.guard.drain()
+        return outcome
+
     async def _average(self, round: int, group: Any, delta: torch.Tensor, weight: float,
-                       timeout: float) -> AllreduceResult:
-        """The group's all-reduce: one butterfly, or the grid past target_group_size (`hierarchy`);
-        then our matchmaking registration is withdrawn (held back meanwhile: `Matchmaker.release`)."""
+                       timeout: float, what: str = "") -> AllreduceResult:
+        """The group's all-reduce (`what`: of another vector, under its own group id; `hierarchy`), then
+        our matchmaking registration withdrawn (held back meanwhile: `Matchmaker.release`)."""
         try:
             return await hierarchy.average(
-                self.allreduce, group.group_id, group.peers, delta, weight, butterfly_max=self.cfg.target_group_size,
-                compression=self.cfg.compression, timeout=timeout,
+                self.allreduce, group.group_id + what, group.peers, delta, weight,
+                butterfly_max=self.cfg.target_group_size, compression=self.cfg.compression, timeout=timeout,
                 max_weight_ratio=self.cfg.max_weight_ratio, robust=robust_of(self.cfg), density=self.cfg.topk_density,
                 public=group.public_flags(), on_scattered=lambda: self.faults.fire("allreduce", round),
             )
@@ -388,7 +410,7 @@ class SwarmSync:
         close_after = self.group_deadline.current()
         self._liveness = {"waited_for": len(expected), "away": self.presence.away(get_dht_time()) or None,
                           "matchmaking_deadline": close_after}
-        self._check_public(records)
+        self._shortage = log_shortage(records, self.peer_id, self.public, self._shortage)
         computing = time.perf_counter() - self._computing_since if self._computing_since else 0.0
         self._computing_since = None
         # One membership per round, whatever its size: the all-reduce runs in sub-groups past
@@ -399,29 +421,6 @@ class SwarmSync:
                                                 refresh_expected=refresh, hold_withdrawal=True,
                                                 speed=weight / computing if computing > 0 else 0.0,
                                                 close_after=close_after)
-
-    def _check_public(self, records: dict[str, ProgressRecord]) -> None:
-        """Log (once per change) when the swarm has too few public peers for its private ones."""
-        private = sum(r.reachability == PRIVATE for p, r in records.items() if p != self.peer_id) + (not self.public)
-        message = shortage(len(records | {self.peer_id: None}) - private, private)
-        if message != self._shortage and message is not None:
-            log.warning("%s", message)
-        self._shortage = message
-
-    def _keep(self, round: int, delta: torch.Tensor, weight: float, result: AllreduceResult) -> None:
-        """Tests (``keep@average``): each round's Δ and the average, to recompute the mean."""
-        import json
-
-        meta = {"weight": repr(weight), "contributors": json.dumps(result.contributors),
-                "committed_parts": json.dumps(result.committed_parts), "num_parts": str(result.num_parts)}
-        self.faults.keep(self.run_dir, round, {"delta": delta, "average": result.average}, meta)
-
-    def _stranger(self, donor: str) -> bool:
-        """A donor this closed run has not admitted: refused (`not-admitted`) before it is asked anything."""
-        if self.admission.admits(donor):
-            return False
-        self.guard.reject(donor, "not-admitted", "it announces a state in a closed run")
-        return True
 
     def _read_or(self, coro, default: Any) -> Any:
         """A DHT read of `vouching`, or `default` if it did not answer in time (bounded: no raise)."""

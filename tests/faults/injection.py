@@ -20,7 +20,8 @@ of 0.999 × ``sync.max_weight_ratio`` × its own: the largest the bound lets thr
 ``scale@delta`` (send Δ × 1000: a huge norm, finite in fp16), ``scale@reduce`` (as a reducer,
 send its averaged part × 1000 to every member), ``shrink@reduce`` (× 0.001), ``nudge@reduce`` (× 0.8) and ``split@reduce`` (as a reducer, send each
 member its own altered copy of its part); the reducer lies reduce with `tests.faults.lying`.
-Points: ``delta`` (the round's pseudo-gradient is computed, before matchmaking), ``group`` (a
+Points: ``delta`` (the round's pseudo-gradient is computed, before matchmaking), ``moments`` (the
+inner first moments handed to ``sync.average_moments``' all-reduce: ``nan``, ``flip``, ``scale``), ``group`` (a
 group formed), ``allreduce`` (our parts are sent), ``reduce`` (we reduce our part), and in a
 multi-rank node ``rankR.step`` (local rank R is about to take inner step N, the number after
 the colon). Each item fires at most once. A misspelt item is an error at start, not a fault that
@@ -56,8 +57,9 @@ ENV = "DILOCO_P2P_FAULTS"
 GATE_ENV = "DILOCO_P2P_START_GATE"
 CORRUPT_SHARDS_ENV = "DILOCO_P2P_CORRUPT_SHARDS"
 ACTIONS = ("kill", "stop", "hold", "nan", "exit", "keep", "flip", "scale", "shrink", "nudge", "split")
-POINT = re.compile(r"delta|group|allreduce|reduce|rank\d+\.step")
-LIE_POINTS = {"nan": ("delta",), "flip": ("delta",), "scale": ("delta", "reduce"), "shrink": ("reduce",),
+POINT = re.compile(r"delta|moments|group|allreduce|reduce|rank\d+\.step")
+LIE_POINTS = {"nan": ("delta", "moments"), "flip": ("delta", "moments"), "scale": ("delta", "moments", "reduce"),
+              "shrink": ("reduce",),
               "nudge": ("reduce",), "split": ("reduce",)}
 SCALE = 1000.0  # scale@delta's factor
 EVERY_ROUND = -1
@@ -107,7 +109,7 @@ class PlannedFaults(faults.Faults):
                 continue
             if action not in ACTIONS or not POINT.fullmatch(point) or not round_.isdigit():
                 raise ValueError(f"{ENV}: bad item {item!r}; expected ACTION@POINT:ROUND with ACTION one of "
-                                 f"{', '.join(ACTIONS)} and POINT delta, group, allreduce, reduce or rankR.step, "
+                                 f"{', '.join(ACTIONS)} and POINT delta, moments, group, allreduce, reduce or rankR.step, "
                                  "e.g. kill@allreduce:2 (or keep@average)")
             if action == "keep":
                 raise ValueError(f"{ENV}: bad item {item!r}; keep takes no point or round of its own: keep@average")
@@ -160,7 +162,7 @@ class PlannedFaults(faults.Faults):
         """A NaN-filled copy of `tensor` if a `nan` fault is planned here, else `tensor`."""
         if self._take(point, round_, ("nan",)) is None:
             return tensor
-        log.warning("fault injection: NaN pseudo-gradient in round %d", round_)
+        log.warning("fault injection: NaN %s in round %d", point, round_)
         poisoned = tensor.clone()
         poisoned[::7] = float("nan")
         return poisoned
@@ -179,12 +181,13 @@ class PlannedFaults(faults.Faults):
         if isinstance(service, self.lying_reducer):
             service.lie = self.reducer_lie(round_)
 
-    def lie(self, round_: int, delta: torch.Tensor, weight: float, max_weight_ratio: float) -> tuple[torch.Tensor, float]:
-        """The contribution a ``flip@delta`` or ``scale@delta`` planned for this round sends instead."""
-        action = self._take("delta", round_, ("flip", "scale"))
+    def lie(self, round_: int, delta: torch.Tensor, weight: float, max_weight_ratio: float,
+            point: str = "delta") -> tuple[torch.Tensor, float]:
+        """The contribution a ``flip@POINT`` or ``scale@POINT`` planned for this round sends instead."""
+        action = self._take(point, round_, ("flip", "scale"))
         if action is None:
             return delta, weight
-        log.warning("fault injection: %s pseudo-gradient in round %d", action, round_)
+        log.warning("fault injection: %s %s in round %d", action, point, round_)
         if action == "flip":
             return -delta, 0.999 * max_weight_ratio * weight
         return delta * SCALE, weight

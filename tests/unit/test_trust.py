@@ -208,20 +208,15 @@ def test_a_catch_up_downloads_from_a_peer_that_was_only_ahead_of_its_quorum():
 
 
 def test_a_closed_run_tries_no_state_a_stranger_announces_and_names_it():
-    """`SwarmSync.fetch` asks `_stranger` of every announcement before anything is downloaded."""
-    from types import SimpleNamespace
-
+    """`SwarmSync.fetch` asks `Admission.refuses_donor` of every announcement before anything is downloaded."""
     from diloco_p2p.config import AdmissionConfig
-    from diloco_p2p.swarm.sync import SwarmSync
     from diloco_p2p.swarm.trust.admission import Admission
     from diloco_p2p.swarm.trust.guard import Guard
 
     me, member, stranger = PEERS[:3]
     guard = Guard()
     closed = Admission(AdmissionConfig(mode="closed", peers=[member]), "r", me, guard)
-    node = SimpleNamespace(admission=closed, guard=guard)
-    assert not SwarmSync._stranger(node, member)
-    assert SwarmSync._stranger(node, stranger)
+    assert not closed.refuses_donor(member)
+    assert closed.refuses_donor(stranger)
     assert guard.drain() == {stranger: ["not-admitted"]} and stranger in guard.no_state_from()
-    open_run = SimpleNamespace(admission=Admission(AdmissionConfig(), "r", me, Guard()), guard=Guard())
-    assert not SwarmSync._stranger(open_run, stranger)
+    assert not Admission(AdmissionConfig(), "r", me, Guard()).refuses_donor(stranger)

@@ -6,6 +6,8 @@ the refusals of peers that the all-reduce's result names (`blame`).
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from diloco_p2p.contract import RoundOutcome
@@ -60,3 +62,10 @@ def round_outcome(delta: torch.Tensor, result: AllreduceResult | None, group_siz
         outcome.parts_committed, outcome.parts = len(result.committed_parts), result.num_parts
         outcome.dropped_peers = group_size - len(result.contributors)
     return outcome
+
+
+def kept(sent: torch.Tensor, weight: float, result: AllreduceResult) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What the tests keep of an all-reduce (``keep@average``, `Faults.keep`), to recompute the mean."""
+    meta = {"weight": repr(weight), "contributors": json.dumps(result.contributors),
+            "committed_parts": json.dumps(result.committed_parts), "num_parts": str(result.num_parts)}
+    return {"delta": sent, "average": result.average}, meta

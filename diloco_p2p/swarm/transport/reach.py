@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -189,3 +189,12 @@ def shortage(public: int, private: int) -> str | None:
                 f"vector and moves {(k + public - 2) / public:.1f}x the parameter bytes per round each way "
                 f"(even share: {2 * (k - 1) / k:.1f}x); add nodes with an open TCP port")
     return None
+
+
+def log_shortage(records: Mapping[str, Any], me: str, public: bool, logged: str | None) -> str | None:
+    """Log (once per change) a swarm of `records` and us with too few public peers; the message in force."""
+    private = sum(r.reachability == PRIVATE for p, r in records.items() if p != me) + (not public)
+    message = shortage(len(set(records) | {me}) - private, private)
+    if message != logged and message is not None:
+        log.warning("%s", message)
+    return message

@@ -131,6 +131,13 @@ class Admission:
                 self.guard.reject(peer, "not-admitted", f"{what} from a peer this closed run has not admitted")
         return out
 
+    def refuses_donor(self, peer: str) -> bool:
+        """A donor this closed run has not admitted: refused (`not-admitted`) before it is asked anything."""
+        if self.admits(peer):
+            return False
+        self.guard.reject(peer, "not-admitted", "it announces a state in a closed run")
+        return True
+
     async def check_stream(self, peer: str, what: str) -> bool:
         """Whether to serve a `what` stream opened by `peer` (its id proven by p2pd)."""
         if self.admits(peer):

@@ -1,0 +1,64 @@
+"""``sync.average_moments``: the inner first moments, averaged with the round's group.
+
+Each replica's momentum is built from its 1/M of the data, data-parallel's from all of it (MT-DAO).
+After a committed round a second all-reduce (Δ's wire and checks) averages Muon's ``momentum_buffer``
+and AdamW's ``exp_avg`` (second moments stay local); one that does not complete changes nothing, and
+θ never depends on it. On N ranks each averages its shards'. Measured: docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from diloco_p2p.contract import RoundOutcome, Sync
+from diloco_p2p.local.fsdp import is_dtensor
+from diloco_p2p.loop.inner import InnerTrainer
+
+log = logging.getLogger(__name__)
+
+FIRST_MOMENTS = ("momentum_buffer", "exp_avg")  # Muon's, AdamW's
+
+
+def first_moments(trainer: InnerTrainer) -> list[torch.Tensor]:
+    """The trainer's first-moment buffers (this rank's shards) in its optimizers' parameter order; [] before a step."""
+    out = []
+    for optimizer in trainer.optimizers.values():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                out += [state[k].to_local() if is_dtensor(state[k]) else state[k] for k in FIRST_MOMENTS if k in state]
+    return out
+
+
+class MomentAveraging:
+    """A node's moments, averaged after each committed round through its `Sync`."""
+
+    def __init__(self, trainer: InnerTrainer, sync: Sync):
+        self.trainer, self.sync = trainer, sync
+
+    def after(self, round: int, weight: float, outcome: RoundOutcome) -> None:
+        """After a committed round: average our moments with its group, write them back, note it in `outcome`."""
+        if outcome.status != "committed":
+            return
+        buffers = first_moments(self.trainer)
+        if not buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1).float() for b in buffers])
+        result = self.sync.average_moments(round, flat, weight)
+        ok = result.status == "committed" and result.parts_committed == result.parts
+        outcome.moments = "ok" if ok else "partial" if result.status == "committed" else "failed"
+        outcome.bytes_sent += result.bytes_sent
+        outcome.bytes_received += result.bytes_received
+        outcome.allreduce_seconds += result.allreduce_seconds
+        for peer, reasons in (result.rejections or {}).items():
+            outcome.rejections = outcome.rejections or {}
+            outcome.rejections[peer] = sorted(set(outcome.rejections.get(peer, [])) | set(reasons))
+        if not ok:
+            log.warning("round %d: the moments' all-reduce ended %s; keeping our own moments", round, outcome.moments)
+            return
+        average, offset = result.average, 0
+        with torch.no_grad():
+            for b in buffers:
+                b.copy_(average[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
