@@ -152,6 +152,11 @@ class ShardSync:
         `params_hash` is our shard's hash of θ (the node passes `NodeState.shard_sha256`)."""
         return self._node_outcome(self.inner.average(round, delta, weight, params_hash))
 
+    def average_moments(self, round: int, moments: torch.Tensor, weight: float) -> RoundOutcome:
+        """sync.average_moments: our shards' moments with the same shard of the round's group (each
+        rank keeps its own if its exchange does not complete: θ does not depend on them)."""
+        return self.inner.average_moments(round, moments, weight)
+
     def begin_average(self, round: int, delta: torch.Tensor, weight: float, params_hash: str) -> InFlight:
         """sync.overlap: `average` with the shard's part in a background thread and the node-wide
         part on the loop's thread, when it takes the result (`InFlight.node_result`)."""

@@ -14,11 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diloco_p2p.config import InnerConfig, load_config
+from diloco_p2p.contract import RoundOutcome
 from diloco_p2p.errors import UserError
 from diloco_p2p.local.muon import ShardedMuon
 from diloco_p2p.local.ranks import Ranks
 from diloco_p2p.loop.checkpoint import load_checkpoint
 from diloco_p2p.loop.inner import InnerTrainer, muon_split, warmup_cosine
+from diloco_p2p.loop.moments import first_moments
 from diloco_p2p.loop.node import Node
 from diloco_p2p.model.build import build_model
 from diloco_p2p.planner.simulate import Rendezvous, ReplicaSync
@@ -128,7 +130,8 @@ def _muon_steps(model: torch.nn.Module, muon: type) -> None:
 
 def _muon_rank(rank: int, port: int, root: str) -> None:
     """Rank `rank` of a 2-rank Muon node (gloo on loopback): rounds 1-2 straight in ``straight``, and
-    round 1, then a resume from its checkpoint to round 2, in ``resumed``."""
+    round 1, then a resume from its checkpoint to round 2, in ``resumed``; then a round under
+    sync.average_moments in ``moments``."""
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     ranks = Ranks.from_env("cpu", timeout_s=60)
@@ -146,15 +149,42 @@ def _muon_rank(rank: int, port: int, root: str) -> None:
                         ScriptedSync(), ranks=ranks, progress=False)
             assert type(node.trainer.muon) is ShardedMuon
             node.run()
+        _rank_averages_its_shards_moments(ranks, Path(root) / "moments")
     finally:
         ranks.close()
+
+
+class _MomentsSync(ScriptedSync):
+    """Every round committed; the moments' all-reduce answers each value halved."""
+
+    def __init__(self):
+        super().__init__({r: lambda d: RoundOutcome(status="committed", average=d, group_size=2) for r in (1, 2)})
+        self.handed: list[torch.Tensor] = []
+
+    def average_moments(self, round, moments, weight):
+        self.handed.append(moments.clone())
+        return RoundOutcome(status="committed", average=moments / 2, parts=1, parts_committed=1)
+
+
+def _rank_averages_its_shards_moments(ranks: Ranks, run_dir: Path) -> None:
+    """sync.average_moments on 2 ranks: each rank hands in its own shards' moments (one per parameter
+    value it holds) and writes the answer back into its sharded optimizer state."""
+    sync = _MomentsSync()
+    node = Node(load_config(None, [*TWO_RANK_MUON, "train.max_rounds=1", "sync.average_moments=true"]), run_dir,
+                sync, ranks=ranks, progress=False)
+    node.run()
+    held = sum(p.to_local().numel() for p in node.model.parameters())
+    assert len(sync.handed) == 1 and sync.handed[0].numel() == held < sum(p.numel() for p in node.model.parameters())
+    now = torch.cat([b.reshape(-1) for b in first_moments(node.trainer)])
+    assert torch.equal(now, sync.handed[0] / 2)
 
 
 def test_a_two_rank_muon_node_steps_like_one_rank_and_resumes_bit_exactly(tmp_path):
     """FSDP shards each matrix by rows across the 2 ranks; Muon orthogonalizes it whole
     (`ShardedMuon`): given the same gradients it steps as torch's Muon bit for bit; θ after a round
     is a 1-rank Muon node's with twice the per-rank batch (the same windows) up to how far fp32
-    reordering in the gradients moves Newton-Schulz; the 2-rank checkpoint resumes bit-exactly."""
+    reordering in the gradients moves Newton-Schulz; the 2-rank checkpoint resumes bit-exactly; under
+    sync.average_moments each rank averages its own shards' moments (`_rank_averages_its_shards_moments`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
