@@ -19,7 +19,7 @@ _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
 # The flags that stand for a config field (unset: the config's value).
 SETTINGS = {"inner_steps": "outer.inner_steps", "dylu": "outer.dynamic_local_updates", "group": "sync.target_group_size",
             "compression": "sync.compression", "density": "sync.topk_density", "overlap": "sync.overlap",
-            "overlap_steps": "sync.overlap_steps", "fragments": "sync.fragments"}
+            "overlap_steps": "sync.overlap_steps", "fragments": "sync.fragments", "average_moments": "sync.average_moments"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "0 = as soon as it is known (sync.overlap_steps)")
     p.add_argument("--fragments", type=int, default=None,
                    help="sync.fragments: each round averages 1/P of the parameters (give --inner-steps per round)")
+    p.add_argument("--average-moments", action="store_true", default=None,
+                   help="sync.average_moments: each round also all-reduces the inner first moments (twice the bytes)")
     p.add_argument("--nodes", default=",".join(str(n) for n in plan.DEFAULT_NODES), help="N values, comma-separated")
     p.add_argument("--json", action="store_true", help="one JSON object per N instead of the table")
     p.add_argument("--no-recommend", action="store_true", help="the table only: no recommended settings")
@@ -128,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     cal = Calibration()
     print(f"{inp.params:,} parameters, {inp.compression}, H={inp.inner_steps} x {inp.step_seconds:g} s, "
           f"overlap {inp.overlap}{f' (τ={inp.overlap_steps})' if inp.overlap == 'inner' else ''}"
-          f"{f', {inp.fragments} fragments (a round averages 1/{inp.fragments})' if inp.fragments > 1 else ''}; "
+          f"{f', {inp.fragments} fragments (a round averages 1/{inp.fragments})' if inp.fragments > 1 else ''}"
+          f"{', inner first moments averaged too' if inp.moments else ''}; "
           f"constants: {cal.source}")
     print(f"{'N':>5} {'scheme':>9} {'round s':>9} {'util':>5} {'MB sent':>9} {'streams':>7} {'all-reduce s':>12} "
           f"{'exposed s':>9}  bottleneck")

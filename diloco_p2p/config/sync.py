@@ -234,9 +234,11 @@ class SyncConfig(OverlapSettings, StateSettings, RobustSettings, GroupSettings, 
             raise ValueError(f"sync.compression {self.compression} averages by all-gather with the mean only; set "
                              "sync.aggregation=mean")
         if self.average_moments and not (self._starts_from_theta and not CODECS[self.compression].sparse):
-            raise ValueError("sync.average_moments averages the moments of the round just committed, blocking and "
-                             "dense: it needs sync.overlap=none, sync.fragments=1 and a compression other than "
-                             f"{self.compression}; set sync.average_moments=false")
+            why = (f"sync.compression={self.compression} (sparse)" if CODECS[self.compression].sparse else
+                   f"sync.overlap={self.overlap} and sync.fragments={self.fragments}")
+            raise ValueError(f"sync.average_moments averages the round just committed, blocking and dense, not with "
+                             f"{why}; set sync.average_moments=false, or sync.overlap=none, sync.fragments=1 "
+                             "and a dense compression")
         if self.feedback_carry and not self.feedback_on:
             raise ValueError("sync.feedback_carry carries the error feedback's residual: it needs sync.compression "
                              "topk2 (or int8/int4 with sync.error_feedback=true); set sync.feedback_carry=0")

@@ -95,6 +95,7 @@ class Inputs:
     overlap: str = _default(SyncConfig, "overlap")
     overlap_steps: int = _default(SyncConfig, "overlap_steps")  # overlap=inner: τ; 0: as soon as known
     fragments: int = _default(SyncConfig, "fragments")  # a round averages 1/P of the parameters
+    moments: bool = _default(SyncConfig, "average_moments")  # a second all-reduce, of as many values
     chunk: int = wire.DEFAULT_CHUNK_ELEMENTS
     oversubscribe: float = 1.0  # CPU contention: how many times longer CPU work takes than on a dedicated box (1)
 
@@ -108,7 +109,8 @@ class Inputs:
         s = cfg.sync
         return cls(inner_steps=cfg.outer.inner_steps, dylu=cfg.outer.dynamic_local_updates, scheme=scheme,
                    group=s.target_group_size, compression=s.compression, density=s.topk_density,
-                   overlap=s.overlap, overlap_steps=s.overlap_steps, fragments=s.fragments, **machine)
+                   overlap=s.overlap, overlap_steps=s.overlap_steps, fragments=s.fragments,
+                   moments=s.average_moments, **machine)
 
     def machine(self) -> dict[str, Any]:
         """The fields no config holds, for `from_config`."""
@@ -221,7 +223,13 @@ def grid_shape(nodes: int, group: int) -> tuple[int, int]:
 
 
 def levels(inp: Inputs, scheme: str, nodes: int) -> list[Level]:
-    """The collective steps one round runs on `nodes` members under `scheme` (a concrete one)."""
+    """The collective steps one round runs on `nodes` members under `scheme` (a concrete one); under
+    sync.average_moments the same again, for the inner first moments (as many values as Δ)."""
+    once = _levels(inp, scheme, nodes)
+    return once + [Level(f"{x.name} (moments)", x.k, x.sent, x.messages) for x in once] if inp.moments else once
+
+
+def _levels(inp: Inputs, scheme: str, nodes: int) -> list[Level]:
     n, comp, chunk, d = -(-inp.params // inp.fragments), inp.compression, inp.chunk, inp.density  # the largest part
     if nodes < 2:
         return []

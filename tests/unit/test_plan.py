@@ -120,6 +120,17 @@ def test_a_round_of_p_fragments_averages_a_part_as_large_as_a_model_p_times_smal
         plan.Inputs(**base, params=4, fragments=5)
 
 
+@pytest.mark.parametrize("nodes", [8, 64])
+def test_averaging_the_moments_runs_the_rounds_all_reduce_twice(nodes):
+    base = dict(params=20_000_000, step_seconds=0.5, inner_steps=20, uplink=plan.Links(20, 20),
+                downlink=plan.Links(20, 20))
+    once, twice = (plan.predict(plan.Inputs(**base, moments=m), nodes) for m in (False, True))
+    assert twice.scheme == once.scheme and (twice.bytes_sent, twice.messages) == (2 * once.bytes_sent, 2 * once.messages)
+    assert twice.allreduce_seconds > 1.8 * once.allreduce_seconds and twice.utilization < once.utilization
+    config = load_config(None, ["sync.average_moments=true"])
+    assert plan.Inputs.from_config(config, params=4, step_seconds=1.0).moments
+
+
 def test_stragglers_and_failures_cost_more_with_more_nodes():
     assert plan.straggler_factor(1024, 0.0) == 1.0
     factors = [plan.straggler_factor(n, 0.3) for n in (2, 16, 1024)]
