@@ -39,8 +39,8 @@ def series_of(spec: str, outer: dict | None = None) -> str | None:
     """A row's series. A `recipe=auto` row is labelled by the outer step it ran (`outer`, which quality.py
     records), else by η 1, β 0: what the recipe chose with Muon inside before the slow momentum."""
     rest = spec.split(":", 1)[1] if ":" in spec else ""
-    if rest == "recipe=auto" and outer:
-        rest = f"sched=qsr:h0=8:lr={outer['lr']:.1f}:mom={outer['momentum']:g}"
+    if rest in ("recipe=auto", "recipe=auto:moments") and outer:
+        rest = f"sched=qsr:h0=8:lr={outer['lr']:.1f}:mom={outer['momentum']:g}" + rest.removeprefix("recipe=auto")
     return next((label for pattern, label in SERIES if re.fullmatch(pattern, rest)), None)
 
 

@@ -11,8 +11,8 @@ horizon, T = `--rounds` x `--h` inner steps per replica, and the same held-out e
 - DiLoCo, one run per `--run` setting, written M[:key=value...] with keys `lr` (outer.lr), `mom`
   (outer.momentum), `nest` (outer.nesterov 0/1), `H` (outer.inner_steps), `sched` (outer.h_schedule),
   `h0` (outer.h_start), `warm` (outer.warmup_rounds), `lr0` (outer.lr_start), `ilr` (inner.lr),
-  `opt` (inner.optimizer), `mlr` (inner.muon_lr), `recipe` (outer.recipe; its outer.nodes is M), `agg` (sync.aggregation); e.g.
-  `4:recipe=auto` or `4:lr=0.7:mom=0.3`. Unnamed fields come from the config (a run's own fields
+  `opt` (inner.optimizer), `mlr` (inner.muon_lr), `recipe` (outer.recipe; its outer.nodes is M), `agg` (sync.aggregation) and the bare flag
+  `moments` (sync.average_moments=true); e.g. `4:recipe=auto` or `4:lr=0.7:mom=0.3:moments`. Unnamed fields come from the config (a run's own fields
   override `--set`).
 
 For every DiLoCo run the table gives its final eval loss, its gap over the best data-parallel run
