@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu/gpu_run.sh info tests inner outer swarm mixed suite quality quality-small
 #   bash benchmarks/gpu/gpu_run.sh issue49   # issue 49's checks, under 9 minutes (i49-m16: 12 more;
-#                                            # i49-ilr: the AdamW part's lr under Muon at 35m, 8 more)
+#                                            # i49-ilr: the AdamW part's lr under Muon at 35m, 8 more;
+#                                            # i49-moments: M = 8 with sync.average_moments, 7 more)
 #
 # A machine without our dependencies can take them as wheels in .whl/ (bash benchmarks/gpu/wheels.sh);
 # they are installed into /tmp/site first.
@@ -87,13 +88,20 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
         # session with 12 minutes of device time. I49_* shrink it (a CPU check of the plumbing:
         # I49_CONFIG=configs/tiny-cpu.yaml I49_ROUNDS=2 I49_H=2 I49_LONG_CONFIG=configs/tiny-cpu.yaml
         # I49_LONG_ROUNDS=3 I49_LONG_H=2 I49_JOBS=1).
-        issue49|i49-m16) mlr=${QUALITY_MLR:-0.008} limit=${I49_Q_S:-420}
+        # i49-moments: issue49's M = 8 table with sync.average_moments (the inner first moments averaged after
+        # each round, twice the bytes), its own data-parallel runs again; about 7 minutes (not run on a GPU yet).
+        issue49|i49-m16|i49-moments) mlr=${QUALITY_MLR:-0.008} limit=${I49_Q_S:-420}
             q="python3 benchmarks/quality/quality.py --config ${I49_CONFIG:-configs/35m.yaml} --rounds ${I49_ROUNDS:-16}
                --h ${I49_H:-30} --dp-lr 0.002 --dp-scales 0.5 --jobs ${I49_JOBS:-8} --set inner.optimizer=muon
                --set inner.muon_lr=$mlr"
             if [ "$s" = i49-m16 ]; then
                 stage i49-35m-m16 "${I49_M16_S:-700}" $q --batch 4 --json "$OUT/i49_35m_m16.json" \
                     --run "16:recipe=auto:opt=muon:mlr=$mlr"
+                continue
+            fi
+            if [ "$s" = i49-moments ]; then
+                stage i49-35m-moments "${I49_MOMENTS_S:-480}" $q --batch 8 --json "$OUT/i49_35m_moments.json" \
+                    --run "8:recipe=auto:opt=muon:mlr=$mlr:moments"
                 continue
             fi
             stage i49-tests "${I49_TESTS_S:-120}" python3 -m pytest -p no:cacheprovider -q -rs ${I49_TESTS:-tests/gpu}
