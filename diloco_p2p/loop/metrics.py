@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # state download and `skipped`); the label set of diloco_rounds_total. Every value is exported
 # from the start (at 0) so that rate() and the dashboard see a series before the first event.
 ROUND_STATUSES = ("committed", "alone", "failed", "resynced", "skipped")
+MOMENTS_STATUSES = ("ok", "partial", "failed")  # sync.average_moments' all-reduce (`RoundOutcome.moments`)
 # All-reduce of a pseudo-gradient: ~10 ms on loopback for the tiny model, minutes for a 1B model
 # over a home uplink; allreduce_timeout bounds it, so nothing lasts much beyond 10 minutes.
 ALLREDUCE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -136,6 +137,8 @@ class NodeMetrics:
         self.tokens_per_second = Gauge("diloco_tokens_per_second",
                                        "Training tokens per second over the last round.", registry=r)
         self.rounds = Counter("diloco_rounds", "Rounds ended, by outcome.", ["status"], registry=r)
+        self.moments = Counter("diloco_moments_averages", "All-reduces of the inner first moments "
+                               "(sync.average_moments) after committed rounds, by outcome.", ["status"], registry=r)
         self.group_size = Gauge("diloco_group_size", "Peers (this node included) that averaged in the last round.",
                                 registry=r)
         self.allreduce_seconds = Histogram("diloco_allreduce_seconds",
@@ -179,6 +182,8 @@ class NodeMetrics:
         self._liveness_gauges(r)
         for status in ROUND_STATUSES:
             self.rounds.labels(status=status)
+        for status in MOMENTS_STATUSES:
+            self.moments.labels(status=status)
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)
         for g in (self.train_loss, self.round_train_loss, self.eval_loss, self.params_agree, self.config_agree,
@@ -228,6 +233,8 @@ class NodeMetrics:
             # bug in the record's producer, but it must not stop training.
             self._warned.add(status)
             log.warning("metrics: round status %r is not one of %s; not counted", status, ROUND_STATUSES)
+        if get("moments") in MOMENTS_STATUSES:
+            self.moments.labels(status=get("moments")).inc()
         if (v := _number(get("group_size"))) is not None:
             self.group_size.set(v)
         if (v := _number(get("allreduce_seconds"))) is not None and v > 0:

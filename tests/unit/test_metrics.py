@@ -98,6 +98,12 @@ def test_counters_accumulate_over_rounds_and_steps():
     assert value(m, "diloco_rounds_total", status="alone") == 1
     assert value(m, "diloco_allreduce_sent_bytes_total") == 1024
     assert value(m, "diloco_params_hash_agreement") == 0
+    assert value(m, "diloco_moments_averages_total", status="ok") == 0  # exported before any
+    for moments in ("ok", "ok", "partial", "bogus", None):
+        m.observe_round({**ROUND, "moments": moments})
+    assert value(m, "diloco_moments_averages_total", status="ok") == 2
+    assert value(m, "diloco_moments_averages_total", status="partial") == 1
+    assert value(m, "diloco_moments_averages_total", status="failed") == 0
 
 
 def test_unknown_values_are_nan_until_observed():
