@@ -124,7 +124,8 @@ class Config(Section):
                 and not (k == "sync.target_group_size" and v == 16) and not (k == "sync.fragments" and v == 1)
                 and not (k in self._VIEW_DEFAULTS and v == self._VIEW_DEFAULTS[k]) and k not in self._VIEW_INPUTS
                 and not (k == "sync.topk_density" and not CODECS[self.sync.compression].sparse)} | {
-            PROTOCOL_KEY: ALLREDUCE_PROTOCOL}
+            PROTOCOL_KEY: ALLREDUCE_PROTOCOL} | (  # averaged moments mean the same on every node: one optimizer
+            {"inner.optimizer": self.inner.optimizer} if self.sync.average_moments else {})
 
     def swarm_hash(self) -> str:
         """sha256 over `swarm_view()`; peers with a different hash are refused."""

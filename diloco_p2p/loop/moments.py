@@ -21,13 +21,12 @@ FIRST_MOMENTS = ("momentum_buffer", "exp_avg")  # Muon's, AdamW's
 
 
 def first_moments(trainer: InnerTrainer) -> list[torch.Tensor]:
-    """The trainer's first-moment buffers (this rank's shards) in its optimizers' parameter order; [] before a step."""
+    """The trainer's first-moment buffers (this rank's shards) in the model's parameter order; [] before a step."""
+    states = {id(p): s for o in trainer.optimizers.values() for p, s in o.state.items()}
     out = []
-    for optimizer in trainer.optimizers.values():
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                state = optimizer.state.get(p, {})
-                out += [state[k].to_local() if is_dtensor(state[k]) else state[k] for k in FIRST_MOMENTS if k in state]
+    for p in trainer.model.parameters():
+        state = states.get(id(p), {})
+        out += [state[k].to_local() if is_dtensor(state[k]) else state[k] for k in FIRST_MOMENTS if k in state]
     return out
 
 

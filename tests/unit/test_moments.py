@@ -50,7 +50,7 @@ def test_a_node_hands_in_one_first_moment_per_parameter_and_none_before_its_firs
     trainer = _trainer(optimizer)
     buffers = first_moments(trainer)
     params = list(trainer.model.parameters())
-    assert sum(b.numel() for b in buffers) == sum(p.numel() for p in params) and len(buffers) == len(params)
+    assert [b.shape for b in buffers] == [p.shape for p in params]  # in the model's order, whichever optimizer
     # the optimizers' own tensors (written in place), never a second moment
     second = {id(s["exp_avg_sq"]) for s in trainer.optimizer.state.values()}
     assert all(id(b) not in second for b in buffers)
@@ -140,4 +140,8 @@ def test_average_moments_is_refused_where_a_round_does_not_average_everything_no
 def test_average_moments_is_part_of_the_swarms_config_only_when_on():
     """A node with it and one without cannot join one run; runs from before keep their config hash."""
     off, on = load_config(None, []).swarm_view(), load_config(None, ["sync.average_moments=true"]).swarm_view()
-    assert "sync.average_moments" not in off and on == {**off, "sync.average_moments": True}
+    assert "sync.average_moments" not in off and on == {**off, "sync.average_moments": True, "inner.optimizer": "adamw"}
+    # Muon's momentum and AdamW's exp_avg are not one quantity: with the moments averaged, one optimizer per run
+    muon = load_config(None, ["sync.average_moments=true", "inner.optimizer=muon"]).swarm_view()
+    assert muon != on
+    assert load_config(None, ["inner.optimizer=muon"]).swarm_view() == off
