@@ -58,9 +58,8 @@ class WireSettings(Section):
         "momentum, AdamW's exp_avg) with the round's group, in a second all-reduce on the same wire and under the "
         "same checks, so the next round starts from the momentum data-parallel would hold: twice the bytes of a "
         "round, for 1.4 to 4.3 points less gap to data-parallel at 8 nodes on the tiny model (docs/recipes.md). "
-        "A failed or partial one "
-        "leaves each node its own. With sync.overlap none, sync.fragments 1 and a dense compression. Every node of "
-        "a run must use the same."
+        "A failed or partial one leaves each node its own. With sync.overlap none, sync.fragments 1 and a dense "
+        "compression. Every node of a run must use the same, and the same inner.optimizer."
     )
     link_mbit: float | None = Field(
         None, gt=0, description="This node's uplink in Mbit/s, if known: the all-reduce then writes at `sync.pace` of it, and each round record carries `wire_ratio`, the all-reduce's seconds over the time its bytes take at this rate (1.0 = line rate). Unset: no ratio."
