@@ -336,8 +336,8 @@ class SwarmSync:
         just committed `round`, under the same wire and checks; its refusals of peers are its own."""
         if self._committed is None or self._committed[0] != round:
             return RoundOutcome(status="alone")
-        group, (moments, weight) = self._committed[1], self.faults.lie(
-            round, self.faults.poison("moments", round, moments), weight, self.cfg.max_weight_ratio, point="moments")
+        group, moments = self._committed[1], self.faults.poison("moments", round, moments)
+        moments, weight = self.faults.lie(round, moments, weight, self.cfg.max_weight_ratio, point="moments")
         timeout = self.allreduce_deadline.current()
         try:
             result = self._interruptible(self._average(round, group, moments, weight, timeout, ".moments"),
