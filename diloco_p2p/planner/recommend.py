@@ -1,11 +1,14 @@
 """What `diloco-p2p plan` recommends: the settings that best raise predicted compute utilization.
 
 The search tries every combination of the settings that change a round's cost in `plan`'s
-model (the wire, the overlap, H, fragments, the grid's row size), keeps those the config
-accepts (each candidate is planned as `plan.Inputs.from_config` of that config), and picks, among those reaching `TARGET` utilization at every N, the lowest estimated
+model (the wire, the overlap, H, fragments, the grid's row size, averaging the inner moments),
+keeps those the config accepts (each candidate is planned as `plan.Inputs.from_config` of that
+config), and picks, among those reaching `TARGET` utilization at every N, the lowest estimated
 quality cost (`QUALITY`: the project's measurements on the tiny preset, each naming its results
 file), then the fewest changes. They come out as ``--set`` overrides. The costs rank candidates;
-they do not predict a large model's loss. The search: docs/architecture.md, "The planner's model".
+they do not predict a large model's loss. `sync.average_moments` is the one change that lowers
+the cost (`MOMENTS_GAIN`), so it is offered even where the links already reach `TARGET`. The
+search: docs/architecture.md, "The planner's model".
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ QUALITY = {
     "fragments2": (1.0, "fragments, inner τ=2, rebase: +1.0% (README, Fragments)"),
     "group": (0.0, "row size: no cost (the grid's average is exact)"),
 }
+# (fewest nodes, percent of eval loss it takes off from there on): sync.average_moments, tiny preset,
+# Muon inside, 16 rounds (benchmarks/quality/results/quality_tiny_muon_ilr.json, quality_tiny_m16_32.json,
+# quality_tiny_m64.json); under 4 nodes unmeasured, so nothing is counted
+MOMENTS_GAIN = ((4, 0.5), (8, 1.2))
+MOMENTS_PHRASE = "-0.5% at 4 nodes, -1.2 to -3.7% at 8 to 64 (quality_tiny_muon_ilr.json, quality_tiny_m64.json)"
 INNER = [  # (largest τ/H, percent, phrase) for inner without fragments (overlap_sweep.txt)
     (0.1, 0.3, "+0.3% at τ = 0.1 H"),
     (0.2, 1.0, "+0.2 to +1.1% at τ = 0.2 H"),
@@ -78,7 +86,8 @@ def fields_of(inp: plan.Inputs) -> dict[str, Any]:
     """The config fields `inp` stands for (`plan`'s `--inner-steps` is a round's, as outer.inner_steps)."""
     out: dict[str, Any] = {"outer.inner_steps": inp.inner_steps, "sync.compression": inp.compression,
                            "sync.overlap": inp.overlap, "sync.fragments": inp.fragments,
-                           "sync.target_group_size": inp.group, "outer.dynamic_local_updates": inp.dylu}
+                           "sync.target_group_size": inp.group, "outer.dynamic_local_updates": inp.dylu,
+                           "sync.average_moments": inp.moments}
     if inp.compression == "topk2":
         out["sync.topk_density"] = inp.density
     if inp.overlap == "inner":
@@ -105,8 +114,15 @@ def _value(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
+def moments_gain(nodes: tuple[int, ...]) -> float:
+    """What `sync.average_moments` takes off the eval loss (percent) at the fewest of `nodes`."""
+    return max((pct for least, pct in MOMENTS_GAIN if least <= min(nodes)), default=0.0)
+
+
 def _options(base: plan.Inputs, nodes: tuple[int, ...]):
-    """(the config fields a candidate sets, H over the baseline's) for every combination tried."""
+    """(the config fields a candidate sets, H over the baseline's) for every combination tried: each
+    blocking one also with the inner moments averaged, where they pay (they need a blocking round)."""
+    moments = [False, True] if moments_gain(nodes) > 0 else [False]
     h0 = base.inner_steps * base.fragments  # inner steps between two syncs of the same values
     wires = [c for c in DENSE if DENSE.index(c) >= DENSE.index(base.compression)] if base.compression in DENSE \
         else list(DENSE)
@@ -124,13 +140,21 @@ def _options(base: plan.Inputs, nodes: tuple[int, ...]):
                               for p in FRAGMENTS for tau in (1, 2) if h % p == 0 and h // p > tau]
             for schedule in schedules:
                 for group in (groups if comp != "topk2" else [base.group]):
-                    yield {**shared, **extra, **schedule, "sync.target_group_size": group}, h / h0
+                    for m in (moments if not schedule and comp != "topk2" else [False]):
+                        yield {**shared, **extra, **schedule, "sync.target_group_size": group,
+                               "sync.average_moments": m}, h / h0
 
 
 def _cost(c: Candidate, base: Candidate, h_factor: float) -> tuple[float, tuple[str, ...]]:
-    """The candidate's quality cost (percent, summed) and a phrase for each change it makes."""
+    """The candidate's quality cost (percent, summed; below 0 where the moments gain more than the
+    rest costs) and a phrase for each change it makes."""
     i, b = c.inputs, base.inputs
     total, phrases = QUALITY[i.compression][0], []
+    gain = moments_gain(tuple(p.nodes for p in c.predictions))
+    total -= gain if i.moments else 0.0
+    if i.moments != b.moments:
+        phrases.append(f"the inner moments averaged each round: {MOMENTS_PHRASE}" if i.moments else
+                       f"sync.average_moments off (it needs a blocking round on a dense wire): loses the {gain:.1f}% it takes off")
     if i.compression != b.compression or (i.compression == "topk2" and c.sets):
         phrases.append(QUALITY[i.compression][1])
     if h_factor > 1:
@@ -162,10 +186,11 @@ def recommend(base: plan.Inputs, nodes: tuple[int, ...] = plan.DEFAULT_NODES,
     """The best settings for `base`'s links over `nodes` (see the module docstring)."""
     cal = cal or plan.Calibration()
     baseline = Candidate(base, fields_of(base), plan.sweep(base, nodes, cal))
-    if baseline.lowest >= TARGET:
-        return Advice(baseline, None, [], "")
+    options = list(_options(base, nodes))
+    if baseline.lowest >= TARGET:  # only the moments can still gain: the same settings with them on
+        options = [({"sync.average_moments": True}, 1.0)] if not base.moments and moments_gain(nodes) > 0 else []
     found: list[Candidate] = []
-    for fields, h_factor in _options(base, nodes):
+    for fields, h_factor in options:
         cfg = validated({**baseline.fields, **fields})  # what the user's config becomes with the lines pasted
         if cfg is None:
             continue
@@ -176,6 +201,8 @@ def recommend(base: plan.Inputs, nodes: tuple[int, ...] = plan.DEFAULT_NODES,
         c.cost, c.phrases = _cost(c, baseline, h_factor)
         found.append(c)
     reach = sorted((c for c in found if c.lowest >= TARGET), key=lambda c: (round(c.cost, 3), len(c.sets), -c.lowest))
+    if baseline.lowest >= TARGET:
+        return Advice(baseline, reach[0] if reach else None, [], "")
     if reach:
         best, others = reach[0], []
         for c in reach[1:]:

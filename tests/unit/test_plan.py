@@ -356,17 +356,48 @@ def test_the_cheapest_setting_that_reaches_0_9_wins():
     assert at[20].best.inputs.inner_steps == 500 and at[20].best.lowest >= 0.9
 
 
-def test_fast_links_recommend_nothing(capsys):
+def test_fast_links_recommend_only_averaging_the_moments_and_nothing_once_it_is_on(capsys):
     from diloco_p2p.planner import recommend
 
     fast = plan.Inputs(params=20_000_000, step_seconds=0.5, inner_steps=500, uplink=plan.Links(1000, 1000),
                        downlink=plan.Links(1000, 1000))
     advice = recommend.recommend(fast, (4, 16, 64))
-    assert advice.baseline.lowest >= 0.9 and advice.best is None
-    assert recommend.render(advice) == ["Utilization is at least 0.9 at every N: nothing to change."]
+    assert advice.baseline.lowest >= 0.9 and advice.best is not None and advice.alternatives == []
+    assert advice.best.sets == ("sync.average_moments=true",)
+    assert 0.9 <= advice.best.lowest < advice.baseline.lowest  # twice the bytes, still past the target
+    assert advice.best.cost == -recommend.MOMENTS_GAIN[0][1]  # counted at the fewest nodes planned (4)
+    assert recommend.recommend(fast, (8, 64)).best.cost == -recommend.MOMENTS_GAIN[1][1]
+    for quiet in (replace(fast, moments=True), fast):  # already on; or 2 nodes, where it is unmeasured
+        advice = recommend.recommend(quiet, (4, 16, 64) if quiet.moments else (2,))
+        assert advice.best is None
+        assert recommend.render(advice) == ["Utilization is at least 0.9 at every N: nothing to change."]
     argv = ["plan", "--params", "20M", "--step-seconds", "0.5", "--uplink", "1000", "--nodes", "4,16,64"]
-    assert cli.main(argv) == 0 and "nothing to change" in capsys.readouterr().out
-    assert cli.main([*argv, "--no-recommend"]) == 0 and "nothing to change" not in capsys.readouterr().out
+    assert cli.main(argv) == 0 and "--set sync.average_moments=true" in capsys.readouterr().out
+    assert cli.main([*argv, "--average-moments"]) == 0 and "nothing to change" in capsys.readouterr().out
+    assert cli.main([*argv, "--no-recommend"]) == 0 and "Recommended" not in capsys.readouterr().out
+
+
+def test_a_swarm_averaging_the_moments_keeps_them_where_a_wire_suffices_and_else_turns_them_off_in_the_lines():
+    """35M parameters at 8 and 16 nodes: at 100 Mbit/s int8 halves both all-reduces and reaches 0.9
+    with the moments kept (their gain outweighs int8's cost); at 20 Mbit/s only overlap or topk2
+    reach it, which refuse the moments: the lines to paste turn them off (without that line the
+    user's config would refuse the rest), and say what that loses."""
+    from diloco_p2p.planner import recommend
+
+    links = {rate: dict(uplink=plan.Links(rate, rate), downlink=plan.Links(rate, rate)) for rate in (20, 100, 300)}
+    base = plan.Inputs(params=35_000_000, step_seconds=0.3, inner_steps=500, moments=True)
+    at = {rate: recommend.recommend(replace(base, **kw), (8, 16)) for rate, kw in links.items()}
+    assert at[100].baseline.lowest < 0.9 <= at[100].best.lowest and at[100].best.sets == ("sync.compression=int8",)
+    assert at[100].best.cost == pytest.approx(recommend.QUALITY["int8"][0] - recommend.MOMENTS_GAIN[1][1])
+    assert at[20].best.lowest >= 0.9 and "sync.average_moments=false" in at[20].best.sets
+    for rate in (20, 100):
+        for c in [at[rate].best, *at[rate].alternatives]:
+            cfg = _config_with(replace(base, **links[rate]), c.sets)  # UserError where lines and config disagree
+            off = "sync.average_moments=false" in c.sets
+            assert cfg.sync.average_moments is not off
+            assert off == any("sync.average_moments off" in phrase for phrase in c.phrases)
+            assert off == (cfg.sync.overlap != "none" or cfg.sync.compression == "topk2")
+    assert at[300].baseline.lowest >= 0.9 and at[300].best is None  # room for both all-reduces: left alone
 
 
 def test_inner_with_tau_0_lands_once_the_average_is_known():
