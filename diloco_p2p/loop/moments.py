@@ -2,8 +2,15 @@
 
 Each replica's momentum is built from its 1/M of the data, data-parallel's from all of it (MT-DAO).
 After a committed round a second all-reduce (Δ's wire and checks) averages Muon's ``momentum_buffer``
-and AdamW's ``exp_avg`` (second moments stay local); one that does not complete changes nothing, and
-θ never depends on it. On N ranks each averages its shards'. Measured: docs/benchmarks.md."""
+and AdamW's ``exp_avg``; one that does not complete changes nothing, and θ never depends on it. On N
+ranks each averages its shards'. Measured: docs/benchmarks.md.
+
+AdamW's second moments stay local, and are raised where needed to the square of the averaged first
+moment: ``exp_avg_sq = max(exp_avg_sq, exp_avg²)``. A coordinate this node's data never touched (the
+embedding row of a token only another node saw) has ``exp_avg_sq`` near 0; taking the others'
+``exp_avg`` there without the floor makes its next steps ``exp_avg / ε``, orders of magnitude past
+the lr (tiny preset, H 5, 2 nodes: Δ norms of 10³ against 1, one run diverged). With it every
+coordinate moves at most about lr a step, as AdamW's own moments guarantee (m² ≤ v up to its βs)."""
 
 from __future__ import annotations
 
@@ -18,16 +25,28 @@ from diloco_p2p.loop.inner import InnerTrainer
 log = logging.getLogger(__name__)
 
 FIRST_MOMENTS = ("momentum_buffer", "exp_avg")  # Muon's, AdamW's
+SECOND_MOMENT = "exp_avg_sq"  # AdamW's, beside its exp_avg
 
 
-def first_moments(trainer: InnerTrainer) -> list[torch.Tensor]:
-    """The trainer's first-moment buffers (this rank's shards) in the model's parameter order; [] before a step."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def moment_pairs(trainer: InnerTrainer) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(first moment, its second moment or None) of each parameter (this rank's shards), in the
+    model's parameter order; [] before a step."""
     states = {id(p): s for o in trainer.optimizers.values() for p, s in o.state.items()}
     out = []
     for p in trainer.model.parameters():
         state = states.get(id(p), {})
-        out += [state[k].to_local() if is_dtensor(state[k]) else state[k] for k in FIRST_MOMENTS if k in state]
+        second = _local(state[SECOND_MOMENT]) if SECOND_MOMENT in state else None
+        out += [(_local(state[k]), second) for k in FIRST_MOMENTS if k in state]
     return out
+
+
+def first_moments(trainer: InnerTrainer) -> list[torch.Tensor]:
+    """The trainer's first-moment buffers (this rank's shards) in the model's parameter order; [] before a step."""
+    return [first for first, _ in moment_pairs(trainer)]
 
 
 class MomentAveraging:
@@ -40,10 +59,10 @@ class MomentAveraging:
         """After a committed round: average our moments with its group, write them back, note it in `outcome`."""
         if outcome.status != "committed":
             return
-        buffers = first_moments(self.trainer)
-        if not buffers:
+        pairs = moment_pairs(self.trainer)
+        if not pairs:
             return
-        flat = torch.cat([b.detach().reshape(-1).float() for b in buffers])
+        flat = torch.cat([b.detach().reshape(-1).float() for b, _ in pairs])
         result = self.sync.average_moments(round, flat, weight)
         ok = result.status == "committed" and result.parts_committed == result.parts
         outcome.moments = "ok" if ok else "partial" if result.status == "committed" else "failed"
@@ -58,6 +77,8 @@ class MomentAveraging:
             return
         average, offset = result.average, 0
         with torch.no_grad():
-            for b in buffers:
+            for b, second in pairs:
                 b.copy_(average[offset:offset + b.numel()].view_as(b))
                 offset += b.numel()
+                if second is not None:  # the floor (module docstring)
+                    torch.maximum(second, b * b, out=second)

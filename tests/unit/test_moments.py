@@ -71,6 +71,30 @@ def test_a_completed_exchange_writes_the_average_back_in_the_order_handed_in():
     assert outcome.rejections == {"x": ["norm", "weight"], "y": ["opposed"]}
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_row_only_another_node_trained_moves_about_lr_after_the_average_not_lr_over_eps(optimizer):
+    """AdamW's exp_avg averaged in where our own exp_avg_sq is 0 (the embedding row of a token only
+    another node saw) would step by exp_avg / eps: the write-back raises exp_avg_sq to exp_avg²
+    there, so the next step moves that row by about lr, not a million times more."""
+    trainer = _trainer(optimizer)
+    embedding = trainer.model.model.embed_tokens.weight  # the model's first parameter: offset 0
+    assert next(iter(trainer.model.parameters())) is embedding
+    row, width = 258, embedding.shape[1]  # a token id the batches never drew (0..258, exclusive)
+    state = next(s for o in trainer.optimizers.values() for q, s in o.state.items() if q is embedding)
+    assert float(state["exp_avg_sq"][row].abs().max()) == 0.0  # untouched by our data
+    average = torch.cat([b.reshape(-1) for b in first_moments(trainer)]).clone()
+    average[row * width:(row + 1) * width] = 0.05  # another node's momentum for that row
+    sync = _Answer(RoundOutcome(status="committed", average=average, parts=2, parts_committed=2))
+    MomentAveraging(trainer, sync).after(1, 1.0, RoundOutcome(status="committed"))
+    assert torch.equal(state["exp_avg_sq"][row], torch.full((width,), 0.05) ** 2)
+    assert torch.equal(state["exp_avg_sq"][:row], state["exp_avg_sq"][:row].clamp(min=state["exp_avg"][:row] ** 2))
+    before, lr = embedding.detach()[row].clone(), trainer.lr
+    g = torch.Generator().manual_seed(1)
+    trainer.step(lambda: torch.randint(0, 258, (2, 17), generator=g))  # row 258 unseen again
+    moved = float((embedding.detach()[row] - before).abs().max())
+    assert 0 < moved <= 4 * lr, (moved, lr)
+
+
 @pytest.mark.parametrize("status,parts,label", [("committed", 3, "partial"), ("failed", None, "failed"),
                                                ("alone", None, "failed")])
 def test_an_exchange_that_does_not_complete_leaves_the_node_its_own_moments(status, parts, label):
