@@ -13,7 +13,10 @@ of the all-reduce's partition (fp16, as the wire carries it), measures:
   ||average|| / (lower median of its contributors' norms) over the lower median of the other
   parts' ratios (the check drops a part below ``--min-part-ratio``), and the same with the
   references a lying member cannot tilt (its proof); ``shrunk``: rounds where one part × 0.001 is
-  dropped and proven on every part tried.
+  dropped and proven on every part tried; ``honest dropped``: honest parts `small_parts` drops.
+
+With ``--set sync.average_moments=true`` the moments' all-reduce of each round is measured apart
+(rows ``... moments``) from the Δ's.
 - **framing** (no training): what a sender that knew the others' contributions before sending
   could do to an honest member's score (`framed_score`), by how much the honest members agree.
 
@@ -54,18 +57,29 @@ def percentile(values: list[float], q: float) -> float:
 class Recorder:
     """Wraps `simulate.wire_average`: the statistics of each round's Δs, then the real average."""
 
-    def __init__(self, original, threshold: float, min_ratio: float, compression: str):
+    def __init__(self, original, threshold: float, min_ratio: float, compression: str, moments: bool = False):
         self.original, self.threshold, self.min_ratio, self.compression = original, threshold, min_ratio, compression
-        self.stats = {"pairwise": [], "honest": [], "flipped": [], "beside_flip": [], "caught": 0, "false": 0, "parts": 0,
-                      "scale": [], "scale_proof": [], "shrunk_dropped": 0, "shrunk_proven": 0, "shrunk_tried": 0}
+        self.stats = self.empty()
+        # sync.average_moments: every round's Δ all-reduce is followed by the moments' (simulate's
+        # replicas meet for one before any trains on), so the calls alternate, Δ first
+        self.moments_stats = self.empty() if moments else None
+        self.calls = 0
+
+    @staticmethod
+    def empty() -> dict:
+        return {"pairwise": [], "honest": [], "flipped": [], "beside_flip": [], "caught": 0, "false": 0, "parts": 0,
+                "scale": [], "scale_proof": [], "shrunk_dropped": 0, "shrunk_proven": 0, "shrunk_tried": 0,
+                "honest_dropped": 0}
 
     def __call__(self, deltas, weights, compression, max_weight_ratio, chunk=wire.DEFAULT_CHUNK_ELEMENTS,
                  robust=aggregate.MEAN, density=0.01):
-        self.measure(deltas, chunk)
+        moments = self.moments_stats is not None and self.calls % 2 == 1
+        self.calls += 1
+        self.measure(deltas, chunk, self.moments_stats if moments else self.stats)
         return self.original(deltas, weights, compression, max_weight_ratio, chunk, robust, density)
 
-    def measure(self, deltas, chunk: int) -> None:
-        m, n, st = len(deltas), deltas[0].numel(), self.stats
+    def measure(self, deltas, chunk: int, st: dict) -> None:
+        m, n = len(deltas), deltas[0].numel()
         averages, stated = {}, {i: [] for i in range(m)}
         mean = aggregate.Robust(max_norm_ratio=8.0, weight_cap=4.0)
         for p, (lo, hi) in enumerate(wire.partition(n, m)):
@@ -100,6 +114,7 @@ class Recorder:
             if others:
                 st["scale"].append(ratios[p][0] / wire.lower_median([ratios[q][0] for q in others]))
                 st["scale_proof"].append(ratios[p][1] / wire.lower_median([ratios[q][2] for q in others]))
+        st["honest_dropped"] += len(aggregate.small_parts(list(averages), stated, contributors, averages, self.min_ratio))
         for p in averages:  # each part shrunk in turn
             shrunk = {**averages, p: averages[p] * SHRINK}
             caught = aggregate.small_parts(list(averages), stated, contributors, shrunk, self.min_ratio)
@@ -169,14 +184,15 @@ def run_one(m: int, optimizer: str, seed: int, args) -> dict:
             f"train.eval_every={args.rounds}", f"train.checkpoint_every={args.rounds}", "inner.seq_len=64",
             f"inner.optimizer={optimizer}", f"seed={seed}", *args.overrides]
     config = load_config(CONFIG, sets)
-    recorder = Recorder(sim.wire_average, args.threshold, args.min_part_ratio, config.sync.compression)
+    recorder = Recorder(sim.wire_average, args.threshold, args.min_part_ratio, config.sync.compression,
+                        moments=config.sync.average_moments and m > 1)
     sim.wire_average = recorder
     try:
         with tempfile.TemporaryDirectory(prefix="diloco-blame-") as tmp:
             sim.simulate(config, Path(tmp), [f"replica-{i}" for i in range(m)])
     finally:
         sim.wire_average = recorder.original
-    return recorder.stats
+    return {"": recorder.stats, " moments": recorder.moments_stats}
 
 
 def main() -> None:
@@ -214,28 +230,32 @@ def main() -> None:
     for m in args.ms:
         for optimizer in args.optimizers:
             runs = [run_one(m, optimizer, seed, args) for seed in args.seeds]
-            merged = {k: (sum((r[k] for r in runs), []) if isinstance(runs[0][k], list) else sum(r[k] for r in runs))
-                      for k in runs[0]}
-            rows[f"M={m} {optimizer}"] = merged
+            for suffix in runs[0]:
+                if runs[0][suffix] is None:
+                    continue
+                kept = [r[suffix] for r in runs]
+                rows[f"M={m} {optimizer}{suffix}"] = {k: (sum((r[k] for r in kept), []) if isinstance(kept[0][k], list)
+                                                          else sum(r[k] for r in kept)) for k in kept[0]}
             print(f"done M={m} {optimizer} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
     print(f"\ntiny-cpu, {args.rounds} rounds x H={args.inner_steps}, seeds {args.seeds}, fp16; every round, every part")
     print(f"direction (cosine with the others' mean direction), threshold {args.threshold}:")
-    print(f"{'group':<12} {'parts':>5} {'pair min':>8} {'pair p1':>7} {'honest min':>10} {'p1':>7} {'median':>7} "
+    print(f"{'group':<20} {'parts':>5} {'pair min':>8} {'pair p1':>7} {'honest min':>10} {'p1':>7} {'median':>7} "
           f"{'flipped max':>11} {'beside min':>10} {'caught':>7} {'false':>5}")
     for name, r in rows.items():
         if not r["honest"]:
             continue
         h, pair = r["honest"], r["pairwise"]
-        print(f"{name:<12} {r['parts']:>5} {min(pair):>8.3f} {percentile(pair, 0.01):>7.3f} {min(h):>10.3f} "
+        print(f"{name:<20} {r['parts']:>5} {min(pair):>8.3f} {percentile(pair, 0.01):>7.3f} {min(h):>10.3f} "
               f"{percentile(h, 0.01):>7.3f} {statistics.median(h):>7.3f} {max(r['flipped']):>11.3f} "
               f"{min(r['beside_flip']):>10.3f} {r['caught']:>3}/{r['parts']:<3} {r['false']:>5}")
     print(f"\nscale (a part's ||average||/norms over the other parts' lower median), min_part_ratio {args.min_part_ratio}:")
-    print(f"{'group':<12} {'parts':>5} {'min':>7} {'p1':>7} {'median':>7} {'proof min':>9} {'x0.001 dropped':>14} "
-          f"{'proven':>7}")
+    print(f"{'group':<20} {'parts':>5} {'min':>7} {'p1':>7} {'median':>7} {'proof min':>9} {'x0.001 dropped':>14} "
+          f"{'proven':>7} {'honest dropped':>14}")
     for name, r in rows.items():
         s = r["scale"]
-        print(f"{name:<12} {len(s):>5} {min(s):>7.3f} {percentile(s, 0.01):>7.3f} {statistics.median(s):>7.3f} "
-              f"{min(r['scale_proof']):>9.3f} {r['shrunk_dropped']:>6}/{r['shrunk_tried']:<7} {r['shrunk_proven']:>7}")
+        print(f"{name:<20} {len(s):>5} {min(s):>7.3f} {percentile(s, 0.01):>7.3f} {statistics.median(s):>7.3f} "
+              f"{min(r['scale_proof']):>9.3f} {r['shrunk_dropped']:>6}/{r['shrunk_tried']:<7} {r['shrunk_proven']:>7} "
+              f"{r['honest_dropped']:>14}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
                                      "framing": {str(m): dict(zip(map(str, cosines), row, strict=True))
