@@ -5,12 +5,9 @@ After a committed round a second all-reduce (Δ's wire and checks) averages Muon
 and AdamW's ``exp_avg``; one that does not complete changes nothing, and θ never depends on it. On N
 ranks each averages its shards'. Measured: docs/benchmarks.md.
 
-AdamW's second moments stay local, and are raised where needed to the square of the averaged first
-moment: ``exp_avg_sq = max(exp_avg_sq, exp_avg²)``. A coordinate this node's data never touched (the
-embedding row of a token only another node saw) has ``exp_avg_sq`` near 0; taking the others'
-``exp_avg`` there without the floor makes its next steps ``exp_avg / ε``, orders of magnitude past
-the lr (tiny preset, H 5, 2 nodes: Δ norms of 10³ against 1, one run diverged). With it every
-coordinate moves at most about lr a step, as AdamW's own moments guarantee (m² ≤ v up to its βs)."""
+AdamW's second moments stay local, raised to the averaged ``exp_avg²`` where below it: a coordinate
+our data never touched (a token only another node saw) has ``exp_avg_sq`` ≈ 0 and would step by
+``exp_avg / ε`` (a Δ norm of 10³ against 1, one run diverged); with the floor, about lr at most."""
 
 from __future__ import annotations
 
@@ -33,8 +30,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def moment_pairs(trainer: InnerTrainer) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(first moment, its second moment or None) of each parameter (this rank's shards), in the
-    model's parameter order; [] before a step."""
+    """(first moment, its second or None) of each parameter (this rank's shards) in the model's order; [] before a step."""
     states = {id(p): s for o in trainer.optimizers.values() for p, s in o.state.items()}
     out = []
     for p in trainer.model.parameters():

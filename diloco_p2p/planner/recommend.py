@@ -6,9 +6,8 @@ keeps those the config accepts (each candidate is planned as `plan.Inputs.from_c
 config), and picks, among those reaching `TARGET` utilization at every N, the lowest estimated
 quality cost (`QUALITY`: the project's measurements on the tiny preset, each naming its results
 file), then the fewest changes. They come out as ``--set`` overrides. The costs rank candidates;
-they do not predict a large model's loss. `sync.average_moments` is the one change that lowers
-the cost (`MOMENTS_GAIN`), so it is offered even where the links already reach `TARGET`. The
-search: docs/architecture.md, "The planner's model".
+they do not predict a large model's loss; the moments lower it (`MOMENTS_GAIN`), so they are
+offered even where the links reach `TARGET`. The search: docs/architecture.md, "The planner's model".
 """
 
 from __future__ import annotations
@@ -120,8 +119,7 @@ def moments_gain(nodes: tuple[int, ...]) -> float:
 
 
 def _options(base: plan.Inputs, nodes: tuple[int, ...]):
-    """(the config fields a candidate sets, H over the baseline's) for every combination tried: each
-    blocking one also with the inner moments averaged, where they pay (they need a blocking round)."""
+    """(the config fields a candidate sets, H over the baseline's) for every combination tried (blocking: ± moments)."""
     moments = [False, True] if moments_gain(nodes) > 0 else [False]
     h0 = base.inner_steps * base.fragments  # inner steps between two syncs of the same values
     wires = [c for c in DENSE if DENSE.index(c) >= DENSE.index(base.compression)] if base.compression in DENSE \
@@ -146,8 +144,7 @@ def _options(base: plan.Inputs, nodes: tuple[int, ...]):
 
 
 def _cost(c: Candidate, base: Candidate, h_factor: float) -> tuple[float, tuple[str, ...]]:
-    """The candidate's quality cost (percent, summed; below 0 where the moments gain more than the
-    rest costs) and a phrase for each change it makes."""
+    """The candidate's quality cost (percent, summed; the moments' gain counts below 0) and a phrase for each change."""
     i, b = c.inputs, base.inputs
     total, phrases = QUALITY[i.compression][0], []
     gain = moments_gain(tuple(p.nodes for p in c.predictions))
