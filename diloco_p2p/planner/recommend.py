@@ -183,9 +183,10 @@ def recommend(base: plan.Inputs, nodes: tuple[int, ...] = plan.DEFAULT_NODES,
     """The best settings for `base`'s links over `nodes` (see the module docstring)."""
     cal = cal or plan.Calibration()
     baseline = Candidate(base, fields_of(base), plan.sweep(base, nodes, cal))
-    options = list(_options(base, nodes))
     if baseline.lowest >= TARGET:  # only the moments can still gain: the same settings with them on
         options = [({"sync.average_moments": True}, 1.0)] if not base.moments and moments_gain(nodes) > 0 else []
+    else:
+        options = list(_options(base, nodes))
     found: list[Candidate] = []
     for fields, h_factor in options:
         cfg = validated({**baseline.fields, **fields})  # what the user's config becomes with the lines pasted
