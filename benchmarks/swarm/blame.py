@@ -15,10 +15,11 @@ of the all-reduce's partition (fp16, as the wire carries it), measures:
   references a lying member cannot tilt (its proof); ``shrunk``: rounds where one part × 0.001 is
   dropped and proven on every part tried; ``honest dropped``: honest parts `small_parts` drops.
 
-With ``--set sync.average_moments=true`` the moments' all-reduce of each round is measured apart
-(rows ``... moments``) from the Δ's.
 - **framing** (no training): what a sender that knew the others' contributions before sending
   could do to an honest member's score (`framed_score`), by how much the honest members agree.
+
+With ``--set sync.average_moments=true`` the moments' all-reduce of each round is measured apart
+(rows ``... moments``) from the Δ's.
 
     python benchmarks/swarm/blame.py [--ms 3,4,8] [--optimizers adamw,muon] [--seeds 0,1]
         [--rounds 16] [--inner-steps 20] [--threshold T] [--min-part-ratio R] [--set a.b=v ...] [--no-train]
