@@ -14,7 +14,6 @@ of the all-reduce's partition (fp16, as the wire carries it), measures:
   parts' ratios (the check drops a part below ``--min-part-ratio``), and the same with the
   references a lying member cannot tilt (its proof); ``shrunk``: rounds where one part × 0.001 is
   dropped and proven on every part tried; ``honest dropped``: honest parts `small_parts` drops.
-
 - **framing** (no training): what a sender that knew the others' contributions before sending
   could do to an honest member's score (`framed_score`), by how much the honest members agree.
 
