@@ -82,7 +82,8 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
                 --set inner.muon_lr=0.006 --dp-scales 0.5 0.7071 1.0 --json "$OUT/quality_small_seeds_dp_muon.json" ;;
         # Issue 49 in one call of under 9 minutes: the GPU tests (35 s on an H200), then at once the 35m table
         # at M = 8 against data-parallel Muon at equal tokens (data-parallel batch 64, replicas of 8, one lr
-        # each) and a long horizon (64 rounds) on small at M = 4, each within I49_Q_S (420 s). Measured on an
+        # each) and a long horizon (64 rounds) on small at M = 4 as the preset ships it (Muon, inner.lr 2.4e-2;
+        # data-parallel at that lr and 2x), each within I49_Q_S (420 s). Measured on an
         # H200 (2026-11-28): the M = 8 DiLoCo run takes 326 s, since the simulator steps its replicas one
         # after another at batch 8; M = 16 needs about twice that, so it is its own stage, i49-m16, for a
         # session with 12 minutes of device time. I49_* shrink it (a CPU check of the plumbing:
@@ -109,8 +110,7 @@ hivemind.__version__, torch.cuda.is_bf16_supported(), torch.distributed.is_nccl_
                 --run "8:recipe=auto:opt=muon:mlr=$mlr" &
             stage i49-long-small "$limit" python3 benchmarks/quality/quality.py --config \
                 ${I49_LONG_CONFIG:-configs/small-cpu.yaml} --rounds ${I49_LONG_ROUNDS:-64} --h ${I49_LONG_H:-10} \
-                --dp-lr 0.0015 --dp-scales 0.7071 --jobs ${I49_JOBS:-8} --set inner.optimizer=muon \
-                --set inner.muon_lr=0.006 --set inner.lr=0.0015 --json "$OUT/i49_long_small.json" --run 4:recipe=auto:opt=muon:mlr=0.006 &
+                --dp-scales 0.5 0.7071 --jobs ${I49_JOBS:-8} --json "$OUT/i49_long_small.json" --run 4:recipe=auto &
             wait ;;
         # The AdamW part's lr under Muon (inner.lr: embeddings, head, norms) at the 35m shape: on tiny its best was
         # 32x the preset's (0.048 against 0.0015) for data-parallel and DiLoCo alike. Data-parallel Muon at M = 1
