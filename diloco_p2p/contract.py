@@ -155,8 +155,9 @@ class RoundRecord:
     joined_at_round: int | None = None
     # sync.overlap (`diloco_p2p.loop.overlap`): the mode, the round whose average this round's outer step
     # applied (round - 1 while the pipeline runs; None: none), and wall-clock times (time.time) of
-    # this round's compute and of that average's background span ("compute_start", "compute_end",
-    # "average_start", "average_done"): exposed_seconds is then only the wait past compute_end.
+    # this round's compute, of that average's background span and of the loop going on ("compute_start",
+    # "compute_end", "average_start", "average_done", "resumed"): exposed_seconds then lies within
+    # compute_end..resumed, never in the part of the average that ran behind the compute.
     overlap: str | None = None
     applied_round: int | None = None
     phases: dict[str, float] | None = None

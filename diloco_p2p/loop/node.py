@@ -158,6 +158,7 @@ class Node:
             outcome, applied = self.rounds.finish_round(self.round + 1, delta, float(tokens), phases)
             # communication not hidden behind compute (the outer step inside it is outer work)
             exposed = time.perf_counter() - synced + waited - (self._outer_seconds - outer_before)
+            phases["resumed"] = time.time()  # the loop goes on: the end of the exposed part
             if outcome is None:
                 break  # stopped: the group carries on without us; our partial round is dropped
             self.round += 1
